@@ -1,0 +1,1 @@
+"""The HTTP side: validates jobs, admits them into the capped queue, reports on them."""

@@ -1,0 +1,75 @@
+"""The Flask application factory and the one place where errors become HTTP responses."""
+
+from __future__ import annotations
+
+import logging
+
+import redis
+from flask import Flask, Response, jsonify
+from werkzeug.exceptions import HTTPException
+
+from api.routes import bp
+from shared.errors import (
+    MethodNotAllowedError,
+    NotFoundError,
+    PayloadTooLargeError,
+    ServiceError,
+    UnavailableError,
+)
+from shared.queue import connect, job_queue
+from shared.settings import Settings, get_settings
+
+log = logging.getLogger(__name__)
+
+HTTP_ERRORS: dict[int, type[ServiceError]] = {
+    404: NotFoundError,
+    405: MethodNotAllowedError,
+    413: PayloadTooLargeError,
+}
+
+
+def create_app(settings: Settings | None = None) -> Flask:
+    """Build the API for these settings (the environment's by default)."""
+    settings = settings or get_settings()
+    app = Flask(__name__)
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    app.json.sort_keys = False  # type: ignore[attr-defined]
+    app.extensions["slotq.settings"] = settings
+    app.extensions["slotq.queue"] = job_queue(connect(settings), settings)
+    app.register_blueprint(bp)
+    app.register_error_handler(ServiceError, error_response)
+    app.register_error_handler(redis.ConnectionError, redis_unavailable)
+    app.register_error_handler(redis.TimeoutError, redis_unavailable)
+    app.register_error_handler(HTTPException, http_error)
+    app.register_error_handler(Exception, internal_error)
+    return app
+
+
+def error_response(error: ServiceError) -> tuple[Response, int]:
+    """The JSON envelope for a service error, with ``Retry-After`` where it applies."""
+    response = jsonify(error.to_dict())
+    if error.retry_after is not None:
+        response.headers["Retry-After"] = str(error.retry_after)
+    return response, error.status
+
+
+def redis_unavailable(error: Exception) -> tuple[Response, int]:
+    """Redis is down or slow: a quick 503 the client can retry, never a hang."""
+    log.warning("redis unavailable: %s", error)
+    return error_response(UnavailableError(retry_after=2))
+
+
+def http_error(error: HTTPException) -> tuple[Response, int]:
+    """Werkzeug's own errors (unknown route, wrong method, body too large) in our envelope."""
+    status = error.code or 500
+    service_error = HTTP_ERRORS.get(status)
+    if service_error is None:
+        service_error = type("HTTPError", (ServiceError,), {"status": status, "code": "http_error"})
+        return error_response(service_error(error.description))
+    return error_response(service_error())
+
+
+def internal_error(error: Exception) -> tuple[Response, int]:
+    """Anything unexpected: logged with its traceback here, never sent to the client."""
+    log.exception("unhandled error", exc_info=error)
+    return error_response(ServiceError())

@@ -1,0 +1,46 @@
+"""Serve the API with gunicorn: several processes, each with threads, none of them Flask's dev server."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flask import Flask
+from gunicorn.app.base import BaseApplication
+
+from api.app import create_app
+from shared.settings import Settings, get_settings
+
+
+class APIServer(BaseApplication):  # type: ignore[misc]
+    """gunicorn configured from code, so ``slotq api`` needs no config file."""
+
+    def __init__(self, settings: Settings, options: dict[str, Any]) -> None:
+        self.settings = settings
+        self.options = options
+        super().__init__()
+
+    def load_config(self) -> None:
+        for key, value in self.options.items():
+            self.cfg.set(key, value)
+
+    def load(self) -> Flask:
+        return create_app(self.settings)
+
+
+def serve(host: str | None = None, port: int | None = None, settings: Settings | None = None) -> None:
+    """Run the API until SIGTERM or SIGINT; in-flight requests finish first."""
+    settings = settings or get_settings()
+    options = {
+        "bind": f"{host or settings.api_host}:{port or settings.api_port}",
+        "workers": settings.api_workers,
+        "threads": settings.api_threads,
+        "worker_class": "gthread",
+        "timeout": 30,
+        "graceful_timeout": 20,
+        "accesslog": "-",
+        "loglevel": settings.log_level.lower(),
+        # gunicorn 27 opens a control socket under ~/.gunicorn by default, which clashes when
+        # several API processes share a machine; slotq does not use it.
+        "control_socket_disable": True,
+    }
+    APIServer(settings, options).run()

@@ -1,0 +1,86 @@
+"""Typed service errors: each carries its HTTP status and a stable code for clients."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ServiceError(Exception):
+    """Base of every error a client may see; the API turns it into the JSON error envelope."""
+
+    status = 500
+    code = "internal_error"
+    message = "The service failed to handle the request."
+
+    def __init__(self, message: str | None = None, *, retry_after: int | None = None,
+                 details: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(message or self.message)
+        self.retry_after = retry_after
+        self.details = details
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``{"error": {...}}`` envelope."""
+        error: dict[str, Any] = {"code": self.code, "message": str(self)}
+        if self.details is not None:
+            error["details"] = self.details
+        return {"error": error}
+
+
+class InvalidJSONError(ServiceError):
+    status, code, message = 400, "invalid_json", "The request body is not valid JSON."
+
+
+class NotFoundError(ServiceError):
+    status, code, message = 404, "not_found", "No such resource."
+
+
+class JobNotFoundError(NotFoundError):
+    message = "No job with this id."
+
+
+class MethodNotAllowedError(ServiceError):
+    status, code, message = 405, "method_not_allowed", "This method is not allowed on this resource."
+
+
+class AlreadyFinishedError(ServiceError):
+    status, code, message = 409, "already_finished", "The job has already ended."
+
+
+class NotReadyError(ServiceError):
+    status, code, message = 409, "not_ready", "The job has no images yet."
+
+
+class ResultExpiredError(ServiceError):
+    status, code, message = 410, "expired", "The job's images have expired."
+
+
+class PayloadTooLargeError(ServiceError):
+    status, code, message = 413, "payload_too_large", "The request body is too large."
+
+
+class UnsupportedMediaTypeError(ServiceError):
+    status, code, message = 415, "unsupported_media_type", "Send the body as application/json."
+
+
+class InvalidRequestError(ServiceError):
+    status, code, message = 422, "invalid_request", "The request failed validation."
+
+
+class QueueFullError(ServiceError):
+    status, code, message = 429, "queue_full", "The queue is full; retry later."
+
+
+class UnavailableError(ServiceError):
+    status, code, message = 503, "unavailable", "The queue is unreachable; retry shortly."
+
+
+class JobCanceledError(Exception):
+    """Raised inside a running job when its cancellation has been requested."""
+
+
+class JobFailedError(Exception):
+    """A job failure with a stable code, recorded on the job for the client to read."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code

@@ -1,0 +1,99 @@
+"""The job contract: what a client may ask for, and what it sees back."""
+
+from __future__ import annotations
+
+import secrets
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+MAX_SEED = 2**32 - 1
+
+
+class JobStatus(StrEnum):
+    """Where a job is in its life; the last three are terminal."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELED = "canceled"
+
+    @property
+    def is_terminal(self) -> bool:
+        """Whether the job has ended for good."""
+        return self in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELED)
+
+
+class JobRequest(BaseModel):
+    """A text-to-image request. Validate with ``validate_request`` so the size limits apply."""
+
+    # strict: "512" or true are not numbers; forbid: a misspelt field is an error, not a no-op.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    prompt: str = Field(min_length=1, max_length=2000)
+    negative_prompt: str | None = Field(None, max_length=2000)
+    width: int = 512
+    height: int = 512
+    steps: int = Field(30, ge=1)
+    guidance_scale: float = Field(7.5, ge=0, le=30, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    num_images: int = Field(1, ge=1, le=4)
+
+    @field_validator("width", "height")
+    @classmethod
+    def _side_in_range(cls, value: int, info: ValidationInfo) -> int:
+        max_side = (info.context or {}).get("max_side", 1024)
+        if value % 8 or not 64 <= value <= max_side:
+            raise ValueError(f"must be a multiple of 8 between 64 and {max_side}")
+        return value
+
+    @field_validator("steps")
+    @classmethod
+    def _steps_in_range(cls, value: int, info: ValidationInfo) -> int:
+        max_steps = (info.context or {}).get("max_steps", 100)
+        if value > max_steps:
+            raise ValueError(f"must be at most {max_steps}")
+        return value
+
+    def with_seed(self) -> JobRequest:
+        """This request with a seed drawn at random when the client gave none."""
+        if self.seed is not None:
+            return self
+        return self.model_copy(update={"seed": secrets.randbelow(MAX_SEED + 1)})
+
+
+def validate_request(data: Any, *, max_side: int, max_steps: int) -> JobRequest:
+    """Parse untrusted JSON data into a request, with the service's limits."""
+    return JobRequest.model_validate(data, context={"max_side": max_side, "max_steps": max_steps})
+
+
+class Progress(BaseModel):
+    """Denoising progress of a running job."""
+
+    step: int
+    total: int
+
+
+class JobError(BaseModel):
+    """Why a job failed, with a stable code."""
+
+    code: str
+    message: str
+
+
+class JobView(BaseModel):
+    """What ``GET /v1/jobs/<id>`` returns."""
+
+    id: str
+    status: JobStatus
+    position: int | None = None
+    progress: Progress | None = None
+    created_at: datetime | None = None
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    error: JobError | None = None
+    images: list[str] = []
+    request: JobRequest

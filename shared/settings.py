@@ -1,0 +1,94 @@
+"""Service settings, read once from ``SLOTQ_*`` environment variables."""
+
+from __future__ import annotations
+
+import re
+import sys
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEVICE_PATTERN = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+
+
+class Settings(BaseSettings):
+    """Every knob of the service; see ``.env.example`` for one line on each."""
+
+    model_config = SettingsConfigDict(env_prefix="SLOTQ_", extra="ignore", frozen=True)
+
+    redis_url: str = "redis://localhost:6379/0"
+    redis_timeout_s: float = Field(2.0, gt=0, le=30)
+    queue_name: str = Field("slotq", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    queue_capacity: int = Field(100, ge=1, le=1_000_000)
+
+    model: str = Field("tiny", min_length=1)
+    device: str = "auto"
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    cache_dir: Path = Path.home() / ".cache" / "slotq"
+
+    max_side: int = Field(1024, ge=64, le=4096)
+    max_steps: int = Field(100, ge=1, le=1000)
+    max_body_bytes: int = Field(65_536, ge=1024, le=10_485_760)
+    job_timeout_s: int = Field(900, ge=1)
+    result_ttl_s: int = Field(3600, ge=1)
+    record_ttl_s: int = Field(86_400, ge=1)
+
+    api_host: str = "127.0.0.1"
+    api_port: int = Field(8000, ge=1, le=65535)
+    api_workers: int = Field(2, ge=1, le=64)
+    api_threads: int = Field(4, ge=1, le=256)
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, value: str) -> str:
+        if not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must start with redis://, rediss:// or unix://")
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        if not DEVICE_PATTERN.match(value):
+            raise ValueError("must be auto, cpu, mps, cuda or cuda:N")
+        return value
+
+    @model_validator(mode="after")
+    def _record_outlives_result(self) -> Settings:
+        # A job record that vanished before its images would turn "410 expired" into "404".
+        if self.record_ttl_s < self.result_ttl_s:
+            raise ValueError("SLOTQ_RECORD_TTL_S must be at least SLOTQ_RESULT_TTL_S")
+        return self
+
+
+class SettingsError(SystemExit):
+    """A bad setting: stops start-up with one line naming the variable."""
+
+
+def load_settings() -> Settings:
+    """Read the settings from the environment, or exit with one clear line per bad variable."""
+    try:
+        return Settings()
+    except ValidationError as exc:
+        lines = []
+        for error in exc.errors():
+            message = error["msg"].removeprefix("Value error, ")
+            if error["loc"]:
+                message = f"SLOTQ_{str(error['loc'][0]).upper()}: {message}"
+            lines.append(f"slotq: bad setting {message}")
+        raise SettingsError("\n".join(lines)) from None
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings, read once."""
+    return load_settings()
+
+
+def fail(message: str) -> None:
+    """Print one line to stderr and exit non-zero; for start-up errors outside settings."""
+    print(f"slotq: {message}", file=sys.stderr)
+    raise SystemExit(2)

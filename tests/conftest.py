@@ -1,0 +1,200 @@
+"""Shared fixtures: one real redis-server per session, real API and worker processes on demand."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from flask.testing import FlaskClient
+from redis import Redis
+from rq import Worker
+
+from api.app import create_app
+from shared.localredis import free_port, start_redis
+from shared.settings import Settings
+
+DEADLINE_S = 60.0
+
+
+def wait_for(condition: Callable[[], Any], timeout: float = DEADLINE_S, what: str = "condition") -> Any:
+    """Poll ``condition`` until it returns something truthy, or fail the test at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = condition()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A private redis-server on a free port, for the whole session."""
+    port = free_port()
+    process = start_redis(port, tmp_path_factory.mktemp("redis"))
+    yield f"redis://127.0.0.1:{port}/0"
+    process.terminate()
+    process.wait(10)
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the tiny model is written once for the session."""
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture
+def settings(redis_url: str, model_cache: Path) -> Iterator[Settings]:
+    """Settings for one test on a freshly flushed database; the queue has no worker."""
+    connection = Redis.from_url(redis_url)
+    connection.flushdb()
+    yield Settings(redis_url=redis_url, queue_name="api-tests", queue_capacity=5, cache_dir=model_cache)
+    connection.close()
+
+
+@pytest.fixture
+def redis(settings: Settings) -> Iterator[Redis]:
+    """A client on the test database."""
+    connection = Redis.from_url(settings.redis_url)
+    yield connection
+    connection.close()
+
+
+@pytest.fixture
+def client(settings: Settings) -> FlaskClient:
+    """The API in-process, for fast contract tests."""
+    return create_app(settings).test_client()
+
+
+def slotq_env(settings: Settings, **extra: Any) -> dict[str, str]:
+    """The environment that gives a slotq process these settings."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("SLOTQ_")}
+    values = settings.model_dump(mode="json") | extra
+    env.update({f"SLOTQ_{name.upper()}": str(value) for name, value in values.items()})
+    return env
+
+
+@dataclass
+class Process:
+    """A real slotq process started by a test; stopped at teardown."""
+
+    popen: subprocess.Popen[bytes]
+    log: Path
+    url: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM, wait, and SIGKILL as a last resort; the exit code."""
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        return self.popen.returncode
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def spawn(args: list[str], env: dict[str, str], log: Path) -> Process:
+    """Start ``slotq ARGS`` with its output in ``log``."""
+    handle = log.open("wb")
+    popen = subprocess.Popen([sys.executable, "-m", "shared.cli", *args], env=env,
+                             stdout=handle, stderr=subprocess.STDOUT)
+    return Process(popen=popen, log=log)
+
+
+@pytest.fixture
+def start_api(tmp_path: Path) -> Iterator[Callable[..., Process]]:
+    """Start real gunicorn API processes: ``start_api(settings, **env)``."""
+    started: list[Process] = []
+
+    def start(settings: Settings, **extra: Any) -> Process:
+        port = free_port()
+        process = spawn(["api", "--port", str(port)], slotq_env(settings, **extra),
+                        tmp_path / f"api-{port}.log")
+        process.url = f"http://127.0.0.1:{port}"
+        started.append(process)
+        wait_for(lambda: _answers(process), what=f"API on port {port}")
+        return process
+
+    yield start
+    for process in started:
+        process.stop()
+
+
+def _answers(process: Process) -> bool:
+    import urllib.request
+
+    if process.popen.poll() is not None:
+        raise AssertionError(f"API exited early:\n{process.output()}")
+    try:
+        with urllib.request.urlopen(process.url + "/healthz", timeout=1) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def start_worker(settings: Settings, log: Path, **extra: Any) -> Process:
+    """Start a real ``slotq worker`` and wait until it listens on its queue."""
+    process = spawn(["worker"], slotq_env(settings, **extra), log)
+    connection = Redis.from_url(settings.redis_url)
+
+    def registered() -> bool:
+        if process.popen.poll() is not None:
+            raise AssertionError(f"worker exited early:\n{process.output()}")
+        return any(w.pid == process.popen.pid for w in Worker.all(connection=connection))
+
+    wait_for(registered, timeout=120, what="worker registration")
+    return process
+
+
+@pytest.fixture(scope="session")
+def worker_settings(redis_url: str, model_cache: Path) -> Settings:
+    """Settings shared by the session's worker and the tests that feed it."""
+    # Database 1: the per-test flush of database 0 never touches the worker's queue.
+    return Settings(redis_url=redis_url.removesuffix("/0") + "/1", queue_name="worker-tests",
+                    queue_capacity=50, cache_dir=model_cache, max_steps=100, max_side=1024)
+
+
+@pytest.fixture(scope="session")
+def worker(worker_settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Process]:
+    """One real worker with the tiny model for the session. Its SLOTQ_MAX_STEPS is lower than
+    the API's, so a job the API admits with more steps fails in the worker's re-validation: a
+    real failing job."""
+    log = tmp_path_factory.mktemp("worker") / "worker.log"
+    process = start_worker(worker_settings, log, max_steps=60)
+    yield process
+    assert process.stop() == 0, process.output()
+
+
+@pytest.fixture
+def worker_client(worker: Process, worker_settings: Settings) -> FlaskClient:
+    """An in-process API on the queue that the session's worker serves."""
+    return create_app(worker_settings).test_client()
+
+
+def post_job(client: FlaskClient, **body: Any) -> Any:
+    """POST a job and return the response."""
+    return client.post("/v1/jobs", data=json.dumps({"prompt": "a red fox", **body}),
+                       content_type="application/json")
+
+
+def wait_for_status(client: FlaskClient, job_id: str, *statuses: str, timeout: float = DEADLINE_S) -> dict:
+    """Poll a job until it reaches one of ``statuses``; returns its view."""
+    def reached() -> dict | None:
+        view = client.get(f"/v1/jobs/{job_id}").get_json()
+        return view if view["status"] in statuses else None
+
+    return wait_for(reached, timeout, what=f"job {job_id} to become {'/'.join(statuses)}")

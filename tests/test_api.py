@@ -1,0 +1,197 @@
+"""The HTTP contract, against the in-process app and a real Redis (no worker drains the queue)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from flask.testing import FlaskClient
+from redis import Redis
+
+from shared.settings import Settings
+from tests.conftest import post_job
+
+
+def error_of(response: Any) -> dict[str, Any]:
+    """The error envelope, checked for shape."""
+    body = response.get_json()
+    assert set(body) == {"error"}, body
+    assert isinstance(body["error"]["code"], str) and body["error"]["message"]
+    return body["error"]
+
+
+def test_submit_answers_202_with_the_queued_view(client: FlaskClient, settings: Settings) -> None:
+    response = post_job(client, width=256, height=128, steps=4, seed=7)
+    assert response.status_code == 202
+    view = response.get_json()
+    assert response.headers["Location"] == f"/v1/jobs/{view['id']}"
+    assert view["status"] == "queued" and view["position"] == 0
+    assert view["request"] == {"prompt": "a red fox", "negative_prompt": None, "width": 256,
+                               "height": 128, "steps": 4, "guidance_scale": 7.5, "seed": 7,
+                               "num_images": 1}
+    assert view["progress"] is None and view["error"] is None and view["images"] == []
+    assert view["created_at"].endswith("Z") or view["created_at"].endswith("+00:00")
+
+
+def test_missing_seed_is_drawn_and_recorded(client: FlaskClient) -> None:
+    view = post_job(client).get_json()
+    seed = view["request"]["seed"]
+    assert isinstance(seed, int) and 0 <= seed < 2**32
+    assert client.get(f"/v1/jobs/{view['id']}").get_json()["request"]["seed"] == seed
+
+
+def test_positions_count_the_jobs_ahead(client: FlaskClient) -> None:
+    ids = [post_job(client).get_json()["id"] for _ in range(3)]
+    assert [client.get(f"/v1/jobs/{i}").get_json()["position"] for i in ids] == [0, 1, 2]
+
+
+def test_full_queue_refuses_with_429_and_retry_after(client: FlaskClient, settings: Settings,
+                                                    redis: Redis) -> None:
+    for _ in range(settings.queue_capacity):
+        assert post_job(client).status_code == 202
+    response = post_job(client)
+    assert response.status_code == 429
+    assert error_of(response)["code"] == "queue_full"
+    assert int(response.headers["Retry-After"]) >= 1
+    assert redis.llen(f"rq:queue:{settings.queue_name}") == settings.queue_capacity
+
+
+def test_refused_job_leaves_nothing_behind(client: FlaskClient, settings: Settings, redis: Redis) -> None:
+    for _ in range(settings.queue_capacity + 3):
+        post_job(client)
+    assert len(redis.keys("rq:job:*")) == settings.queue_capacity
+
+
+@pytest.mark.parametrize(
+    ("body", "loc"),
+    [
+        ({"prompt": ""}, ["prompt"]),
+        ({"prompt": "x" * 2001}, ["prompt"]),
+        ({"prompt": "a", "width": 100}, ["width"]),
+        ({"prompt": "a", "height": 1032}, ["height"]),
+        ({"prompt": "a", "width": 56}, ["width"]),
+        ({"prompt": "a", "steps": 0}, ["steps"]),
+        ({"prompt": "a", "steps": 101}, ["steps"]),
+        ({"prompt": "a", "steps": "4"}, ["steps"]),
+        ({"prompt": "a", "steps": True}, ["steps"]),
+        ({"prompt": "a", "guidance_scale": 30.5}, ["guidance_scale"]),
+        ({"prompt": "a", "seed": -1}, ["seed"]),
+        ({"prompt": "a", "seed": 2**32}, ["seed"]),
+        ({"prompt": "a", "num_images": 5}, ["num_images"]),
+        ({"prompt": "a", "sampler": "euler"}, ["sampler"]),
+        ({"width": 512}, ["prompt"]),
+        ([1, 2], []),
+    ],
+)
+def test_invalid_requests_get_422_with_details(client: FlaskClient, redis: Redis, body: Any,
+                                               loc: list[str]) -> None:
+    response = client.post("/v1/jobs", data=json.dumps(body), content_type="application/json")
+    assert response.status_code == 422
+    error = error_of(response)
+    assert error["code"] == "invalid_request"
+    assert [d["loc"] for d in error["details"]] == [loc]
+    assert all(d["msg"] for d in error["details"])
+    assert redis.keys("rq:job:*") == []
+
+
+def test_nan_guidance_is_refused(client: FlaskClient) -> None:
+    response = client.post("/v1/jobs", data='{"prompt": "a", "guidance_scale": NaN}',
+                           content_type="application/json")
+    assert response.status_code == 422
+    assert error_of(response)["details"][0]["loc"] == ["guidance_scale"]
+
+
+@pytest.mark.parametrize("body", ["{not json", "", '{"prompt": "a"', "[" * 100_00])
+def test_body_that_is_not_json_gets_400(client: FlaskClient, body: str) -> None:
+    response = client.post("/v1/jobs", data=body, content_type="application/json")
+    assert response.status_code == 400
+    assert error_of(response)["code"] == "invalid_json"
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
+def test_body_that_is_not_declared_json_gets_415(client: FlaskClient, content_type: str | None) -> None:
+    response = client.post("/v1/jobs", data='{"prompt": "a"}', content_type=content_type)
+    assert response.status_code == 415
+    assert error_of(response)["code"] == "unsupported_media_type"
+
+
+def test_oversized_body_gets_413(client: FlaskClient, settings: Settings, redis: Redis) -> None:
+    body = json.dumps({"prompt": "a", "negative_prompt": "x" * settings.max_body_bytes})
+    response = client.post("/v1/jobs", data=body, content_type="application/json")
+    assert response.status_code == 413
+    assert error_of(response)["code"] == "payload_too_large"
+    assert redis.keys("rq:job:*") == []
+
+
+def test_largest_valid_request_fits_the_body_limit(client: FlaskClient) -> None:
+    # 2000 astral characters each way, JSON-escaped as surrogate pairs: the worst legal body.
+    wide = "\U0001f98a" * 2000
+    body = json.dumps({"prompt": wide, "negative_prompt": wide, "width": 1024, "height": 1024,
+                       "steps": 100, "guidance_scale": 30.0, "seed": 2**32 - 1, "num_images": 4})
+    response = client.post("/v1/jobs", data=body, content_type="application/json")
+    assert response.status_code == 202, response.get_json()
+
+
+@pytest.mark.parametrize("path", ["/v1/jobs/nope", "/v1/jobs/0" * 40, "/v1/jobs/x/images/0",
+                                  "/v1/jobs/a%20b", "/v2/anything"])
+def test_unknown_ids_and_routes_get_404(client: FlaskClient, path: str) -> None:
+    response = client.get(path)
+    assert response.status_code == 404
+    assert error_of(response)["code"] == "not_found"
+
+
+def test_unknown_image_index_gets_404(client: FlaskClient) -> None:
+    job_id = post_job(client).get_json()["id"]
+    response = client.get(f"/v1/jobs/{job_id}/images/abc")
+    assert response.status_code == 404
+    assert error_of(response)["code"] == "not_found"
+
+
+def test_wrong_method_gets_405(client: FlaskClient) -> None:
+    response = client.put("/v1/jobs")
+    assert response.status_code == 405
+    assert error_of(response)["code"] == "method_not_allowed"
+
+
+def test_image_of_a_queued_job_is_not_ready(client: FlaskClient) -> None:
+    job_id = post_job(client).get_json()["id"]
+    response = client.get(f"/v1/jobs/{job_id}/images/0")
+    assert response.status_code == 409
+    assert error_of(response)["code"] == "not_ready"
+
+
+def test_cancel_of_a_queued_job_removes_it(client: FlaskClient, settings: Settings, redis: Redis) -> None:
+    first, second = (post_job(client).get_json()["id"] for _ in range(2))
+    response = client.delete(f"/v1/jobs/{first}")
+    assert response.status_code == 200
+    view = response.get_json()
+    assert view["status"] == "canceled" and view["position"] is None and view["finished_at"]
+    assert redis.lrange(f"rq:queue:{settings.queue_name}", 0, -1) == [second.encode()]
+    assert client.get(f"/v1/jobs/{second}").get_json()["position"] == 0
+    again = client.delete(f"/v1/jobs/{first}")
+    assert again.status_code == 409
+    assert error_of(again)["code"] == "already_finished"
+
+
+def test_canceled_job_frees_its_place(client: FlaskClient, settings: Settings) -> None:
+    ids = [post_job(client).get_json()["id"] for _ in range(settings.queue_capacity)]
+    assert post_job(client).status_code == 429
+    client.delete(f"/v1/jobs/{ids[2]}")
+    assert post_job(client).status_code == 202
+
+
+def test_cancel_of_unknown_job_gets_404(client: FlaskClient) -> None:
+    response = client.delete("/v1/jobs/does-not-exist")
+    assert response.status_code == 404
+    assert error_of(response)["code"] == "not_found"
+
+
+def test_health_and_readiness(client: FlaskClient) -> None:
+    assert client.get("/healthz").get_json() == {"status": "ok"}
+    assert client.get("/readyz").status_code == 200
+
+
+def test_queue_state_reports_waiting_and_capacity(client: FlaskClient, settings: Settings) -> None:
+    post_job(client)
+    assert client.get("/v1/queue").get_json() == {"waiting": 1, "capacity": settings.queue_capacity}

@@ -1,0 +1,1 @@
+"""The GPU side: one process, one pipeline, one job at a time."""

@@ -1,0 +1,119 @@
+"""Loading the diffusers pipeline once and running one request through it."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from diffusers import DiffusionPipeline
+from PIL import Image
+from PIL.PngImagePlugin import PngInfo
+
+from shared.jobs import JobRequest
+from shared.settings import Settings
+from worker.tiny_model import ensure_tiny_model
+
+log = logging.getLogger(__name__)
+
+StepCallback = Callable[[int, int], None]
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(setting: str) -> torch.device:
+    """``auto`` means the first CUDA device when there is one, else the CPU."""
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(setting)
+
+
+def resolve_dtype(setting: str, device: torch.device) -> torch.dtype:
+    """``auto`` means half precision on CUDA and full precision elsewhere."""
+    if setting == "auto":
+        return torch.float16 if device.type == "cuda" else torch.float32
+    return DTYPES[setting]
+
+
+@dataclass
+class ImagePipeline:
+    """A loaded text-to-image pipeline on its device. Not thread-safe: one call at a time."""
+
+    pipe: DiffusionPipeline
+    device: torch.device
+
+    def generate(self, request: JobRequest, on_step: StepCallback) -> list[Image.Image]:
+        """Run one request; ``on_step(step, total)`` runs after each denoising step and may raise."""
+        assert request.seed is not None, "the API draws a seed for every job"
+
+        def step_end(pipe: DiffusionPipeline, step: int, timestep: object, kwargs: dict) -> dict:
+            on_step(step + 1, request.steps)
+            return kwargs  # diffusers expects the callback's tensors back
+
+        # One CPU generator per image: image i is reproducible from seed + i, on any device.
+        generators = [torch.Generator("cpu").manual_seed(request.seed + index)
+                      for index in range(request.num_images)]
+        with torch.inference_mode():
+            output = self.pipe(
+                prompt=request.prompt,
+                negative_prompt=request.negative_prompt,
+                width=request.width,
+                height=request.height,
+                num_inference_steps=request.steps,
+                guidance_scale=request.guidance_scale,
+                num_images_per_prompt=request.num_images,
+                generator=generators,
+                output_type="pil",
+                callback_on_step_end=step_end,
+            )
+        return list(output.images)
+
+    def release_memory(self) -> None:
+        """Give cached device memory back after a failure such as out-of-memory."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def load_pipeline(settings: Settings) -> ImagePipeline:
+    """Load the configured model onto its device and warm it up with a one-step image."""
+    device = resolve_device(settings.device)
+    dtype = resolve_dtype(settings.dtype, device)
+    source: str | Path = settings.model
+    if settings.model == "tiny":
+        source = ensure_tiny_model(settings.cache_dir)
+    log.info("loading %s on %s as %s", source, device, dtype)
+    pipe = DiffusionPipeline.from_pretrained(source, torch_dtype=dtype)
+    pipe.to(device)
+    pipe.set_progress_bar_config(disable=True)
+    loaded = ImagePipeline(pipe=pipe, device=device)
+    warm_up = JobRequest(prompt="warm-up", width=64, height=64, steps=1, seed=0)
+    loaded.generate(warm_up, on_step=lambda step, total: None)
+    return loaded
+
+
+def encode_png(image: Image.Image, request: JobRequest) -> bytes:
+    """PNG bytes with the request in a text chunk, so a saved file says how it was made."""
+    info = PngInfo()
+    info.add_text("parameters", json.dumps(request.model_dump(mode="json"), sort_keys=True))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", pnginfo=info)
+    return buffer.getvalue()
+
+
+_current: ImagePipeline | None = None
+
+
+def set_current_pipeline(pipeline: ImagePipeline) -> None:
+    """Make the loaded pipeline the one every job of this process uses."""
+    global _current
+    _current = pipeline
+
+
+def current_pipeline() -> ImagePipeline:
+    """The pipeline the worker loaded before its loop started."""
+    if _current is None:
+        raise RuntimeError("no pipeline loaded: jobs run inside `slotq worker`")
+    return _current
