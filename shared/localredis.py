@@ -33,10 +33,13 @@ def free_port() -> int:
 
 def is_reachable(url: str, timeout: float = 1.0) -> bool:
     """Whether a Redis server answers PING at this URL."""
+    client = Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
     try:
-        return bool(Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout).ping())
+        return bool(client.ping())
     except (RedisConnectionError, OSError):
         return False
+    finally:
+        client.close()
 
 
 def start_redis(port: int, data_dir: Path, *, appendonly: bool = False,

@@ -69,10 +69,19 @@ def redis(settings: Settings) -> Iterator[Redis]:
     connection.close()
 
 
+def app_client(settings: Settings) -> Iterator[FlaskClient]:
+    """An in-process API whose Redis connections are closed afterwards."""
+    app = create_app(settings)
+    try:
+        yield app.test_client()
+    finally:
+        app.extensions["slotq.queue"].connection.close()
+
+
 @pytest.fixture
-def client(settings: Settings) -> FlaskClient:
+def client(settings: Settings) -> Iterator[FlaskClient]:
     """The API in-process, for fast contract tests."""
-    return create_app(settings).test_client()
+    yield from app_client(settings)
 
 
 def slotq_env(settings: Settings, **extra: Any) -> dict[str, str]:
@@ -109,9 +118,9 @@ class Process:
 
 def spawn(args: list[str], env: dict[str, str], log: Path) -> Process:
     """Start ``slotq ARGS`` with its output in ``log``."""
-    handle = log.open("wb")
-    popen = subprocess.Popen([sys.executable, "-m", "shared.cli", *args], env=env,
-                             stdout=handle, stderr=subprocess.STDOUT)
+    with log.open("wb") as handle:  # the child keeps its own copy of the descriptor
+        popen = subprocess.Popen([sys.executable, "-m", "shared.cli", *args], env=env,
+                                 stdout=handle, stderr=subprocess.STDOUT)
     return Process(popen=popen, log=log)
 
 
@@ -149,14 +158,14 @@ def _answers(process: Process) -> bool:
 def start_worker(settings: Settings, log: Path, **extra: Any) -> Process:
     """Start a real ``slotq worker`` and wait until it listens on its queue."""
     process = spawn(["worker"], slotq_env(settings, **extra), log)
-    connection = Redis.from_url(settings.redis_url)
 
     def registered() -> bool:
         if process.popen.poll() is not None:
             raise AssertionError(f"worker exited early:\n{process.output()}")
         return any(w.pid == process.popen.pid for w in Worker.all(connection=connection))
 
-    wait_for(registered, timeout=120, what="worker registration")
+    with Redis.from_url(settings.redis_url) as connection:
+        wait_for(registered, timeout=120, what="worker registration")
     return process
 
 
@@ -180,9 +189,9 @@ def worker(worker_settings: Settings, tmp_path_factory: pytest.TempPathFactory) 
 
 
 @pytest.fixture
-def worker_client(worker: Process, worker_settings: Settings) -> FlaskClient:
+def worker_client(worker: Process, worker_settings: Settings) -> Iterator[FlaskClient]:
     """An in-process API on the queue that the session's worker serves."""
-    return create_app(worker_settings).test_client()
+    yield from app_client(worker_settings)
 
 
 def post_job(client: FlaskClient, **body: Any) -> Any:

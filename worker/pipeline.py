@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 from diffusers import DiffusionPipeline
+from diffusers.utils import logging as diffusers_logging
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
@@ -85,7 +86,8 @@ def load_pipeline(settings: Settings) -> ImagePipeline:
     if settings.model == "tiny":
         source = ensure_tiny_model(settings.cache_dir)
     log.info("loading %s on %s as %s", source, device, dtype)
-    pipe = DiffusionPipeline.from_pretrained(source, torch_dtype=dtype)
+    diffusers_logging.disable_progress_bar()  # a log file is no place for progress bars
+    pipe = DiffusionPipeline.from_pretrained(source, dtype=dtype)
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
     loaded = ImagePipeline(pipe=pipe, device=device)

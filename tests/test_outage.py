@@ -1,0 +1,40 @@
+"""Redis goes away: the API answers 503 quickly, then recovers by itself when Redis is back."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from shared.localredis import free_port, start_redis
+from shared.settings import Settings
+from tests.conftest import app_client, post_job, wait_for
+
+
+def test_redis_down_gives_503_then_recovers(tmp_path: Path, model_cache: Path) -> None:
+    port = free_port()
+    server = start_redis(port, tmp_path / "redis")
+    settings = Settings(redis_url=f"redis://127.0.0.1:{port}/0", redis_timeout_s=1.0,
+                        queue_name="outage", cache_dir=model_cache)
+    clients = app_client(settings)
+    client = next(clients)
+    try:
+        job_id = post_job(client).get_json()["id"]
+        server.terminate()
+        server.wait(10)
+
+        for method, path in [("post", "/v1/jobs"), ("get", f"/v1/jobs/{job_id}"), ("get", "/readyz")]:
+            started = time.monotonic()
+            response = post_job(client) if method == "post" else client.get(path)
+            assert time.monotonic() - started < 5, "a Redis outage must not hang a request"
+            assert response.status_code == 503
+            assert response.get_json()["error"]["code"] == "unavailable"
+            assert int(response.headers["Retry-After"]) >= 1
+        assert client.get("/healthz").status_code == 200  # alive, just not ready
+
+        server = start_redis(port, tmp_path / "redis")
+        wait_for(lambda: client.get("/readyz").status_code == 200, what="readiness after restart")
+        assert post_job(client).status_code == 202
+    finally:
+        clients.close()
+        server.terminate()
+        server.wait(10)

@@ -1,0 +1,85 @@
+"""Real gunicorn API processes: the atomic cap under concurrent load, and the path end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from PIL import Image
+from redis import Redis
+
+from shared.client import Client
+from shared.settings import Settings
+from tests.conftest import Process, slotq_env
+
+CLIENTS = 32
+REQUESTS = 240
+
+
+def post(url: str) -> tuple[int, str | None, str | None]:
+    """POST one job; the status, the job id or error code, and Retry-After."""
+    body = json.dumps({"prompt": "burst", "width": 64, "height": 64, "steps": 1}).encode()
+    request = urllib.request.Request(url + "/v1/jobs", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())["id"], None
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())["error"]["code"], exc.headers.get("Retry-After")
+
+
+@pytest.mark.slow
+def test_cap_holds_exactly_across_api_processes(settings: Settings, redis: Redis,
+                                                start_api: Callable[..., Process]) -> None:
+    capacity = 37
+    apis = [start_api(settings, queue_capacity=capacity, api_workers=2) for _ in range(3)]
+    urls = [apis[i % len(apis)].url for i in range(REQUESTS)]
+    with ThreadPoolExecutor(CLIENTS) as pool:
+        answers = list(pool.map(post, urls))
+    statuses = Counter(status for status, _, _ in answers)
+    assert statuses == {202: capacity, 429: REQUESTS - capacity}
+    admitted = {ident for status, ident, _ in answers if status == 202}
+    queued = {raw.decode() for raw in redis.lrange(f"rq:queue:{settings.queue_name}", 0, -1)}
+    assert queued == admitted  # exactly the admitted jobs wait: none lost, none extra
+    refused = [(ident, retry) for status, ident, retry in answers if status == 429]
+    assert all(ident == "queue_full" and retry and int(retry) >= 1 for ident, retry in refused)
+
+
+def test_cap_of_one_admits_exactly_one(settings: Settings, redis: Redis,
+                                       start_api: Callable[..., Process]) -> None:
+    apis = [start_api(settings, queue_capacity=1) for _ in range(2)]
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(post, [apis[i % 2].url for i in range(40)]))
+    assert Counter(status for status, _, _ in answers) == {202: 1, 429: 39}
+    assert redis.llen(f"rq:queue:{settings.queue_name}") == 1
+
+
+@pytest.mark.slow
+def test_prompt_posted_to_the_running_service_comes_back_as_png(
+        worker: Process, worker_settings: Settings, start_api: Callable[..., Process],
+        tmp_path: Path) -> None:
+    api = start_api(worker_settings)
+    client = Client(api.url)
+    view = client.wait(client.submit("a lighthouse at dusk", width=96, height=64, steps=3)["id"], timeout=60)
+    assert view["status"] == "succeeded"
+    png = client.image_bytes(view["id"])
+    assert png.startswith(b"\x89PNG\r\n\x1a\n")
+    output = tmp_path / "out.png"
+    env = slotq_env(worker_settings)
+    result = subprocess.run(
+        [sys.executable, "-m", "shared.cli", "submit", "a lighthouse at dusk", "--url", api.url,
+         "--width", "96", "--height", "64", "--steps", "3", "--seed", str(view["request"]["seed"]),
+         "-o", str(output)],
+        env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    assert output.read_bytes() == png  # same request, same seed: the same bytes
+    with Image.open(output) as picture:
+        assert picture.size == (96, 64)

@@ -1,0 +1,130 @@
+"""The real worker with the tiny diffusers model: lifecycle, images, determinism, cancel, failure."""
+
+from __future__ import annotations
+
+import io
+
+import numpy
+from flask.testing import FlaskClient
+from PIL import Image
+from redis import Redis
+
+from shared.settings import Settings
+from tests.conftest import post_job, wait_for, wait_for_status
+
+
+def run_job(client: FlaskClient, **body: object) -> dict:
+    """Submit a job and wait for it to end."""
+    response = post_job(client, **body)
+    assert response.status_code == 202, response.get_json()
+    return wait_for_status(client, response.get_json()["id"], "succeeded", "failed", "canceled")
+
+
+def image(client: FlaskClient, url: str) -> bytes:
+    response = client.get(url)
+    assert response.status_code == 200
+    assert response.mimetype == "image/png"
+    return response.data
+
+
+def test_lifecycle_with_progress(worker_client: FlaskClient) -> None:
+    job_id = post_job(worker_client, width=256, height=256, steps=12, seed=1).get_json()["id"]
+    running = wait_for_status(worker_client, job_id, "running", "succeeded")
+    done = wait_for_status(worker_client, job_id, "succeeded")
+    assert done["progress"] == {"step": 12, "total": 12}
+    assert done["position"] is None and done["error"] is None
+    assert done["created_at"] <= done["started_at"] <= done["finished_at"]
+    assert done["images"] == [f"/v1/jobs/{job_id}/images/0"]
+    if running["status"] == "running":
+        assert running["progress"]["total"] == 12 and running["progress"]["step"] <= 12
+
+
+def test_images_have_the_requested_size_and_count(worker_client: FlaskClient) -> None:
+    view = run_job(worker_client, width=192, height=64, steps=2, num_images=3, seed=5)
+    assert view["status"] == "succeeded"
+    assert len(view["images"]) == 3
+    for url in view["images"]:
+        picture = Image.open(io.BytesIO(image(worker_client, url)))
+        assert picture.format == "PNG" and picture.size == (192, 64)
+    missing = worker_client.get(f"/v1/jobs/{view['id']}/images/3")
+    assert missing.status_code == 404 and missing.get_json()["error"]["code"] == "not_found"
+
+
+def test_same_request_and_seed_give_the_same_png(worker_client: FlaskClient) -> None:
+    body = {"width": 128, "height": 128, "steps": 3, "seed": 1234, "guidance_scale": 5.0}
+    first = image(worker_client, run_job(worker_client, **body)["images"][0])
+    second = image(worker_client, run_job(worker_client, **body)["images"][0])
+    other = image(worker_client, run_job(worker_client, **{**body, "seed": 1235})["images"][0])
+    assert first == second
+    assert first != other
+
+
+def test_images_of_one_job_differ_and_match_their_seeds(worker_client: FlaskClient) -> None:
+    # Image i of a job uses seed + i, so a batch can be reproduced one image at a time, up to the
+    # last-bit float differences of a batched forward pass (at most one 8-bit level, rarely).
+    body = {"width": 64, "height": 64, "steps": 2, "guidance_scale": 0.0}
+    pair = run_job(worker_client, seed=10, num_images=2, **body)
+    single = run_job(worker_client, seed=11, **body)
+    assert image(worker_client, pair["images"][0]) != image(worker_client, pair["images"][1])
+    first = numpy.asarray(Image.open(io.BytesIO(image(worker_client, pair["images"][1]))), dtype=int)
+    second = numpy.asarray(Image.open(io.BytesIO(image(worker_client, single["images"][0]))), dtype=int)
+    difference = numpy.abs(first - second)
+    assert difference.max() <= 1
+    assert (difference > 0).mean() < 0.01
+
+
+def test_cancel_of_a_running_job_stops_it_and_the_worker_goes_on(worker_client: FlaskClient) -> None:
+    job_id = post_job(worker_client, width=1024, height=1024, steps=60, seed=3).get_json()["id"]
+    wait_for(lambda: (worker_client.get(f"/v1/jobs/{job_id}").get_json()["progress"] or {}).get("step"),
+             what="the job to take its first step")
+    response = worker_client.delete(f"/v1/jobs/{job_id}")
+    assert response.status_code == 202
+    view = wait_for_status(worker_client, job_id, "canceled", "succeeded", "failed")
+    assert view["status"] == "canceled"
+    assert view["progress"]["step"] < 60 and view["images"] == []
+    not_ready = worker_client.get(f"/v1/jobs/{job_id}/images/0")
+    assert not_ready.status_code == 409
+    assert run_job(worker_client, width=64, height=64, steps=1)["status"] == "succeeded"
+
+
+def test_job_canceled_while_queued_never_runs(worker_client: FlaskClient) -> None:
+    blocker = post_job(worker_client, width=256, height=256, steps=8).get_json()["id"]
+    queued = post_job(worker_client, width=64, height=64, steps=1).get_json()["id"]
+    assert worker_client.delete(f"/v1/jobs/{queued}").status_code == 200
+    wait_for_status(worker_client, blocker, "succeeded")
+    view = worker_client.get(f"/v1/jobs/{queued}").get_json()
+    assert view["status"] == "canceled" and view["started_at"] is None and view["progress"] is None
+
+
+def test_failing_job_is_recorded_and_the_worker_goes_on(worker_client: FlaskClient) -> None:
+    # The session's worker allows 60 steps, the API 100: the worker's re-validation fails the job.
+    view = run_job(worker_client, width=64, height=64, steps=80)
+    assert view["status"] == "failed"
+    assert view["error"]["code"] == "invalid_request"
+    assert "steps" in view["error"]["message"]
+    assert "Traceback" not in view["error"]["message"]
+    response = worker_client.get(f"/v1/jobs/{view['id']}/images/0")
+    assert response.status_code == 409
+    assert run_job(worker_client, width=64, height=64, steps=1)["status"] == "succeeded"
+
+
+def test_finished_job_cannot_be_canceled(worker_client: FlaskClient) -> None:
+    view = run_job(worker_client, width=64, height=64, steps=1)
+    response = worker_client.delete(f"/v1/jobs/{view['id']}")
+    assert response.status_code == 409
+    assert response.get_json()["error"]["code"] == "already_finished"
+
+
+def test_results_expire_with_410(worker_settings: Settings, worker_client: FlaskClient) -> None:
+    view = run_job(worker_client, width=64, height=64, steps=1)
+    images_key = f"slotq:images:{view['id']}"
+    with Redis.from_url(worker_settings.redis_url) as connection:
+        ttl = connection.ttl(images_key)
+        assert 0 < ttl <= worker_settings.result_ttl_s
+        assert connection.ttl(f"rq:job:{view['id']}") > ttl  # the record outlives the images
+        connection.pexpire(images_key, 1)  # let the result TTL run out now rather than in an hour
+        wait_for(lambda: not connection.exists(images_key), what="the images to expire")
+    response = worker_client.get(view["images"][0])
+    assert response.status_code == 410
+    assert response.get_json()["error"]["code"] == "expired"
+    assert worker_client.get(f"/v1/jobs/{view['id']}").get_json()["status"] == "succeeded"
