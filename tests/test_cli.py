@@ -1,0 +1,71 @@
+"""The ``slotq`` command: bad settings, the worker's fatal start-up, and ``slotq dev`` end to end."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shared.client import Client
+from shared.localredis import free_port, is_reachable
+from shared.settings import Settings
+from tests.conftest import slotq_env, spawn, wait_for
+
+
+def slotq(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "shared.cli", *args], env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+
+
+@pytest.mark.parametrize(("variable", "value"), [("SLOTQ_QUEUE_CAPACITY", "lots"),
+                                                 ("SLOTQ_DEVICE", "gpu"),
+                                                 ("SLOTQ_REDIS_URL", "localhost:6379")])
+def test_bad_setting_stops_start_up_with_one_line(settings: Settings, variable: str, value: str) -> None:
+    result = slotq("api", env={**slotq_env(settings), variable: value})
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"slotq: bad setting {variable}: "), result.stderr
+
+
+def test_worker_that_cannot_load_its_model_exits_non_zero(settings: Settings, tmp_path: Path) -> None:
+    result = slotq("worker", env=slotq_env(settings, model=str(tmp_path / "no-such-model")))
+    assert result.returncode == 1
+    assert "could not load model" in result.stderr
+
+
+@pytest.mark.slow
+def test_dev_starts_its_own_redis_serves_a_job_and_stops_on_ctrl_c(settings: Settings,
+                                                                   tmp_path: Path) -> None:
+    unreachable = f"redis://127.0.0.1:{free_port()}/0"
+    port = free_port()
+    env = slotq_env(settings, redis_url=unreachable, api_port=port)
+    env["HOME"] = str(tmp_path)  # gunicorn, caches: nothing of this test lands in the real home
+    dev = spawn(["dev"], env, tmp_path / "dev.log")
+    try:
+        wait_for(lambda: "serving on" in dev.output() or dev.popen.poll() is not None, timeout=120,
+                 what="slotq dev to serve")
+        assert dev.popen.poll() is None, dev.output()
+        redis_port = int(dev.output().split("started redis-server on port ")[1].split()[0])
+        client = Client(f"http://127.0.0.1:{port}")
+        view = client.wait(client.submit("a dev job", width=64, height=64, steps=2)["id"], timeout=60)
+        assert view["status"] == "succeeded"
+        os.kill(dev.popen.pid, signal.SIGINT)
+        assert dev.popen.wait(60) == 0, dev.output()
+        assert not is_reachable(f"redis://127.0.0.1:{redis_port}/0", timeout=0.5)
+        assert not is_reachable_http(f"http://127.0.0.1:{port}/healthz")
+    finally:
+        dev.stop()
+
+
+def is_reachable_http(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=1):
+            return True
+    except OSError:
+        return False
