@@ -11,6 +11,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from redis import Redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from rq import Queue
 from rq.exceptions import NoSuchJobError
 from rq.job import Job
@@ -70,6 +72,9 @@ def connect(settings: Settings, *, blocking: bool = False) -> Redis:
         socket_connect_timeout=settings.redis_timeout_s,
         socket_timeout=None if blocking else settings.redis_timeout_s,
         health_check_interval=30,
+        # One immediate retry: a pooled connection that died with a Redis restart is replaced
+        # transparently, while a Redis that is really down still answers within two timeouts.
+        retry=Retry(NoBackoff(), 1),
     )
 
 

@@ -20,7 +20,7 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SLOTQ_", extra="ignore", frozen=True)
 
     redis_url: str = "redis://localhost:6379/0"
-    redis_timeout_s: float = Field(2.0, gt=0, le=30)
+    redis_timeout_s: float = Field(1.0, gt=0, le=30)
     queue_name: str = Field("slotq", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     queue_capacity: int = Field(100, ge=1, le=1_000_000)
 

