@@ -69,6 +69,14 @@ def queue_state() -> Response:
     return jsonify({"waiting": _queue().count, "capacity": _settings().queue_capacity})
 
 
+@bp.get("/openapi.json")
+def openapi() -> Response:
+    """The OpenAPI 3.1 document of this API."""
+    from api.openapi import openapi_document
+
+    return jsonify(openapi_document(_settings()))
+
+
 @bp.get("/healthz")
 def healthz() -> Response:
     """The process is alive."""
