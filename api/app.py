@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 import redis
 from flask import Flask, Response, jsonify
@@ -36,6 +37,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.json.sort_keys = False  # type: ignore[attr-defined]
     app.extensions["slotq.settings"] = settings
     app.extensions["slotq.queue"] = job_queue(connect(settings), settings)
+    app.extensions["slotq.draining"] = threading.Event()  # set by the server on SIGTERM
     app.register_blueprint(bp)
     app.register_error_handler(ServiceError, error_response)
     app.register_error_handler(redis.ConnectionError, redis_unavailable)

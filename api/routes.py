@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from flask import Blueprint, Response, current_app, jsonify, request
@@ -10,11 +11,18 @@ from pydantic import ValidationError
 from rq import Queue
 
 from shared import queue as jobs
-from shared.errors import InvalidJSONError, InvalidRequestError, UnsupportedMediaTypeError
-from shared.jobs import validate_request
+from shared import records
+from shared.errors import (
+    DrainingError,
+    InvalidJSONError,
+    InvalidRequestError,
+    UnsupportedMediaTypeError,
+)
+from shared.jobs import JobStatus, validate_request
 from shared.settings import Settings
 
 bp = Blueprint("slotq", __name__)
+MAX_IDEMPOTENCY_KEY = 255
 
 
 def _queue() -> Queue:
@@ -27,29 +35,35 @@ def _settings() -> Settings:
 
 @bp.post("/v1/jobs")
 def submit_job() -> tuple[Response, int, dict[str, str]]:
-    """Admit a job, or refuse it at once."""
+    """Admit a job (202), replay an earlier submit with the same Idempotency-Key (200), or refuse."""
     settings = _settings()
     try:
         job_request = validate_request(_json_body(), max_side=settings.max_side,
-                                       max_steps=settings.max_steps).with_seed()
+                                       max_steps=settings.max_steps)
     except ValidationError as exc:
         raise InvalidRequestError(details=_details(exc)) from None
-    job, position = jobs.enqueue_job(_queue(), settings, job_request)
-    view = jobs.job_view(job, position=position)
-    return jsonify(view.model_dump(mode="json")), 202, {"Location": f"/v1/jobs/{job.id}"}
+    admission = jobs.enqueue_job(_queue(), settings, job_request, _idempotency_key())
+    view = records.job_view(admission.job, position=admission.position)
+    status = 200 if admission.replayed else 202
+    return _json(view), status, {"Location": f"/v1/jobs/{admission.job.id}"}
 
 
 @bp.get("/v1/jobs/<job_id>")
 def get_job(job_id: str) -> Response:
     """A job's status, progress and result links."""
-    job = jobs.fetch_job(_queue(), job_id)
-    return jsonify(jobs.job_view(job).model_dump(mode="json"))
+    queue = _queue()
+    job = jobs.fetch_job(queue, job_id)
+    view = records.job_view(job)
+    if view.status is JobStatus.QUEUED and view.deadline_at and _past(view.deadline_at.timestamp()):
+        jobs.expire_due(queue, _settings())
+        view = records.job_view(jobs.fetch_job(queue, job_id))
+    return _json(view)
 
 
 @bp.get("/v1/jobs/<job_id>/images/<int:index>")
 def get_image(job_id: str, index: int) -> Response:
     """One finished image as PNG."""
-    png = jobs.fetch_image(jobs.fetch_job(_queue(), job_id), index)
+    png = records.fetch_image(jobs.fetch_job(_queue(), job_id), index)
     return Response(png, mimetype="image/png", headers={"Cache-Control": "private, max-age=3600"})
 
 
@@ -57,16 +71,15 @@ def get_image(job_id: str, index: int) -> Response:
 def cancel_job(job_id: str) -> tuple[Response, int]:
     """Cancel a job: 200 once it is canceled, 202 while its worker is stopping it."""
     queue = _queue()
-    job = jobs.fetch_job(queue, job_id)
-    ended = jobs.cancel_job(queue, _settings(), job)
-    job = jobs.fetch_job(queue, job_id)
-    return jsonify(jobs.job_view(job).model_dump(mode="json")), 200 if ended else 202
+    ended = jobs.cancel_job(queue, _settings(), jobs.fetch_job(queue, job_id))
+    return _json(records.job_view(jobs.fetch_job(queue, job_id))), 200 if ended else 202
 
 
 @bp.get("/v1/queue")
 def queue_state() -> Response:
     """How many jobs wait, against the cap."""
-    return jsonify({"waiting": _queue().count, "capacity": _settings().queue_capacity})
+    settings = _settings()
+    return jsonify({"waiting": jobs.waiting_count(_queue(), settings), "capacity": settings.queue_capacity})
 
 
 @bp.get("/openapi.json")
@@ -85,9 +98,19 @@ def healthz() -> Response:
 
 @bp.get("/readyz")
 def readyz() -> Response:
-    """Ready when Redis answers; a Redis error becomes 503 in the app's error handler."""
-    _queue().connection.ping()
+    """Ready when Redis answers and the process is not shutting down."""
+    if current_app.extensions["slotq.draining"].is_set():
+        raise DrainingError(retry_after=1)
+    _queue().connection.ping()  # a Redis error becomes 503 in the app's error handler
     return jsonify({"status": "ready"})
+
+
+def _json(view: Any) -> Response:
+    return jsonify(view.model_dump(mode="json"))
+
+
+def _past(moment: float) -> bool:
+    return moment <= time.time()
 
 
 def _json_body() -> Any:
@@ -98,6 +121,14 @@ def _json_body() -> Any:
     except (ValueError, RecursionError):
         # RecursionError: a body of deeply nested brackets is malformed input, not a crash.
         raise InvalidJSONError() from None
+
+
+def _idempotency_key() -> str | None:
+    key = request.headers.get("Idempotency-Key")
+    if key is not None and not (0 < len(key) <= MAX_IDEMPOTENCY_KEY and key.isprintable()):
+        message = f"must be 1 to {MAX_IDEMPOTENCY_KEY} printable characters"
+        raise InvalidRequestError(details=[{"loc": ["header", "Idempotency-Key"], "msg": message}])
+    return key
 
 
 def _details(exc: ValidationError) -> list[dict[str, Any]]:

@@ -19,6 +19,7 @@ from pathlib import Path
 from rq import Worker
 
 from shared import queue as jobs
+from shared import records
 from shared.jobs import JobRequest
 from shared.localredis import free_port, start_redis
 from shared.settings import Settings
@@ -50,10 +51,10 @@ def through_service(settings: Settings, requests: list[JobRequest], log: Path) -
         while not Worker.all(connection=connection):
             time.sleep(0.05)
         started = time.perf_counter()
-        admitted = [jobs.enqueue_job(queue, settings, request)[0] for request in requests]
+        admitted = [jobs.enqueue_job(queue, settings, request).job for request in requests]
         # One worker runs the queue in order: when the last job ends, all have. Polling only it
         # keeps this process from taking CPU time away from the worker on a small machine.
-        while not jobs.job_status(jobs.fetch_job(queue, admitted[-1].id)).is_terminal:
+        while not records.job_status(jobs.fetch_job(queue, admitted[-1].id)).is_terminal:
             time.sleep(0.02)
         wall = time.perf_counter() - started
         latencies = []

@@ -84,3 +84,22 @@ class JobFailedError(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+class IdempotencyConflictError(ServiceError):
+    status, code, message = 409, "idempotency_conflict", "This Idempotency-Key was used with another body."
+
+
+class DrainingError(ServiceError):
+    status, code, message = 503, "draining", "This API process is shutting down."
+
+
+class JobInterruptedError(Exception):
+    """Raised inside a running job when its worker must stop now; the job goes back to the queue."""
+
+
+class WorkerFatalError(BaseException):
+    """The device is unusable: the worker exits non-zero and its supervisor restarts it.
+
+    A BaseException, like SystemExit, so that no job-level ``except Exception`` swallows it.
+    """

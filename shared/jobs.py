@@ -13,18 +13,19 @@ MAX_SEED = 2**32 - 1
 
 
 class JobStatus(StrEnum):
-    """Where a job is in its life; the last three are terminal."""
+    """Where a job is in its life; all but the first two are terminal."""
 
     QUEUED = "queued"
     RUNNING = "running"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELED = "canceled"
+    EXPIRED = "expired"
 
     @property
     def is_terminal(self) -> bool:
         """Whether the job has ended for good."""
-        return self in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELED)
+        return self not in (JobStatus.QUEUED, JobStatus.RUNNING)
 
 
 class JobRequest(BaseModel):
@@ -41,6 +42,7 @@ class JobRequest(BaseModel):
     guidance_scale: float = Field(7.5, ge=0, le=30, allow_inf_nan=False)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     num_images: int = Field(1, ge=1, le=4)
+    deadline_s: float | None = Field(None, gt=0, le=86_400, allow_inf_nan=False)
 
     @field_validator("width", "height")
     @classmethod
@@ -89,9 +91,11 @@ class JobView(BaseModel):
 
     id: str
     status: JobStatus
+    attempt: int = 0
     position: int | None = None
     progress: Progress | None = None
     created_at: datetime | None = None
+    deadline_at: datetime | None = None
     started_at: datetime | None = None
     finished_at: datetime | None = None
     error: JobError | None = None

@@ -33,6 +33,12 @@ class Settings(BaseSettings):
     max_steps: int = Field(100, ge=1, le=1000)
     max_body_bytes: int = Field(65_536, ge=1024, le=10_485_760)
     job_timeout_s: int = Field(900, ge=1)
+    max_attempts: int = Field(2, ge=1, le=10)
+    heartbeat_ttl_s: float = Field(6.0, ge=1, le=300)
+    stop_timeout_s: float | None = Field(None, gt=0)
+    drain_s: float = Field(3.0, ge=0, le=300)
+    worker_name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    fault_injection: bool = False
     result_ttl_s: int = Field(3600, ge=1)
     record_ttl_s: int = Field(86_400, ge=1)
 

@@ -88,7 +88,7 @@ def slotq_env(settings: Settings, **extra: Any) -> dict[str, str]:
     """The environment that gives a slotq process these settings."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("SLOTQ_")}
     values = settings.model_dump(mode="json") | extra
-    env.update({f"SLOTQ_{name.upper()}": str(value) for name, value in values.items()})
+    env.update({f"SLOTQ_{name.upper()}": str(value) for name, value in values.items() if value is not None})
     return env
 
 

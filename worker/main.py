@@ -3,48 +3,177 @@
 from __future__ import annotations
 
 import logging
+import threading
+from typing import Any
 
 import torch
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from rq.exceptions import NoSuchJobError
 from rq.job import Job
+from rq.queue import Queue
 from rq.serializers import JSONSerializer
 from rq.timeouts import JobTimeoutException
 from rq.worker import SimpleWorker
 
+from shared import keys, records
 from shared import queue as jobs
-from shared.errors import JobCanceledError, JobFailedError
+from shared.errors import JobCanceledError, JobFailedError, JobInterruptedError, WorkerFatalError
 from shared.settings import Settings, get_settings
+from worker import lifecycle
+from worker.claims import Claims
 from worker.pipeline import current_pipeline, load_pipeline, set_current_pipeline
 
 log = logging.getLogger(__name__)
 MAX_ERROR_MESSAGE = 500
+CLAIM_TIMEOUT_S = 1.0
+MAX_BACKOFF_S = 15.0
+EXIT_FATAL = 3
 
 
 class SlotWorker(SimpleWorker):
     """An RQ worker that runs jobs in its own process, so the model stays loaded on the device.
 
     No fork per job: CUDA does not survive fork, and reloading weights per job would waste the GPU.
+    RQ runs each job and records its end; this class owns the loop around it: claims that survive
+    a crash, a heartbeat while a job runs, reconnection to Redis, and the stop signals.
     """
 
-    def handle_exception(self, job: Job, *exc_info: object) -> None:
-        """Record why a job ended; a canceled job is marked stopped (shown as canceled), not failed."""
+    def __init__(self, queue: Queue, settings: Settings) -> None:
+        super().__init__([queue], name=settings.worker_name, connection=queue.connection,
+                         serializer=JSONSerializer)
+        self.settings = settings
+        self.claims = Claims(queue, settings, self.name)
+        self._ending: str | None = None
+
+    def serve(self, burst: bool = False) -> int:
+        """Take and run jobs until told to stop; the process's exit code."""
+        self._register()
+        beating = threading.Event()
+        heart = threading.Thread(target=self._beat, args=(beating,), name="heartbeat", daemon=True)
+        heart.start()
+        try:
+            return self._loop(burst)
+        except WorkerFatalError as exc:
+            log.critical("device unusable, exiting for the supervisor to restart: %s", exc)
+            return EXIT_FATAL
+        finally:
+            beating.set()
+            self._unregister()
+
+    def _loop(self, burst: bool) -> int:
+        backoff = 0.5
+        while not lifecycle.stopping.is_set():
+            try:
+                self.claims.recover()
+                jobs.expire_due(self.queue, self.settings)
+                job_id = self.claims.claim(None if burst else CLAIM_TIMEOUT_S)
+                if job_id is None:
+                    if burst:
+                        break
+                    continue
+                self._run_claim(job_id)
+                backoff = 0.5
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                log.warning("Redis unreachable (%s); retrying in %.1fs", exc, backoff)
+                lifecycle.stopping.wait(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
+        return 0
+
+    @property
+    def queue(self) -> Queue:
+        return self.queues[0]
+
+    def _run_claim(self, job_id: str) -> None:
+        try:
+            job = Job.fetch(job_id, connection=self.connection, serializer=self.serializer)
+        except NoSuchJobError:
+            self.claims.release(job_id)
+            return
+        if lifecycle.stopping.is_set() or records.job_status(job).is_terminal:
+            # Claimed as a stop came in, or canceled/expired meanwhile: put back or drop.
+            self.claims.recover_now(job_id)
+            return
+        job.meta["attempt"] = int(job.meta.get("attempt", 0)) + 1
+        records.save_meta(job)
+        self.execute_job(job, self.queue)
+        self.claims.release(job_id)
+
+    def handle_exception(self, job: Job, *exc_info: Any) -> None:
+        """Record why a job ended; decide whether it failed, was canceled or goes back to the queue."""
         error = exc_info[1]
         if isinstance(error, JobCanceledError):
-            # RQ's own stop-job command marks a job this way; it also keeps RQ from retrying it.
-            self._stopped_job_id = job.id
-            log.info("job %s canceled", job.id)
+            self._ending = "canceled"
             return
+        if isinstance(error, JobInterruptedError):
+            self._ending = "interrupted"
+            return
+        if is_device_fatal(error):
+            # Leave the claim in place: the next worker retries the job as after a crash.
+            raise WorkerFatalError(str(error))
         code, message = classify(error)
         if code == "out_of_memory":
             current_pipeline().release_memory()
-        jobs.record_error(job, code, message)
-        super().handle_exception(job, *exc_info)  # type: ignore[arg-type]
+        job.meta["error"] = {"code": code, "message": message}
+        records.save_meta(job)
+        super().handle_exception(job, *exc_info)
+
+    def handle_job_failure(self, job: Job, queue: Queue, started_job_registry: Any = None,
+                           exc_string: str = "", execution: Any = None) -> None:
+        """RQ marks a raised job failed; a canceled one is marked stopped, an interrupted one requeued."""
+        ending, self._ending = self._ending, None
+        if ending == "canceled":
+            # RQ's own stop-job command marks a job this way: STOPPED, never retried.
+            self._stopped_job_id = job.id
+        elif ending == "interrupted":
+            job.meta["interrupted"] = int(job.meta.get("interrupted", 0)) + 1
+            with self.connection.pipeline() as pipe:
+                self.cleanup_execution(job, pipeline=pipe, execution=execution)
+                records.requeue_at_front(job, queue, pipe)
+                pipe.lrem(self.claims.key, 1, job.id)
+                pipe.execute()
+            log.info("job %s interrupted and put back at the head of the queue", job.id)
+            return
+        super().handle_job_failure(job, queue, started_job_registry, exc_string, execution)
+
+    def _beat(self, done: threading.Event) -> None:
+        interval = self.settings.heartbeat_ttl_s / 4
+        while not done.wait(interval):
+            try:
+                self.claims.beat()
+            except RedisError as exc:
+                log.debug("heartbeat failed: %s", exc)
+
+    def _register(self) -> None:
+        if self.connection.exists(self.key) and not self.connection.exists(keys.alive_key(self.name)):
+            # A restarted worker with a fixed name: the dead one's registration is stale.
+            self.connection.delete(self.key)
+        self.register_birth()
+        self.claims.beat()
+        log.info("worker %s ready on %s", self.name, self.queue.name)
+
+    def _unregister(self) -> None:
+        try:
+            self.claims.gone()
+            self.register_death()
+        except RedisError as exc:
+            log.warning("could not unregister: %s", exc)
+
+
+def is_device_fatal(error: object) -> bool:
+    """Errors after which the device cannot be trusted: only a new process helps."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return False  # the job asked for too much; the device is fine
+    return isinstance(error, torch.AcceleratorError) or (
+        isinstance(error, RuntimeError) and "CUDA error" in str(error))
 
 
 def classify(error: object) -> tuple[str, str]:
     """A stable code and a short message for what ended a job."""
     if isinstance(error, JobFailedError):
         return error.code, str(error)
-    if isinstance(error, torch.cuda.OutOfMemoryError):
+    if isinstance(error, torch.OutOfMemoryError):
         return "out_of_memory", "The device ran out of memory; try fewer pixels, steps or images."
     if isinstance(error, JobTimeoutException):
         return "timeout", "The job ran past SLOTQ_JOB_TIMEOUT_S."
@@ -56,17 +185,12 @@ def run_worker(settings: Settings | None = None, *, burst: bool = False) -> int:
     """Load the model and serve jobs until told to stop; the exit code for the supervisor."""
     settings = settings or get_settings()
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    lifecycle.install(settings.stop_timeout_s)
     try:
         set_current_pipeline(load_pipeline(settings))
     except Exception:
         # Worker-fatal: exit non-zero so the supervisor restarts us rather than failing every job.
         log.exception("could not load model %s", settings.model)
         return 1
-    connection = jobs.connect(settings, blocking=True)
-    queue = jobs.job_queue(connection, settings)
-    worker = SlotWorker([queue], connection=connection, serializer=JSONSerializer)
-    log.info("worker %s ready on %s", worker.name, settings.queue_name)
-    worker.work(burst=burst, logging_level=settings.log_level)
-    return 0
-
-
+    queue = jobs.job_queue(jobs.connect(settings, blocking=True), settings)
+    return SlotWorker(queue, settings).serve(burst=burst)

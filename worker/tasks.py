@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
+import torch
 from pydantic import ValidationError
+from redis.exceptions import RedisError
 from rq import get_current_job
 from rq.job import Job
 
 from shared import queue as jobs
-from shared.errors import JobCanceledError, JobFailedError
-from shared.jobs import validate_request
+from shared import records
+from shared.errors import JobCanceledError, JobFailedError, JobInterruptedError
+from shared.jobs import JobRequest, validate_request
 from shared.settings import get_settings
+from worker import lifecycle
 from worker.pipeline import current_pipeline, encode_png
+
+log = logging.getLogger(__name__)
 
 
 def generate(request: dict[str, Any]) -> dict[str, Any]:
@@ -26,17 +33,39 @@ def generate(request: dict[str, Any]) -> dict[str, Any]:
         job_request = validate_request(request, max_side=settings.max_side, max_steps=settings.max_steps)
     except ValidationError as exc:
         raise JobFailedError("invalid_request", f"the stored request is invalid: {exc}") from None
-    if jobs.cancel_requested(job.connection, job.id):
-        raise JobCanceledError()
+    faults = settings.fault_injection
+
+    def on_step(step: int, total: int) -> None:
+        check_in(job, step, total)
+        if faults and step == 1:
+            inject_fault(job_request)
+
     started = time.perf_counter()
-    check_in(job, 0, job_request.steps)
-    images = current_pipeline().generate(job_request, on_step=lambda step, total: check_in(job, step, total))
+    on_step(0, job_request.steps)
+    images = current_pipeline().generate(job_request, on_step=on_step)
     pngs = [encode_png(image, job_request) for image in images]
-    jobs.store_images(job, settings, pngs, time.perf_counter() - started)
+    records.store_images(job, settings, pngs)
+    jobs.record_job_seconds(job.connection, job.origin, time.perf_counter() - started)
     return {"images": len(pngs), "seed": job_request.seed}
 
 
 def check_in(job: Job, step: int, total: int) -> None:
-    """Report progress and stop here if the client canceled the job."""
-    if jobs.report_progress(job, step, total):
+    """Report progress; stop here if the client canceled the job or the worker must stop now."""
+    if lifecycle.interrupting.is_set():
+        raise JobInterruptedError()
+    try:
+        canceled = records.report_progress(job, step, total)
+    except RedisError as exc:
+        # Progress is best effort: the image is still worth making while Redis restarts.
+        log.warning("could not report progress of job %s: %s", job.id, exc)
+        return
+    if canceled:
         raise JobCanceledError()
+
+
+def inject_fault(request: JobRequest) -> None:
+    """Test hook (SLOTQ_FAULT_INJECTION=true): raise a device fault named by the prompt."""
+    if request.prompt.startswith("__oom__"):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (injected)")
+    if request.prompt.startswith("__device_lost__"):
+        raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered (injected)")

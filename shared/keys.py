@@ -1,0 +1,49 @@
+"""Every Redis key slotq writes besides RQ's own, in one place."""
+
+from __future__ import annotations
+
+import re
+
+TASK = "worker.tasks.generate"
+PREFIX = "slotq"
+JOB_ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def cancel_key(job_id: str) -> str:
+    """Set when a client cancels a job that a worker may already hold."""
+    return f"{PREFIX}:cancel:{job_id}"
+
+
+def images_key(job_id: str) -> str:
+    """Hash of a finished job's PNGs by index."""
+    return f"{PREFIX}:images:{job_id}"
+
+
+def idempotency_key(queue: str, digest: str) -> str:
+    """The job admitted for one Idempotency-Key (stored hashed)."""
+    return f"{PREFIX}:idempotency:{queue}:{digest}"
+
+
+def deadlines_key(queue: str) -> str:
+    """Sorted set of waiting jobs by the time they expire."""
+    return f"{PREFIX}:deadlines:{queue}"
+
+
+def job_seconds_key(queue: str) -> str:
+    """Moving average of a job's run time, behind Retry-After."""
+    return f"{PREFIX}:stats:{queue}:job_seconds"
+
+
+def workers_key(queue: str) -> str:
+    """Set of the workers that hold (or held) claims on a queue."""
+    return f"{PREFIX}:workers:{queue}"
+
+
+def claims_key(worker: str) -> str:
+    """List of the job ids one worker has taken from the queue and not yet finished."""
+    return f"{PREFIX}:claims:{worker}"
+
+
+def alive_key(worker: str) -> str:
+    """Exists while a worker's heartbeat is fresh."""
+    return f"{PREFIX}:alive:{worker}"

@@ -1,0 +1,147 @@
+"""A job's record in Redis: what clients read (status, progress, images) and how it ends."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from redis.client import Pipeline
+from rq.job import Job
+from rq.job import JobStatus as RQStatus
+from rq.queue import Queue
+
+from shared import keys
+from shared.errors import JobNotFoundError, NotReadyError, ResultExpiredError
+from shared.jobs import JobError, JobRequest, JobStatus, JobView, Progress
+from shared.settings import Settings
+
+STATUS_FROM_RQ = {
+    RQStatus.QUEUED: JobStatus.QUEUED,
+    RQStatus.CREATED: JobStatus.QUEUED,
+    RQStatus.STARTED: JobStatus.RUNNING,
+    RQStatus.FINISHED: JobStatus.SUCCEEDED,
+    RQStatus.FAILED: JobStatus.FAILED,
+    # RQ calls a job stopped when its worker ended it on request; to a client that is a cancel.
+    RQStatus.STOPPED: JobStatus.CANCELED,
+    RQStatus.CANCELED: JobStatus.CANCELED,
+}
+
+
+def job_status(job: Job) -> JobStatus:
+    """The client-facing status of an RQ job."""
+    status = STATUS_FROM_RQ.get(job.get_status(refresh=False), JobStatus.QUEUED)
+    if status is JobStatus.CANCELED and job.meta.get("expired"):
+        return JobStatus.EXPIRED
+    return status
+
+
+def attempts_used(job: Job) -> int:
+    """Starts that count against SLOTQ_MAX_ATTEMPTS: a graceful interruption does not."""
+    return int(job.meta.get("attempt", 0)) - int(job.meta.get("interrupted", 0))
+
+
+def job_view(job: Job, position: int | None = None) -> JobView:
+    """What a client sees of a job; pass ``position`` when it is already known."""
+    status = job_status(job)
+    meta: dict[str, Any] = job.meta or {}
+    if status is not JobStatus.QUEUED:
+        position = None
+    elif position is None:
+        # None here means a worker popped it a moment ago: it is next, about to run.
+        position = job.get_position() or 0
+    progress, error = meta.get("progress"), meta.get("error")
+    images = meta.get("images", 0) if status is JobStatus.SUCCEEDED else 0
+    deadline = meta.get("deadline_at")
+    return JobView(
+        id=job.id,
+        status=status,
+        attempt=int(meta.get("attempt", 0)),
+        position=position,
+        progress=Progress(**progress) if progress else None,
+        created_at=_aware(job.created_at),
+        deadline_at=datetime.fromtimestamp(deadline, UTC) if deadline else None,
+        started_at=_aware(job.started_at),
+        finished_at=_aware(job.ended_at),
+        error=JobError(**error) if error else _default_error(status),
+        images=[f"/v1/jobs/{job.id}/images/{index}" for index in range(images)],
+        request=JobRequest.model_validate(job.kwargs["request"], strict=False),
+    )
+
+
+def _aware(moment: datetime | None) -> datetime | None:
+    if moment is None or moment.tzinfo is not None:
+        return moment
+    return moment.replace(tzinfo=UTC)
+
+
+def _default_error(status: JobStatus) -> JobError | None:
+    if status is JobStatus.FAILED:
+        return JobError(code="job_failed", message="The job failed.")
+    return None
+
+
+def save_meta(job: Job, pipe: Pipeline | None = None) -> None:
+    """Write the job's meta alone, never the rest of its record."""
+    (pipe or job.connection).hset(job.key, "meta", job.serializer.dumps(job.meta))
+
+
+def report_progress(job: Job, step: int, total: int) -> bool:
+    """Record step progress on the job; returns whether cancellation was requested."""
+    job.meta["progress"] = {"step": step, "total": total}
+    with job.connection.pipeline(transaction=False) as pipe:
+        save_meta(job, pipe)
+        pipe.exists(keys.cancel_key(job.id))
+        return bool(pipe.execute()[-1])
+
+
+def store_images(job: Job, settings: Settings, pngs: list[bytes]) -> None:
+    """Keep a finished job's images for the result TTL."""
+    job.meta["images"] = len(pngs)
+    key = keys.images_key(job.id)
+    with job.connection.pipeline() as pipe:
+        pipe.delete(key)
+        pipe.hset(key, mapping={str(index): png for index, png in enumerate(pngs)})
+        pipe.expire(key, settings.result_ttl_s)
+        save_meta(job, pipe)
+        pipe.execute()
+
+
+def fetch_image(job: Job, index: int) -> bytes:
+    """The index-th PNG of a job, or the error that explains why there is none."""
+    status = job_status(job)
+    if status is not JobStatus.SUCCEEDED:
+        raise NotReadyError(f"The job is {status.value}; it has no images.")
+    if not 0 <= index < job.meta.get("images", 0):
+        raise JobNotFoundError("No image with this index.")
+    png = job.connection.hget(keys.images_key(job.id), str(index))
+    if png is None:
+        raise ResultExpiredError()
+    return bytes(png)
+
+
+def end_job(job: Job, queue: Queue, settings: Settings, pipe: Pipeline, status: RQStatus,
+            error: dict[str, str] | None = None) -> None:
+    """Queue the writes that end a job outside RQ's own worker path (canceled, lost, expired)."""
+    if error:
+        job.meta["error"] = error
+    job.ended_at = datetime.now(UTC)
+    job.set_status(status, pipeline=pipe)
+    pipe.hset(job.key, mapping={"ended_at": job.ended_at.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+                                "meta": job.serializer.dumps(job.meta)})
+    _forget_executions(job, queue, pipe)
+    pipe.expire(job.key, settings.record_ttl_s)
+
+
+def _forget_executions(job: Job, queue: Queue, pipe: Pipeline) -> None:
+    executions = [execution.composite_key for execution in job.get_executions()]
+    if executions:
+        pipe.zrem(queue.started_job_registry.key, *executions)
+
+
+def requeue_at_front(job: Job, queue: Queue, pipe: Pipeline) -> None:
+    """Queue the writes that put a job back at the head of the queue, to run next."""
+    job.meta["progress"] = None
+    job.set_status(RQStatus.QUEUED, pipeline=pipe)
+    save_meta(job, pipe)
+    _forget_executions(job, queue, pipe)
+    pipe.lpush(queue.key, job.id)

@@ -1,0 +1,123 @@
+"""Claiming jobs so that none is lost when a worker dies, and recovering a dead worker's claims.
+
+A worker moves a job id from the queue into its own claims list in one atomic BLMOVE, so the
+id is always in exactly one list: there is no gap between the pop and the registration. The
+worker keeps an ``alive`` key fresh while it lives; the claims of a worker whose key has
+expired are recovered by any other worker: each job runs again, up to SLOTQ_MAX_ATTEMPTS starts
+in all, then ends ``failed`` with ``worker_lost``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from redis import WatchError
+from rq.exceptions import NoSuchJobError
+from rq.job import Job
+from rq.job import JobStatus as RQStatus
+from rq.queue import Queue
+
+from shared import keys, records
+from shared.settings import Settings
+
+log = logging.getLogger(__name__)
+RECOVER_EVERY_S = 1.0
+
+
+class Claims:
+    """One worker's claims on one queue."""
+
+    def __init__(self, queue: Queue, settings: Settings, worker: str) -> None:
+        self.queue, self.settings, self.worker = queue, settings, worker
+        self.connection = queue.connection
+        self.key = keys.claims_key(worker)
+        self._recovered_at = 0.0
+
+    def beat(self) -> None:
+        """Tell the others this worker lives."""
+        with self.connection.pipeline(transaction=False) as pipe:
+            pipe.set(keys.alive_key(self.worker), 1, px=int(self.settings.heartbeat_ttl_s * 1000))
+            pipe.sadd(keys.workers_key(self.queue.name), self.worker)
+            pipe.execute()
+
+    def claim(self, timeout: float | None) -> str | None:
+        """Move the next waiting job id into this worker's claims; None when there is none."""
+        if timeout is None:
+            claimed = self.connection.lmove(self.queue.key, self.key, "LEFT", "RIGHT")
+        else:
+            claimed = self.connection.blmove(self.queue.key, self.key, timeout, "LEFT", "RIGHT")
+        return claimed.decode() if claimed is not None else None
+
+    def release(self, job_id: str) -> None:
+        """Drop a claim once the job's end is recorded."""
+        self.connection.lrem(self.key, 1, job_id)
+
+    def gone(self) -> None:
+        """Forget this worker on a clean exit (its claims list is empty by then)."""
+        with self.connection.pipeline() as pipe:
+            pipe.delete(keys.alive_key(self.worker))
+            pipe.srem(keys.workers_key(self.queue.name), self.worker)
+            pipe.execute()
+
+    def recover(self) -> int:
+        """Recover this worker's leftover claims and those of dead workers; how many jobs moved."""
+        if time.monotonic() - self._recovered_at < RECOVER_EVERY_S:
+            return 0
+        self._recovered_at = time.monotonic()
+        moved = 0
+        for raw in self.connection.smembers(keys.workers_key(self.queue.name)):
+            worker = raw.decode()
+            # Between jobs this worker holds no claim, so any of its own is a leftover.
+            if worker != self.worker and self.connection.exists(keys.alive_key(worker)):
+                continue
+            claims_key = keys.claims_key(worker)
+            for job_id in self.connection.lrange(claims_key, 0, -1):
+                moved += self._recover_one(claims_key, job_id.decode())
+            if worker != self.worker and not self.connection.llen(claims_key):
+                self.connection.srem(keys.workers_key(self.queue.name), worker)
+        return moved
+
+    def recover_now(self, job_id: str) -> None:
+        """Settle one of this worker's own claims without running it: back to the queue, or dropped."""
+        self._recover_one(self.key, job_id)
+
+    def _recover_one(self, claims_key: str, job_id: str) -> int:
+        with self.connection.pipeline() as pipe:
+            try:
+                # Two workers may recover the same dead list; WATCH lets exactly one act.
+                pipe.watch(claims_key)
+                if pipe.lpos(claims_key, job_id) is None:
+                    return 0
+                job = self._fetch(job_id)
+                pipe.multi()
+                pipe.lrem(claims_key, 1, job_id)
+                outcome = self._settle(job, pipe) if job is not None else "missing"
+                pipe.execute()
+            except WatchError:
+                return 0
+        log.warning("recovered job %s from %s: %s", job_id, claims_key, outcome)
+        return 1
+
+    def _fetch(self, job_id: str) -> Job | None:
+        try:
+            return Job.fetch(job_id, connection=self.connection, serializer=self.queue.serializer)
+        except NoSuchJobError:
+            return None
+
+    def _settle(self, job: Job, pipe: object) -> str:
+        """Queue the writes that settle one abandoned job; returns what happened to it."""
+        status = records.job_status(job)
+        if status.is_terminal:
+            return status.value
+        if self.connection.exists(keys.cancel_key(job.id)):
+            records.end_job(job, self.queue, self.settings, pipe, RQStatus.STOPPED)  # type: ignore[arg-type]
+            return "canceled"
+        if records.attempts_used(job) >= self.settings.max_attempts:
+            error = {"code": "worker_lost",
+                     "message": f"The worker died while running this job, {records.attempts_used(job)} "
+                                "times; it is not retried again."}
+            records.end_job(job, self.queue, self.settings, pipe, RQStatus.FAILED, error)  # type: ignore[arg-type]
+            return "failed: worker_lost"
+        records.requeue_at_front(job, self.queue, pipe)  # type: ignore[arg-type]
+        return "requeued"
