@@ -33,6 +33,8 @@ def create_app(settings: Settings | None = None) -> Flask:
     """Build the API for these settings (the environment's by default)."""
     settings = settings or get_settings()
     app = Flask(__name__)
+    # "/v1/jobs/%2Fabc" must be an unknown id (404), not a redirect to another id's URL.
+    app.url_map.merge_slashes = False
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.json.sort_keys = False  # type: ignore[attr-defined]
     app.extensions["slotq.settings"] = settings

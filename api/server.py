@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+import threading
+from types import FrameType
 from typing import Any
 
 from flask import Flask
@@ -27,6 +30,24 @@ class APIServer(BaseApplication):  # type: ignore[misc]
         return create_app(self.settings)
 
 
+def drain_on_sigterm(worker: Any) -> None:
+    """gunicorn hook: on SIGTERM, answer /readyz with 503 for SLOTQ_DRAIN_S, then stop gracefully.
+
+    The pause lets a load balancer see "not ready" and stop sending new requests before this
+    process stops accepting them; requests in flight always complete.
+    """
+    app: Flask = worker.wsgi
+    settings: Settings = app.extensions["slotq.settings"]
+
+    def drain(signum: int, frame: FrameType | None) -> None:
+        app.extensions["slotq.draining"].set()
+        timer = threading.Timer(settings.drain_s, worker.handle_exit, args=(signum, frame))
+        timer.daemon = True
+        timer.start()
+
+    signal.signal(signal.SIGTERM, drain)
+
+
 def serve(host: str | None = None, port: int | None = None, settings: Settings | None = None) -> None:
     """Run the API until SIGTERM or SIGINT; in-flight requests finish first."""
     settings = settings or get_settings()
@@ -36,11 +57,13 @@ def serve(host: str | None = None, port: int | None = None, settings: Settings |
         "threads": settings.api_threads,
         "worker_class": "gthread",
         "timeout": 30,
-        "graceful_timeout": 20,
         "accesslog": "-",
         "loglevel": settings.log_level.lower(),
         # gunicorn 27 opens a control socket under ~/.gunicorn by default, which clashes when
         # several API processes share a machine; slotq does not use it.
         "control_socket_disable": True,
+        "post_worker_init": drain_on_sigterm,
+        # Room for the drain pause plus the slowest request.
+        "graceful_timeout": int(settings.drain_s) + 20,
     }
     APIServer(settings, options).run()

@@ -6,7 +6,7 @@ import re
 
 TASK = "worker.tasks.generate"
 PREFIX = "slotq"
-JOB_ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+JOB_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")  # use with fullmatch: "$" allows a final newline
 
 
 def cancel_key(job_id: str) -> str:

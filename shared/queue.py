@@ -165,7 +165,7 @@ def expire_due(queue: Queue, settings: Settings) -> float:
 
 def fetch_job(queue: Queue, job_id: str) -> Job:
     """The job with this id on our queue, or ``JobNotFoundError``."""
-    if not keys.JOB_ID_PATTERN.match(job_id):
+    if not keys.JOB_ID_PATTERN.fullmatch(job_id):
         raise JobNotFoundError()
     try:
         job = Job.fetch(job_id, connection=queue.connection, serializer=queue.serializer)

@@ -57,7 +57,8 @@ def settings(redis_url: str, model_cache: Path) -> Iterator[Settings]:
     """Settings for one test on a freshly flushed database; the queue has no worker."""
     connection = Redis.from_url(redis_url)
     connection.flushdb()
-    yield Settings(redis_url=redis_url, queue_name="api-tests", queue_capacity=5, cache_dir=model_cache)
+    yield Settings(redis_url=redis_url, queue_name="api-tests", queue_capacity=5, cache_dir=model_cache,
+                   drain_s=0, heartbeat_ttl_s=2)
     connection.close()
 
 
@@ -101,16 +102,18 @@ class Process:
     url: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def stop(self, timeout: float = 30.0) -> int:
-        """SIGTERM, wait, and SIGKILL as a last resort; the exit code."""
+    def stop(self, timeout: float = 10.0) -> int:
+        """SIGTERM (warm), a second SIGTERM (interrupt), SIGKILL as a last resort; the exit code."""
+        for _ in range(2):
+            if self.popen.poll() is None:
+                self.popen.terminate()
+                try:
+                    self.popen.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    continue
         if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
-        return self.popen.returncode
+            self.popen.kill()
+        return self.popen.wait()
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
@@ -174,7 +177,8 @@ def worker_settings(redis_url: str, model_cache: Path) -> Settings:
     """Settings shared by the session's worker and the tests that feed it."""
     # Database 1: the per-test flush of database 0 never touches the worker's queue.
     return Settings(redis_url=redis_url.removesuffix("/0") + "/1", queue_name="worker-tests",
-                    queue_capacity=50, cache_dir=model_cache, max_steps=100, max_side=1024)
+                    queue_capacity=50, cache_dir=model_cache, max_steps=100, max_side=1024,
+                    drain_s=0)
 
 
 @pytest.fixture(scope="session")

@@ -54,11 +54,10 @@ class Claims:
         self.connection.lrem(self.key, 1, job_id)
 
     def gone(self) -> None:
-        """Forget this worker on a clean exit (its claims list is empty by then)."""
-        with self.connection.pipeline() as pipe:
-            pipe.delete(keys.alive_key(self.worker))
-            pipe.srem(keys.workers_key(self.queue.name), self.worker)
-            pipe.execute()
+        """Say this worker is gone: others recover any claim it still holds right away."""
+        self.connection.delete(keys.alive_key(self.worker))
+        if not self.connection.llen(self.key):
+            self.connection.srem(keys.workers_key(self.queue.name), self.worker)
 
     def recover(self) -> int:
         """Recover this worker's leftover claims and those of dead workers; how many jobs moved."""

@@ -1,0 +1,197 @@
+"""Fault injection against real processes: killed and stopped workers, Redis restarts, device faults."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from flask.testing import FlaskClient
+from redis import Redis
+
+from shared.localredis import free_port, start_redis
+from shared.settings import Settings
+from tests.conftest import Process, app_client, post_job, start_worker, wait_for, wait_for_status
+
+pytestmark = pytest.mark.slow
+LONG = {"width": 1024, "height": 1024, "steps": 100}  # about half a second a step on a small CPU
+
+
+def view(client: FlaskClient, job_id: str) -> dict:
+    return client.get(f"/v1/jobs/{job_id}").get_json()
+
+
+def wait_for_step(client: FlaskClient, job_id: str, attempt: int = 1) -> dict:
+    """Wait until the job runs its given attempt and has taken a step."""
+    def stepping() -> dict | None:
+        current = view(client, job_id)
+        progress = current["progress"] or {}
+        running = current["status"] == "running" and current["attempt"] == attempt
+        return current if running and progress.get("step", 0) >= 1 else None
+
+    return wait_for(stepping, timeout=120, what=f"job {job_id} to run attempt {attempt}")
+
+
+@pytest.fixture
+def workers(settings: Settings, tmp_path: Path) -> Iterator[Callable[..., Process]]:
+    """Start real workers on the test queue: ``workers(**env)``; all are stopped at teardown."""
+    started: list[Process] = []
+
+    def start(**extra: object) -> Process:
+        process = start_worker(settings, tmp_path / f"worker-{len(started)}.log", **extra)
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        process.stop()
+
+
+def test_killed_worker_job_runs_again_then_ends_worker_lost(client: FlaskClient, redis: Redis,
+                                                             workers: Callable[..., Process]) -> None:
+    first = workers()
+    job_id = post_job(client, **LONG).get_json()["id"]
+    before = wait_for_step(client, job_id)
+    first.popen.kill()
+
+    second = workers()
+    up = time.monotonic()
+    again = wait_for_step(client, job_id, attempt=2)
+    detected = time.monotonic() - up
+    print(f"abandoned job running again {detected:.2f}s after the next worker was up")
+    assert detected < 15
+    assert again["started_at"] > before["started_at"]
+    second.popen.kill()
+
+    third = workers()
+    lost = wait_for_status(client, job_id, "failed", timeout=60)
+    assert lost["error"]["code"] == "worker_lost" and lost["attempt"] == 2
+    small = post_job(client, width=64, height=64, steps=1).get_json()["id"]
+    assert wait_for_status(client, small, "succeeded")["attempt"] == 1
+    assert third.popen.poll() is None
+    assert all(redis.llen(key) == 0 for key in redis.keys("slotq:claims:*"))
+
+
+def test_sigterm_finishes_the_running_job_and_exits_0(client: FlaskClient,
+                                                      workers: Callable[..., Process]) -> None:
+    worker = workers()
+    running = post_job(client, width=512, height=512, steps=12).get_json()["id"]
+    waiting = post_job(client, width=64, height=64, steps=1).get_json()["id"]
+    wait_for_step(client, running)
+    worker.popen.send_signal(signal.SIGTERM)
+    assert worker.popen.wait(120) == 0
+    assert view(client, running)["status"] == "succeeded"
+    assert view(client, waiting)["status"] == "queued" and view(client, waiting)["position"] == 0
+
+
+def test_second_sigterm_puts_the_job_back_at_the_head(client: FlaskClient,
+                                                      workers: Callable[..., Process]) -> None:
+    worker = workers()
+    running = post_job(client, **LONG).get_json()["id"]
+    behind = post_job(client, width=64, height=64, steps=1).get_json()["id"]
+    wait_for_step(client, running)
+    worker.popen.send_signal(signal.SIGTERM)
+    # Two signals sent at once may arrive as one: send the second once the first is handled.
+    wait_for(lambda: "stop requested" in worker.output(), what="the first SIGTERM to be handled")
+    worker.popen.send_signal(signal.SIGTERM)
+    assert worker.popen.wait(60) == 0
+    back = view(client, running)
+    assert back["status"] == "queued" and back["position"] == 0 and back["error"] is None
+    assert view(client, behind)["position"] == 1
+
+
+def test_stop_timeout_interrupts_and_requeues(client: FlaskClient, workers: Callable[..., Process]) -> None:
+    worker = workers(stop_timeout_s=1)
+    running = post_job(client, **LONG).get_json()["id"]
+    wait_for_step(client, running)
+    worker.popen.send_signal(signal.SIGTERM)
+    assert worker.popen.wait(60) == 0
+    assert view(client, running)["status"] == "queued"
+
+
+def test_out_of_memory_fails_the_job_and_the_worker_goes_on(client: FlaskClient,
+                                                           workers: Callable[..., Process]) -> None:
+    worker = workers(fault_injection=True)
+    oom = post_job(client, prompt="__oom__ a huge picture", width=64, height=64, steps=2).get_json()["id"]
+    failed = wait_for_status(client, oom, "failed", "succeeded")
+    assert failed["status"] == "failed" and failed["error"]["code"] == "out_of_memory"
+    after = post_job(client, width=64, height=64, steps=2).get_json()["id"]
+    assert wait_for_status(client, after, "succeeded", "failed")["status"] == "succeeded"
+    assert worker.popen.poll() is None
+
+
+def test_lost_device_exits_non_zero_and_the_job_is_retried(client: FlaskClient,
+                                                          workers: Callable[..., Process]) -> None:
+    broken = workers(fault_injection=True)
+    body = {"prompt": "__device_lost__ then fine", "width": 64, "height": 64, "steps": 2}
+    job_id = post_job(client, **body).get_json()["id"]
+    assert broken.popen.wait(60) == 3
+    assert "device unusable" in broken.output()
+    workers()  # a healthy device: the supervisor's restart
+    done = wait_for_status(client, job_id, "succeeded", "failed", timeout=60)
+    assert done["status"] == "succeeded" and done["attempt"] == 2
+
+
+def test_redis_restart_loses_no_queued_job(tmp_path: Path, model_cache: Path) -> None:
+    port = free_port()
+    data = tmp_path / "redis"
+    server = start_redis(port, data, appendonly=True)
+    settings = Settings(redis_url=f"redis://127.0.0.1:{port}/0", queue_name="restart", cache_dir=model_cache,
+                        heartbeat_ttl_s=2, drain_s=0)
+    clients = app_client(settings)
+    client = next(clients)
+    worker = start_worker(settings, tmp_path / "worker.log")
+    try:
+        ids = [post_job(client, width=256, height=256, steps=6, seed=i).get_json()["id"] for i in range(6)]
+        wait_for_step(client, ids[0])
+        server.terminate()  # a clean shutdown; AOF holds every acknowledged write
+        server.wait(30)
+        assert post_job(client).status_code == 503
+        server = start_redis(port, data, appendonly=True)
+        views = [wait_for_status(client, i, "succeeded", "failed", "canceled", timeout=120) for i in ids]
+        assert [v["status"] for v in views] == ["succeeded"] * len(ids)
+        assert worker.popen.poll() is None, "the worker reconnects instead of exiting"
+    finally:
+        worker.stop()
+        clients.close()
+        server.terminate()
+        server.wait(30)
+
+
+def test_random_kills_lose_nothing(settings: Settings, tmp_path: Path) -> None:
+    roomy = settings.model_copy(update={"queue_capacity": 1000})
+    clients = app_client(roomy)
+    client = next(clients)
+    rng = random.Random(int(os.environ.get("SLOTQ_TEST_SEED", "7")))
+    # Each request twice with the same seed: twins must end with identical bytes if both succeed.
+    bodies = [{"width": 64, "height": 64, "steps": 1 + i % 3, "seed": i} for i in range(100)]
+    ids = [post_job(client, **body).get_json()["id"] for body in bodies for _ in range(2)]
+    try:
+        for round_ in range(8):
+            worker = start_worker(settings, tmp_path / f"kill-{round_}.log")
+            time.sleep(rng.uniform(0.0, 1.5))  # the kill's random moment, not a wait for a condition
+            worker.popen.kill()
+            worker.popen.wait()
+        survivor = start_worker(settings, tmp_path / "survivor.log")
+        views = [wait_for_status(client, i, "succeeded", "failed", "canceled", timeout=120) for i in ids]
+        assert survivor.stop() == 0
+        images: dict[int, set[bytes]] = {}
+        for current in views:
+            if current["status"] == "succeeded":
+                png = client.get(current["images"][0]).data
+                images.setdefault(current["request"]["seed"], set()).add(png)
+    finally:
+        clients.close()
+    with Redis.from_url(settings.redis_url) as redis:
+        assert redis.llen(f"rq:queue:{settings.queue_name}") == 0
+        assert all(redis.llen(key) == 0 for key in redis.keys("slotq:claims:*"))
+        assert redis.zcard(f"rq:wip:{settings.queue_name}") == 0  # RQ's started-job registry
+    outcomes = {(v["status"], (v["error"] or {}).get("code")) for v in views}
+    assert outcomes <= {("succeeded", None), ("failed", "worker_lost")}, outcomes
+    assert all(len(pngs) == 1 for pngs in images.values())
+    print(f"{len(ids)} jobs, {sum(v['status'] == 'succeeded' for v in views)} succeeded, "
+          f"{sum(v['attempt'] > 1 for v in views)} ran more than once")
