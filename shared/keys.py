@@ -14,6 +14,11 @@ def cancel_key(job_id: str) -> str:
     return f"{PREFIX}:cancel:{job_id}"
 
 
+def issued_key(job_id: str) -> str:
+    """Outlives a job's record: an id once issued answers 410 expired, never 404."""
+    return f"{PREFIX}:issued:{job_id}"
+
+
 def images_key(job_id: str) -> str:
     """Hash of a finished job's PNGs by index."""
     return f"{PREFIX}:images:{job_id}"

@@ -22,7 +22,13 @@ from rq.job import JobStatus as RQStatus
 from rq.serializers import JSONSerializer
 
 from shared import keys
-from shared.errors import AlreadyFinishedError, IdempotencyConflictError, JobNotFoundError, QueueFullError
+from shared.errors import (
+    AlreadyFinishedError,
+    IdempotencyConflictError,
+    JobNotFoundError,
+    QueueFullError,
+    ResultExpiredError,
+)
 from shared.jobs import JobRequest
 from shared.records import end_job, job_status
 from shared.settings import Settings
@@ -65,6 +71,7 @@ end
 local length = redis.call('LLEN', KEYS[1])
 if length > tonumber(ARGV[1]) then undo(); return {-1, redis.call('GET', KEYS[3])} end
 if ARGV[3] ~= '' then redis.call('SET', KEYS[4], ARGV[3] .. ' ' .. ARGV[2], 'EX', ARGV[4]) end
+redis.call('SET', KEYS[6], 1, 'EX', ARGV[9])
 if ARGV[5] ~= '' then
   local deadline = now + tonumber(ARGV[5])
   redis.call('ZADD', KEYS[5], deadline, ARGV[2])
@@ -124,17 +131,17 @@ def enqueue_job(queue: Queue, settings: Settings, request: JobRequest,
         kwargs={"request": request.with_seed().model_dump(mode="json")},
         timeout=settings.job_timeout_s,
         result_ttl=settings.record_ttl_s,
-        failure_ttl=settings.record_ttl_s,
+        failure_ttl=settings.failure_ttl_s,
     )
     idem = keys.idempotency_key(queue.name, _hashed(idempotency_key)) if idempotency_key else ""
     admit = queue.connection.register_script(ADMIT_SCRIPT)
     with queue.connection.pipeline(transaction=True) as pipe:
         queue.enqueue_job(job, pipeline=pipe)
         admit(keys=[queue.key, job.key, keys.job_seconds_key(queue.name), idem or job.key,
-                    keys.deadlines_key(queue.name)],
+                    keys.deadlines_key(queue.name), keys.issued_key(job.id)],
               args=[settings.queue_capacity, job.id, digest if idem else "", IDEMPOTENCY_TTL_S,
                     request.deadline_s or "", Job.redis_job_namespace_prefix, _rq_now(),
-                    settings.record_ttl_s],
+                    settings.record_ttl_s, settings.issued_ttl_s],
               client=pipe)
         position, detail = pipe.execute()[-1]
     if position == -1:
@@ -170,6 +177,8 @@ def fetch_job(queue: Queue, job_id: str) -> Job:
     try:
         job = Job.fetch(job_id, connection=queue.connection, serializer=queue.serializer)
     except NoSuchJobError:
+        if queue.connection.exists(keys.issued_key(job_id)):
+            raise ResultExpiredError("The job's record has expired.") from None
         raise JobNotFoundError() from None
     if job.origin != queue.name or job.func_name != keys.TASK:
         raise JobNotFoundError()

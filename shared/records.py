@@ -129,7 +129,8 @@ def end_job(job: Job, queue: Queue, settings: Settings, pipe: Pipeline, status: 
     pipe.hset(job.key, mapping={"ended_at": job.ended_at.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
                                 "meta": job.serializer.dumps(job.meta)})
     _forget_executions(job, queue, pipe)
-    pipe.expire(job.key, settings.record_ttl_s)
+    failed = status is RQStatus.FAILED
+    pipe.expire(job.key, settings.failure_ttl_s if failed else settings.record_ttl_s)
 
 
 def _forget_executions(job: Job, queue: Queue, pipe: Pipeline) -> None:

@@ -41,6 +41,7 @@ class Settings(BaseSettings):
     fault_injection: bool = False
     result_ttl_s: int = Field(3600, ge=1)
     record_ttl_s: int = Field(86_400, ge=1)
+    failure_ttl_s: int = Field(7 * 86_400, ge=1)
 
     api_host: str = "127.0.0.1"
     api_port: int = Field(8000, ge=1, le=65535)
@@ -68,6 +69,11 @@ class Settings(BaseSettings):
         if self.record_ttl_s < self.result_ttl_s:
             raise ValueError("SLOTQ_RECORD_TTL_S must be at least SLOTQ_RESULT_TTL_S")
         return self
+
+    @property
+    def issued_ttl_s(self) -> int:
+        """How long an id is remembered, so that a job whose record expired answers 410, not 404."""
+        return max(self.record_ttl_s, self.failure_ttl_s) + 7 * 86_400
 
 
 class SettingsError(SystemExit):

@@ -387,8 +387,10 @@ def test_fuzzed_ids_are_not_found_and_touch_only_their_own_key(fuzz_client: Flas
 
     with RedisMonitor(fuzz_settings.redis_url, FUZZ_DB) as monitor:
         lookups()
-    # A malformed id never reaches Redis; a well-formed one reads its own job record and nothing else.
-    allowed = {f"rq:job:{job_id}" for job_id in sent if VALID_ID.fullmatch(job_id)}
+    # A malformed id never reaches Redis; a well-formed one reads its own job record (and, when there is
+    # none, whether that id was ever issued) and nothing else.
+    well_formed = [job_id for job_id in sent if VALID_ID.fullmatch(job_id)]
+    allowed = {key for job_id in well_formed for key in (f"rq:job:{job_id}", f"slotq:issued:{job_id}")}
     for command in monitor.commands:
         name, *keys_touched = command.split(" ")
         connection_setup = name in ("PING", "SELECT", "HELLO", "CLIENT", "AUTH")

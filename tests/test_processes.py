@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import urllib.error
@@ -18,7 +19,7 @@ from redis import Redis
 
 from shared.client import Client
 from shared.settings import Settings
-from tests.conftest import Process, slotq_env
+from tests.conftest import Process, slotq_env, wait_for
 
 CLIENTS = 32
 REQUESTS = 240
@@ -83,3 +84,20 @@ def test_prompt_posted_to_the_running_service_comes_back_as_png(
     assert output.read_bytes() == png  # same request, same seed: the same bytes
     with Image.open(output) as picture:
         assert picture.size == (96, 64)
+
+
+@pytest.mark.slow
+def test_api_drains_on_sigterm(settings: Settings, start_api: Callable[..., Process]) -> None:
+    api = start_api(settings, drain_s=3, api_workers=1)
+    api.popen.send_signal(signal.SIGTERM)
+
+    def draining() -> bool:
+        try:
+            urllib.request.urlopen(api.url + "/readyz", timeout=2)
+        except urllib.error.HTTPError as exc:
+            return exc.code == 503 and json.loads(exc.read())["error"]["code"] == "draining"
+        return False
+
+    wait_for(draining, timeout=10, what="/readyz to answer 503 draining")
+    assert post(api.url)[0] == 202  # still serving while it drains
+    assert api.popen.wait(30) == 0

@@ -128,3 +128,14 @@ def test_results_expire_with_410(worker_settings: Settings, worker_client: Flask
     assert response.status_code == 410
     assert response.get_json()["error"]["code"] == "expired"
     assert worker_client.get(f"/v1/jobs/{view['id']}").get_json()["status"] == "succeeded"
+
+
+def test_expired_record_answers_410_not_404(worker_settings: Settings, worker_client: FlaskClient) -> None:
+    view = run_job(worker_client, width=64, height=64, steps=1)
+    with Redis.from_url(worker_settings.redis_url) as connection:
+        connection.delete(f"rq:job:{view['id']}")  # as the record TTL would, an hour or a day later
+    for response in (worker_client.get(f"/v1/jobs/{view['id']}"), worker_client.get(view["images"][0]),
+                     worker_client.delete(f"/v1/jobs/{view['id']}")):
+        assert response.status_code == 410
+        assert response.get_json()["error"]["code"] == "expired"
+    assert worker_client.get("/v1/jobs/never-issued").status_code == 404
