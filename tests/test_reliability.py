@@ -58,7 +58,7 @@ def test_killed_worker_job_runs_again_then_ends_worker_lost(client: FlaskClient,
     before = wait_for_step(client, job_id)
     first.popen.kill()
 
-    second = workers()
+    second = workers(worker_name="gpu0")
     up = time.monotonic()
     again = wait_for_step(client, job_id, attempt=2)
     detected = time.monotonic() - up
@@ -67,7 +67,7 @@ def test_killed_worker_job_runs_again_then_ends_worker_lost(client: FlaskClient,
     assert again["started_at"] > before["started_at"]
     second.popen.kill()
 
-    third = workers()
+    third = workers(worker_name="gpu0")  # a restart that reuses the dead worker's name
     lost = wait_for_status(client, job_id, "failed", timeout=60)
     assert lost["error"]["code"] == "worker_lost" and lost["attempt"] == 2
     small = post_job(client, width=64, height=64, steps=1).get_json()["id"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 import torch
@@ -12,6 +13,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq.exceptions import NoSuchJobError
 from rq.job import Job
+from rq.job import JobStatus as RQStatus
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
 from rq.timeouts import JobTimeoutException
@@ -67,13 +69,13 @@ class SlotWorker(SimpleWorker):
         while not lifecycle.stopping.is_set():
             try:
                 self.claims.recover()
-                jobs.expire_due(self.queue, self.settings)
+                now = jobs.expire_due(self.queue, self.settings)
                 job_id = self.claims.claim(None if burst else CLAIM_TIMEOUT_S)
                 if job_id is None:
                     if burst:
                         break
                     continue
-                self._run_claim(job_id)
+                self._run_claim(job_id, now)
                 backoff = 0.5
             except (RedisConnectionError, RedisTimeoutError) as exc:
                 log.warning("Redis unreachable (%s); retrying in %.1fs", exc, backoff)
@@ -85,7 +87,7 @@ class SlotWorker(SimpleWorker):
     def queue(self) -> Queue:
         return self.queues[0]
 
-    def _run_claim(self, job_id: str) -> None:
+    def _run_claim(self, job_id: str, now: float) -> None:
         try:
             job = Job.fetch(job_id, connection=self.connection, serializer=self.serializer)
         except NoSuchJobError:
@@ -95,10 +97,22 @@ class SlotWorker(SimpleWorker):
             # Claimed as a stop came in, or canceled/expired meanwhile: put back or drop.
             self.claims.recover_now(job_id)
             return
+        if job.meta.get("deadline_at", now + 1) <= now:
+            # Its deadline passed in the instant between the purge and the claim.
+            self._expire(job)
+            return
         job.meta["attempt"] = int(job.meta.get("attempt", 0)) + 1
         records.save_meta(job)
         self.execute_job(job, self.queue)
         self.claims.release(job_id)
+
+    def _expire(self, job: Job) -> None:
+        job.meta["expired"] = True
+        with self.connection.pipeline() as pipe:
+            records.end_job(job, self.queue, self.settings, pipe, RQStatus.CANCELED)
+            pipe.zrem(keys.deadlines_key(self.queue.name), job.id)
+            pipe.lrem(self.claims.key, 1, job.id)
+            pipe.execute()
 
     def handle_exception(self, job: Job, *exc_info: Any) -> None:
         """Record why a job ended; decide whether it failed, was canceled or goes back to the queue."""
@@ -146,8 +160,15 @@ class SlotWorker(SimpleWorker):
                 log.debug("heartbeat failed: %s", exc)
 
     def _register(self) -> None:
-        if self.connection.exists(self.key) and not self.connection.exists(keys.alive_key(self.name)):
-            # A restarted worker with a fixed name: the dead one's registration is stale.
+        if self.connection.exists(self.key) and not self.connection.hexists(self.key, "death"):
+            # A restarted worker with a fixed name: once the dead one's heartbeat has lapsed, its
+            # registration is stale and its claims are ours to recover.
+            alive = keys.alive_key(self.name)
+            deadline = time.monotonic() + self.settings.heartbeat_ttl_s + 1
+            while self.connection.exists(alive) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if self.connection.exists(alive):
+                raise RuntimeError(f"a live worker is already named {self.name!r}")
             self.connection.delete(self.key)
         self.register_birth()
         self.claims.beat()
