@@ -41,7 +41,7 @@ def in_process(settings: Settings, requests: list[JobRequest]) -> list[float]:
 
 def through_service(settings: Settings, requests: list[JobRequest], log: Path) -> tuple[float, list[float]]:
     """Wall seconds for the whole burst, and each job's submit-to-finish seconds."""
-    env = {f"SLOTQ_{k.upper()}": str(v) for k, v in settings.model_dump(mode="json").items()}
+    env = {f"SLOTQ_{k.upper()}": str(v) for k, v in settings.model_dump(mode="json").items() if v is not None}
     with log.open("wb") as out:
         worker = subprocess.Popen([sys.executable, "-m", "shared.cli", "worker"],
                                   env={**env, "PATH": "/usr/bin:/bin"}, stdout=out, stderr=out)
@@ -49,6 +49,8 @@ def through_service(settings: Settings, requests: list[JobRequest], log: Path) -
     queue = jobs.job_queue(connection, settings)
     try:
         while not Worker.all(connection=connection):
+            if worker.poll() is not None:
+                raise SystemExit(f"the worker exited during start-up; see {log}")
             time.sleep(0.05)
         started = time.perf_counter()
         admitted = [jobs.enqueue_job(queue, settings, request).job for request in requests]
