@@ -156,6 +156,7 @@ class SlotWorker(SimpleWorker):
         while not done.wait(interval):
             try:
                 self.claims.beat()
+                self.heartbeat()  # RQ's own registration, so `rq info` keeps listing a busy worker
             except RedisError as exc:
                 log.debug("heartbeat failed: %s", exc)
 
