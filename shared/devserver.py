@@ -13,6 +13,9 @@ import urllib.request
 from pathlib import Path
 from types import FrameType
 
+from redis import Redis
+from rq import Worker
+
 from shared.localredis import free_port, is_reachable, start_redis
 from shared.settings import Settings
 
@@ -29,12 +32,13 @@ def run_dev(settings: Settings, host: str, port: int) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     children: list[subprocess.Popen[bytes]] = []
     env = dict(os.environ)
+    redis_url = settings.redis_url
     with tempfile.TemporaryDirectory(prefix="slotq-dev-") as scratch:
         try:
-            if not is_reachable(settings.redis_url):
+            if not is_reachable(redis_url):
                 redis_port = free_port()
                 children.append(start_redis(redis_port, Path(scratch) / "redis"))
-                env["SLOTQ_REDIS_URL"] = f"redis://127.0.0.1:{redis_port}/0"
+                redis_url = env["SLOTQ_REDIS_URL"] = f"redis://127.0.0.1:{redis_port}/0"
                 print(f"slotq: started redis-server on port {redis_port}", flush=True)
             # Own sessions: Ctrl-C reaches only this process, which then stops each child once.
             cli = [sys.executable, "-m", "shared.cli"]
@@ -43,6 +47,8 @@ def run_dev(settings: Settings, host: str, port: int) -> int:
                                              env=env, start_new_session=True))
             url = f"http://{host}:{port}"
             _wait_until_up(url, children)
+            print("slotq: the API answers; waiting for the worker to load the model", flush=True)
+            _wait_for_worker(redis_url, children)
             print(f"slotq: serving on {url} (Ctrl-C stops everything)", flush=True)
             while all(child.poll() is None for child in children):
                 time.sleep(0.5)
@@ -66,6 +72,18 @@ def _wait_until_up(url: str, children: list[subprocess.Popen[bytes]], timeout: f
         except OSError:
             time.sleep(0.2)
     raise RuntimeError(f"the API did not answer on {url} within {timeout:.0f}s")
+
+
+def _wait_for_worker(redis_url: str, children: list[subprocess.Popen[bytes]],
+                     timeout: float = 300.0) -> None:
+    with Redis.from_url(redis_url) as connection:
+        deadline = time.monotonic() + timeout
+        while not Worker.all(connection=connection):
+            if any(child.poll() is not None for child in children):
+                raise RuntimeError("a slotq process exited during start-up")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no worker registered within {timeout:.0f}s")
+            time.sleep(0.2)
 
 
 def _stop(children: object) -> None:

@@ -46,6 +46,38 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     process.wait(10)
 
 
+@dataclass
+class RedisServer:
+    """A redis-server of one test's own, which the test may stop and start again."""
+
+    port: int
+    data: Path
+    appendonly: bool = False
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.process = start_redis(self.port, self.data, appendonly=self.appendonly)
+
+    def stop(self) -> None:
+        """A clean shutdown: with AOF on, every acknowledged write is on disk."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(30)
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server with AOF on, for tests that stop and restart it."""
+    server = RedisServer(free_port(), tmp_path / "private-redis", appendonly=True)
+    server.start()
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Where the tiny model is written once for the session."""

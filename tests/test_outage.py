@@ -6,22 +6,18 @@ import socket
 import time
 from pathlib import Path
 
-from shared.localredis import free_port, start_redis
 from shared.settings import Settings
-from tests.conftest import app_client, post_job, wait_for
+from tests.conftest import RedisServer, app_client, post_job, wait_for
 
 
-def test_redis_down_gives_503_then_recovers(tmp_path: Path, model_cache: Path) -> None:
-    port = free_port()
-    server = start_redis(port, tmp_path / "redis")
-    settings = Settings(redis_url=f"redis://127.0.0.1:{port}/0", redis_timeout_s=1.0,
-                        queue_name="outage", cache_dir=model_cache)
+def test_redis_down_gives_503_then_recovers(private_redis: RedisServer, model_cache: Path) -> None:
+    settings = Settings(redis_url=private_redis.url, redis_timeout_s=1.0, queue_name="outage",
+                        cache_dir=model_cache)
     clients = app_client(settings)
     client = next(clients)
     try:
         job_id = post_job(client).get_json()["id"]
-        server.terminate()
-        server.wait(10)
+        private_redis.stop()
 
         for method, path in [("post", "/v1/jobs"), ("get", f"/v1/jobs/{job_id}"), ("get", "/readyz")]:
             started = time.monotonic()
@@ -32,13 +28,12 @@ def test_redis_down_gives_503_then_recovers(tmp_path: Path, model_cache: Path) -
             assert int(response.headers["Retry-After"]) >= 1
         assert client.get("/healthz").status_code == 200  # alive, just not ready
 
-        server = start_redis(port, tmp_path / "redis")
+        private_redis.start()
         wait_for(lambda: client.get("/readyz").status_code == 200, what="readiness after restart")
+        assert client.get(f"/v1/jobs/{job_id}").get_json()["status"] == "queued"  # AOF kept it
         assert post_job(client).status_code == 202
     finally:
         clients.close()
-        server.terminate()
-        server.wait(10)
 
 
 def test_redis_that_never_answers_gives_503_not_a_hang(tmp_path: Path, model_cache: Path) -> None:

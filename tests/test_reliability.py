@@ -13,9 +13,8 @@ import pytest
 from flask.testing import FlaskClient
 from redis import Redis
 
-from shared.localredis import free_port, start_redis
 from shared.settings import Settings
-from tests.conftest import Process, app_client, post_job, start_worker, wait_for, wait_for_status
+from tests.conftest import Process, RedisServer, app_client, post_job, start_worker, wait_for, wait_for_status
 
 pytestmark = pytest.mark.slow
 LONG = {"width": 1024, "height": 1024, "steps": 100}  # about half a second a step on a small CPU
@@ -136,11 +135,9 @@ def test_lost_device_exits_non_zero_and_the_job_is_retried(client: FlaskClient,
     assert done["status"] == "succeeded" and done["attempt"] == 2
 
 
-def test_redis_restart_loses_no_queued_job(tmp_path: Path, model_cache: Path) -> None:
-    port = free_port()
-    data = tmp_path / "redis"
-    server = start_redis(port, data, appendonly=True)
-    settings = Settings(redis_url=f"redis://127.0.0.1:{port}/0", queue_name="restart", cache_dir=model_cache,
+def test_redis_restart_loses_no_queued_job(private_redis: RedisServer, tmp_path: Path,
+                                           model_cache: Path) -> None:
+    settings = Settings(redis_url=private_redis.url, queue_name="restart", cache_dir=model_cache,
                         heartbeat_ttl_s=2, drain_s=0)
     clients = app_client(settings)
     client = next(clients)
@@ -148,18 +145,15 @@ def test_redis_restart_loses_no_queued_job(tmp_path: Path, model_cache: Path) ->
     try:
         ids = [post_job(client, width=256, height=256, steps=6, seed=i).get_json()["id"] for i in range(6)]
         wait_for_step(client, ids[0])
-        server.terminate()  # a clean shutdown; AOF holds every acknowledged write
-        server.wait(30)
+        private_redis.stop()
         assert post_job(client).status_code == 503
-        server = start_redis(port, data, appendonly=True)
+        private_redis.start()
         views = [wait_for_status(client, i, "succeeded", "failed", "canceled", timeout=120) for i in ids]
         assert [v["status"] for v in views] == ["succeeded"] * len(ids)
         assert worker.popen.poll() is None, "the worker reconnects instead of exiting"
     finally:
         worker.stop()
         clients.close()
-        server.terminate()
-        server.wait(30)
 
 
 def test_random_kills_lose_nothing(settings: Settings, tmp_path: Path) -> None:
