@@ -15,10 +15,12 @@ from shared.errors import (
     NotFoundError,
     PayloadTooLargeError,
     ServiceError,
+    UnauthorizedError,
     UnavailableError,
 )
 from shared.queue import connect, job_queue
 from shared.settings import Settings, get_settings
+from shared.tenants import policies
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.extensions["slotq.settings"] = settings
     app.extensions["slotq.queue"] = job_queue(connect(settings), settings)
     app.extensions["slotq.draining"] = threading.Event()  # set by the server on SIGTERM
+    app.extensions["slotq.keys"] = policies(settings)
     app.register_blueprint(bp)
     app.register_error_handler(ServiceError, error_response)
     app.register_error_handler(redis.ConnectionError, redis_unavailable)
@@ -54,6 +57,9 @@ def error_response(error: ServiceError) -> tuple[Response, int]:
     response = jsonify(error.to_dict())
     if error.retry_after is not None:
         response.headers["Retry-After"] = str(error.retry_after)
+    if isinstance(error, UnauthorizedError):
+        response.headers["WWW-Authenticate"] = 'Bearer realm="slotq"'
+
     return response, error.status
 
 

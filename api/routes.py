@@ -6,12 +6,12 @@ import json
 import time
 from typing import Any
 
-from flask import Blueprint, Response, current_app, jsonify, request
+from flask import Blueprint, Response, current_app, g, jsonify, request
 from pydantic import ValidationError
 from rq import Queue
 
 from shared import queue as jobs
-from shared import records
+from shared import records, tenants
 from shared.errors import (
     DrainingError,
     InvalidJSONError,
@@ -20,6 +20,7 @@ from shared.errors import (
 )
 from shared.jobs import JobStatus, validate_request
 from shared.settings import Settings
+from shared.tenants import Tenant
 
 bp = Blueprint("slotq", __name__)
 MAX_IDEMPOTENCY_KEY = 255
@@ -33,6 +34,18 @@ def _settings() -> Settings:
     return current_app.extensions["slotq.settings"]
 
 
+def _tenant() -> Tenant | None:
+    return g.get("tenant")
+
+
+@bp.before_request
+def authenticate() -> None:
+    """With SLOTQ_API_KEYS set, every /v1 call needs a valid bearer key; it names the tenant."""
+    if request.path.startswith("/v1/"):
+        g.tenant = tenants.authenticate(current_app.extensions["slotq.keys"], _settings(),
+                                        request.headers.get("Authorization"))
+
+
 @bp.post("/v1/jobs")
 def submit_job() -> tuple[Response, int, dict[str, str]]:
     """Admit a job (202), replay an earlier submit with the same Idempotency-Key (200), or refuse."""
@@ -42,7 +55,7 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
                                        max_steps=settings.max_steps)
     except ValidationError as exc:
         raise InvalidRequestError(details=_details(exc)) from None
-    admission = jobs.enqueue_job(_queue(), settings, job_request, _idempotency_key())
+    admission = jobs.enqueue_job(_queue(), settings, job_request, _idempotency_key(), _tenant())
     view = records.job_view(admission.job, position=admission.position)
     status = 200 if admission.replayed else 202
     return _json(view), status, {"Location": f"/v1/jobs/{admission.job.id}"}
@@ -52,18 +65,18 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
 def get_job(job_id: str) -> Response:
     """A job's status, progress and result links."""
     queue = _queue()
-    job = jobs.fetch_job(queue, job_id)
+    job = jobs.fetch_job(queue, job_id, _tenant())
     view = records.job_view(job)
     if view.status is JobStatus.QUEUED and view.deadline_at and _past(view.deadline_at.timestamp()):
         jobs.expire_due(queue, _settings())
-        view = records.job_view(jobs.fetch_job(queue, job_id))
+        view = records.job_view(jobs.fetch_job(queue, job_id, _tenant()))
     return _json(view)
 
 
 @bp.get("/v1/jobs/<job_id>/images/<int:index>")
 def get_image(job_id: str, index: int) -> Response:
     """One finished image as PNG."""
-    png = records.fetch_image(jobs.fetch_job(_queue(), job_id), index)
+    png = records.fetch_image(jobs.fetch_job(_queue(), job_id, _tenant()), index)
     return Response(png, mimetype="image/png", headers={"Cache-Control": "private, max-age=3600"})
 
 
@@ -71,8 +84,8 @@ def get_image(job_id: str, index: int) -> Response:
 def cancel_job(job_id: str) -> tuple[Response, int]:
     """Cancel a job: 200 once it is canceled, 202 while its worker is stopping it."""
     queue = _queue()
-    ended = jobs.cancel_job(queue, _settings(), jobs.fetch_job(queue, job_id))
-    return _json(records.job_view(jobs.fetch_job(queue, job_id))), 200 if ended else 202
+    ended = jobs.cancel_job(queue, _settings(), jobs.fetch_job(queue, job_id, _tenant()))
+    return _json(records.job_view(jobs.fetch_job(queue, job_id, _tenant()))), 200 if ended else 202
 
 
 @bp.get("/v1/queue")

@@ -30,6 +30,10 @@ class InvalidJSONError(ServiceError):
     status, code, message = 400, "invalid_json", "The request body is not valid JSON."
 
 
+class UnauthorizedError(ServiceError):
+    status, code, message = 401, "unauthorized", "Send a valid API key as `Authorization: Bearer <key>`."
+
+
 class NotFoundError(ServiceError):
     status, code, message = 404, "not_found", "No such resource."
 
@@ -68,6 +72,10 @@ class InvalidRequestError(ServiceError):
 
 class QueueFullError(ServiceError):
     status, code, message = 429, "queue_full", "The queue is full; retry later."
+
+
+class RateLimitedError(ServiceError):
+    status, code, message = 429, "rate_limited", "This API key is over its rate; retry later."
 
 
 class UnavailableError(ServiceError):

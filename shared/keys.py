@@ -29,6 +29,11 @@ def idempotency_key(queue: str, digest: str) -> str:
     return f"{PREFIX}:idempotency:{queue}:{digest}"
 
 
+def bucket_key(queue: str, tenant: str) -> str:
+    """One tenant's token bucket: its tokens and when they were counted."""
+    return f"{PREFIX}:bucket:{queue}:{tenant}"
+
+
 def deadlines_key(queue: str) -> str:
     """Sorted set of waiting jobs by the time they expire."""
     return f"{PREFIX}:deadlines:{queue}"

@@ -25,13 +25,16 @@ from shared import keys
 from shared.errors import (
     AlreadyFinishedError,
     IdempotencyConflictError,
+    InvalidRequestError,
     JobNotFoundError,
     QueueFullError,
+    RateLimitedError,
     ResultExpiredError,
 )
 from shared.jobs import JobRequest
 from shared.records import end_job, job_status
 from shared.settings import Settings
+from shared.tenants import Tenant, job_cost
 
 IDEMPOTENCY_TTL_S = 24 * 3600
 RQ_TIME_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
@@ -68,10 +71,22 @@ if ARGV[3] ~= '' then
   local prior = redis.call('GET', KEYS[4])
   if prior then undo(); return {-2, prior} end
 end
+-- The tenant's token bucket, on Redis's clock: refilled at `rate` units a second up to `burst`.
+local rate, burst, cost, tokens = tonumber(ARGV[11]), tonumber(ARGV[12]), tonumber(ARGV[13]), 0
+if rate then
+  local state = redis.call('HMGET', KEYS[7], 'tokens', 'at')
+  local level, at = tonumber(state[1]) or burst, tonumber(state[2]) or now
+  tokens = math.min(burst, level + math.max(0, now - at) * rate)
+  if tokens < cost then undo(); return {-3, tostring((cost - tokens) / rate)} end
+end
 local length = redis.call('LLEN', KEYS[1])
 if length > tonumber(ARGV[1]) then undo(); return {-1, redis.call('GET', KEYS[3])} end
+if rate then
+  redis.call('HSET', KEYS[7], 'tokens', tostring(tokens - cost), 'at', tostring(now))
+  redis.call('EXPIRE', KEYS[7], math.ceil(burst / rate) + 60)
+end
 if ARGV[3] ~= '' then redis.call('SET', KEYS[4], ARGV[3] .. ' ' .. ARGV[2], 'EX', ARGV[4]) end
-redis.call('SET', KEYS[6], 1, 'EX', ARGV[9])
+redis.call('SET', KEYS[6], ARGV[10], 'EX', ARGV[9])
 if ARGV[5] ~= '' then
   local deadline = now + tonumber(ARGV[5])
   redis.call('ZADD', KEYS[5], deadline, ARGV[2])
@@ -123,35 +138,56 @@ def request_digest(request: JobRequest) -> str:
 
 
 def enqueue_job(queue: Queue, settings: Settings, request: JobRequest,
-                idempotency_key: str | None = None) -> Admission:
+                idempotency_key: str | None = None, tenant: Tenant | None = None) -> Admission:
     """Admit one job atomically, replay an idempotent retry, or raise a typed refusal."""
     digest = request_digest(request)
+    cost = job_cost(request.width, request.height, request.steps, request.num_images)
+    if tenant and tenant.burst is not None and cost > tenant.burst:
+        raise InvalidRequestError(details=[{"loc": [], "msg": f"the job costs {cost:g} units, more than "
+                                            f"this key's burst of {tenant.burst:g}"}])
     job = queue.create_job(
         keys.TASK,
         kwargs={"request": request.with_seed().model_dump(mode="json")},
+        meta={"tenant": tenant.name} if tenant else {},
         timeout=settings.job_timeout_s,
         result_ttl=settings.record_ttl_s,
         failure_ttl=settings.failure_ttl_s,
     )
-    idem = keys.idempotency_key(queue.name, _hashed(idempotency_key)) if idempotency_key else ""
+    name = tenant.name if tenant else ""
+    idem = keys.idempotency_key(queue.name, _hashed(f"{name} {idempotency_key}")) if idempotency_key else ""
     admit = queue.connection.register_script(ADMIT_SCRIPT)
     with queue.connection.pipeline(transaction=True) as pipe:
         queue.enqueue_job(job, pipeline=pipe)
         admit(keys=[queue.key, job.key, keys.job_seconds_key(queue.name), idem or job.key,
-                    keys.deadlines_key(queue.name), keys.issued_key(job.id)],
+                    keys.deadlines_key(queue.name), keys.issued_key(job.id),
+                    keys.bucket_key(queue.name, name)],
               args=[settings.queue_capacity, job.id, digest if idem else "", IDEMPOTENCY_TTL_S,
                     request.deadline_s or "", Job.redis_job_namespace_prefix, _rq_now(),
-                    settings.record_ttl_s, settings.issued_ttl_s],
+                    settings.record_ttl_s, settings.issued_ttl_s, name,
+                    tenant.rate if tenant and tenant.rate else "",
+                    tenant.burst if tenant and tenant.rate else "", cost],
               client=pipe)
         position, detail = pipe.execute()[-1]
+    return _admission(queue, job, position, detail, digest, tenant)
+
+
+def _admission(queue: Queue, job: Job, position: int, detail: bytes | None, digest: str,
+               tenant: Tenant | None) -> Admission:
     if position == -1:
-        raise QueueFullError(retry_after=max(1, math.ceil(float(detail or 1))))
+        raise QueueFullError(retry_after=_whole_seconds(detail))
+    if position == -3:
+        raise RateLimitedError(retry_after=_whole_seconds(detail))
     if position == -2:
+        assert detail is not None
         prior_digest, prior_id = detail.decode().split(" ")
         if prior_digest != digest:
             raise IdempotencyConflictError()
-        return Admission(fetch_job(queue, prior_id), None, replayed=True)
-    return Admission(fetch_job(queue, job.id), position)
+        return Admission(fetch_job(queue, prior_id, tenant), None, replayed=True)
+    return Admission(fetch_job(queue, job.id, tenant), position)
+
+
+def _whole_seconds(seconds: bytes | None) -> int:
+    return max(1, math.ceil(float(seconds or 1)))
 
 
 def _hashed(value: str) -> str:
@@ -170,18 +206,21 @@ def expire_due(queue: Queue, settings: Settings) -> float:
     return float(now)
 
 
-def fetch_job(queue: Queue, job_id: str) -> Job:
-    """The job with this id on our queue, or ``JobNotFoundError``."""
+def fetch_job(queue: Queue, job_id: str, tenant: Tenant | None = None) -> Job:
+    """The job with this id on our queue and of this tenant, or ``JobNotFoundError``."""
     if not keys.JOB_ID_PATTERN.fullmatch(job_id):
         raise JobNotFoundError()
     try:
         job = Job.fetch(job_id, connection=queue.connection, serializer=queue.serializer)
     except NoSuchJobError:
-        if queue.connection.exists(keys.issued_key(job_id)):
+        issued_to = queue.connection.get(keys.issued_key(job_id))
+        if issued_to is not None and (tenant is None or issued_to.decode() == tenant.name):
             raise ResultExpiredError("The job's record has expired.") from None
         raise JobNotFoundError() from None
     if job.origin != queue.name or job.func_name != keys.TASK:
         raise JobNotFoundError()
+    if tenant is not None and job.meta.get("tenant") != tenant.name:
+        raise JobNotFoundError()  # another tenant's job looks exactly like an unknown one
     return job
 
 

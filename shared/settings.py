@@ -8,10 +8,31 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEVICE_PATTERN = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+
+
+class KeyPolicy(BaseModel):
+    """One API key's tenant and its own limits (unset: the service-wide ones)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tenant: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.@-]+$")
+    rate: float | None = Field(None, gt=0)
+    burst: float | None = Field(None, gt=0)
+
+
+KeyTable = dict[str, str | KeyPolicy]
 
 
 class Settings(BaseSettings):
@@ -43,6 +64,11 @@ class Settings(BaseSettings):
     record_ttl_s: int = Field(86_400, ge=1)
     failure_ttl_s: int = Field(7 * 86_400, ge=1)
 
+    api_keys: KeyTable | None = None
+    api_keys_file: Path | None = None
+    tenant_rate: float | None = Field(None, gt=0)
+    tenant_burst: float | None = Field(None, gt=0)
+
     api_host: str = "127.0.0.1"
     api_port: int = Field(8000, ge=1, le=65535)
     api_workers: int = Field(2, ge=1, le=64)
@@ -70,6 +96,18 @@ class Settings(BaseSettings):
             raise ValueError("SLOTQ_RECORD_TTL_S must be at least SLOTQ_RESULT_TTL_S")
         return self
 
+    @model_validator(mode="after")
+    def _keys_from_file(self) -> Settings:
+        if self.api_keys is None and self.api_keys_file is not None:
+            try:
+                keys = TypeAdapter(KeyTable).validate_json(self.api_keys_file.read_bytes())
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"SLOTQ_API_KEYS_FILE: not a valid table of keys: {exc}") from None
+            object.__setattr__(self, "api_keys", keys)  # frozen model: set once, while validating
+        if self.tenant_rate is not None and self.tenant_burst is None:
+            raise ValueError("SLOTQ_TENANT_BURST must be set with SLOTQ_TENANT_RATE")
+        return self
+
     @property
     def issued_ttl_s(self) -> int:
         """How long an id is remembered, so that a job whose record expired answers 410, not 404."""
@@ -85,12 +123,12 @@ def load_settings() -> Settings:
     try:
         return Settings()
     except ValidationError as exc:
-        lines = []
+        # One line per variable, however many ways its value failed (a union reports each branch).
+        problems: dict[str, list[str]] = {}
         for error in exc.errors():
-            message = error["msg"].removeprefix("Value error, ")
-            if error["loc"]:
-                message = f"SLOTQ_{str(error['loc'][0]).upper()}: {message}"
-            lines.append(f"slotq: bad setting {message}")
+            name = f"SLOTQ_{str(error['loc'][0]).upper()}: " if error["loc"] else ""
+            problems.setdefault(name, []).append(error["msg"].removeprefix("Value error, "))
+        lines = [f"slotq: bad setting {name}{'; '.join(messages)}" for name, messages in problems.items()]
         raise SettingsError("\n".join(lines)) from None
 
 

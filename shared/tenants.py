@@ -1,0 +1,46 @@
+"""API keys and the tenants they stand for: who may submit, and under which limits."""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+
+from shared.errors import UnauthorizedError
+from shared.settings import KeyPolicy, Settings
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """The caller of one request, with the limits that apply to it."""
+
+    name: str
+    rate: float | None = None
+    burst: float | None = None
+
+
+def policies(settings: Settings) -> dict[str, KeyPolicy]:
+    """Every configured key with its policy; empty in single-user mode."""
+    return {key: KeyPolicy(tenant=value) if isinstance(value, str) else value
+            for key, value in (settings.api_keys or {}).items()}
+
+
+def authenticate(table: dict[str, KeyPolicy], settings: Settings, authorization: str | None) -> Tenant | None:
+    """The tenant behind an ``Authorization: Bearer`` header; None when the service is open."""
+    if not table:
+        return None
+    scheme, _, presented = (authorization or "").partition(" ")
+    match: KeyPolicy | None = None
+    # Compare against every key, in constant time each, so timing reveals neither key nor count.
+    for key, policy in table.items():
+        if hmac.compare_digest(key.encode(), presented.strip().encode()) and scheme.lower() == "bearer":
+            match = policy
+    if match is None:
+        raise UnauthorizedError()
+    return Tenant(name=match.tenant,
+                  rate=match.rate if match.rate is not None else settings.tenant_rate,
+                  burst=match.burst if match.burst is not None else settings.tenant_burst)
+
+
+def job_cost(width: int, height: int, steps: int, num_images: int) -> float:
+    """GPU work in cost units: one unit is one denoising step of one 512x512 image."""
+    return steps * width * height * num_images / (512 * 512)
