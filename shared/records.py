@@ -85,6 +85,14 @@ def save_meta(job: Job, pipe: Pipeline | None = None) -> None:
     (pipe or job.connection).hset(job.key, "meta", job.serializer.dumps(job.meta))
 
 
+def begin_attempt(job: Job) -> None:
+    """Count a start and show step 0, before RQ marks the job running (never running without progress)."""
+    job.meta["attempt"] = int(job.meta.get("attempt", 0)) + 1
+    steps = job.kwargs.get("request", {}).get("steps")
+    job.meta["progress"] = {"step": 0, "total": steps} if isinstance(steps, int) else None
+    save_meta(job)
+
+
 def report_progress(job: Job, step: int, total: int) -> bool:
     """Record step progress on the job; returns whether cancellation was requested."""
     job.meta["progress"] = {"step": step, "total": total}

@@ -101,8 +101,7 @@ class SlotWorker(SimpleWorker):
             # Its deadline passed in the instant between the purge and the claim.
             self._expire(job)
             return
-        job.meta["attempt"] = int(job.meta.get("attempt", 0)) + 1
-        records.save_meta(job)
+        records.begin_attempt(job)
         self.execute_job(job, self.queue)
         self.claims.release(job_id)
 
