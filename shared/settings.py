@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import sys
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -136,9 +135,3 @@ def load_settings() -> Settings:
 def get_settings() -> Settings:
     """The process-wide settings, read once."""
     return load_settings()
-
-
-def fail(message: str) -> None:
-    """Print one line to stderr and exit non-zero; for start-up errors outside settings."""
-    print(f"slotq: {message}", file=sys.stderr)
-    raise SystemExit(2)
