@@ -9,16 +9,17 @@ from typing import Any
 from flask import Blueprint, Response, current_app, g, jsonify, request
 from pydantic import ValidationError
 from rq import Queue
+from rq.job import Job
 
+from shared import estimates, records, tenants
 from shared import queue as jobs
-from shared import records, tenants
 from shared.errors import (
     DrainingError,
     InvalidJSONError,
     InvalidRequestError,
     UnsupportedMediaTypeError,
 )
-from shared.jobs import JobStatus, validate_request
+from shared.jobs import Eta, JobStatus, JobView, validate_request
 from shared.settings import Settings
 from shared.tenants import Tenant
 
@@ -56,7 +57,7 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
     except ValidationError as exc:
         raise InvalidRequestError(details=_details(exc)) from None
     admission = jobs.enqueue_job(_queue(), settings, job_request, _idempotency_key(), _tenant())
-    view = records.job_view(admission.job, position=admission.position)
+    view = _view(admission.job, admission.position)
     status = 200 if admission.replayed else 202
     return _json(view), status, {"Location": f"/v1/jobs/{admission.job.id}"}
 
@@ -66,10 +67,10 @@ def get_job(job_id: str) -> Response:
     """A job's status, progress and result links."""
     queue = _queue()
     job = jobs.fetch_job(queue, job_id, _tenant())
-    view = records.job_view(job)
+    view = _view(job)
     if view.status is JobStatus.QUEUED and view.deadline_at and _past(view.deadline_at.timestamp()):
         jobs.expire_due(queue, _settings())
-        view = records.job_view(jobs.fetch_job(queue, job_id, _tenant()))
+        view = _view(jobs.fetch_job(queue, job_id, _tenant()))
     return _json(view)
 
 
@@ -116,6 +117,16 @@ def readyz() -> Response:
         raise DrainingError(retry_after=1)
     _queue().connection.ping()  # a Redis error becomes 503 in the app's error handler
     return jsonify({"status": "ready"})
+
+
+def _view(job: Job, position: int | None = None) -> JobView:
+    """The job's view, with start and finish estimates while it waits or runs."""
+    view = records.job_view(job, position)
+    if not view.status.is_terminal:
+        estimate = estimates.eta(_queue(), job, view.position)
+        if estimate is not None:
+            view = view.model_copy(update={"eta_s": Eta(start=estimate[0], finish=estimate[1])})
+    return view
 
 
 def _json(view: Any) -> Response:

@@ -79,6 +79,13 @@ class Progress(BaseModel):
     total: int
 
 
+class Eta(BaseModel):
+    """Estimated seconds from now until a job starts and until it finishes."""
+
+    start: float
+    finish: float
+
+
 class JobError(BaseModel):
     """Why a job failed, with a stable code."""
 
@@ -93,6 +100,7 @@ class JobView(BaseModel):
     status: JobStatus
     attempt: int = 0
     position: int | None = None
+    eta_s: Eta | None = None
     progress: Progress | None = None
     created_at: datetime | None = None
     deadline_at: datetime | None = None

@@ -39,9 +39,14 @@ def deadlines_key(queue: str) -> str:
     return f"{PREFIX}:deadlines:{queue}"
 
 
-def job_seconds_key(queue: str) -> str:
-    """Moving average of a job's run time, behind Retry-After."""
-    return f"{PREFIX}:stats:{queue}:job_seconds"
+def model_key(queue: str) -> str:
+    """The fitted job-time model (``a + b * cost``) and its weighted sums."""
+    return f"{PREFIX}:model:{queue}"
+
+
+def running_key(queue: str) -> str:
+    """Hash of worker name to "cost started-at" of the job it runs."""
+    return f"{PREFIX}:running:{queue}"
 
 
 def workers_key(queue: str) -> str:

@@ -31,6 +31,7 @@ from shared.errors import (
     RateLimitedError,
     ResultExpiredError,
 )
+from shared.estimates import ESTIMATE_LUA, PLACE_FREES_LUA
 from shared.jobs import JobRequest
 from shared.records import end_job, job_status
 from shared.settings import Settings
@@ -38,7 +39,6 @@ from shared.tenants import Tenant, job_cost
 
 IDEMPOTENCY_TTL_S = 24 * 3600
 RQ_TIME_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
-EWMA_WEIGHT = 0.2  # weight of the newest job in the moving average of job time
 
 # Waiting jobs whose deadline has passed leave the list and end expired. Runs at the start of
 # every admission, so an expired job never holds a place that a new one asks for.
@@ -64,7 +64,7 @@ end
 # same transaction and undoes both when the key was used before or the push went over the cap.
 # The transaction is atomic, so no client ever sees more than `capacity` waiting ids, however
 # many API processes admit at once, and concurrent retries with one key admit one job.
-ADMIT_SCRIPT = EXPIRE_DUE_LUA + """
+ADMIT_SCRIPT = EXPIRE_DUE_LUA + ESTIMATE_LUA + PLACE_FREES_LUA + """
 local now = expire_due(KEYS[1], KEYS[5], ARGV[6], ARGV[7], tonumber(ARGV[8]))
 local function undo() redis.call('LREM', KEYS[1], -1, ARGV[2]); redis.call('DEL', KEYS[2]) end
 if ARGV[3] ~= '' then
@@ -80,7 +80,11 @@ if rate then
   if tokens < cost then undo(); return {-3, tostring((cost - tokens) / rate)} end
 end
 local length = redis.call('LLEN', KEYS[1])
-if length > tonumber(ARGV[1]) then undo(); return {-1, redis.call('GET', KEYS[3])} end
+if length > tonumber(ARGV[1]) then
+  undo()
+  return {-1, tostring(place_frees_in(KEYS[1], KEYS[3], KEYS[8], ARGV[6], now))}
+end
+redis.call('HSET', KEYS[2], 'cost', ARGV[13])
 if rate then
   redis.call('HSET', KEYS[7], 'tokens', tostring(tokens - cost), 'at', tostring(now))
   redis.call('EXPIRE', KEYS[7], math.ceil(burst / rate) + 60)
@@ -158,9 +162,9 @@ def enqueue_job(queue: Queue, settings: Settings, request: JobRequest,
     admit = queue.connection.register_script(ADMIT_SCRIPT)
     with queue.connection.pipeline(transaction=True) as pipe:
         queue.enqueue_job(job, pipeline=pipe)
-        admit(keys=[queue.key, job.key, keys.job_seconds_key(queue.name), idem or job.key,
+        admit(keys=[queue.key, job.key, keys.model_key(queue.name), idem or job.key,
                     keys.deadlines_key(queue.name), keys.issued_key(job.id),
-                    keys.bucket_key(queue.name, name)],
+                    keys.bucket_key(queue.name, name), keys.running_key(queue.name)],
               args=[settings.queue_capacity, job.id, digest if idem else "", IDEMPOTENCY_TTL_S,
                     request.deadline_s or "", Job.redis_job_namespace_prefix, _rq_now(),
                     settings.record_ttl_s, settings.issued_ttl_s, name,
@@ -239,14 +243,6 @@ def cancel_job(queue: Queue, settings: Settings, job: Job) -> bool:
         pipe.zrem(keys.deadlines_key(queue.name), job.id)
         pipe.execute()
     return True
-
-
-def record_job_seconds(connection: Redis, queue_name: str, seconds: float) -> None:
-    """Feed the moving average of job time that Retry-After is drawn from."""
-    key = keys.job_seconds_key(queue_name)
-    previous = connection.get(key)
-    average = seconds if previous is None else (1 - EWMA_WEIGHT) * float(previous) + EWMA_WEIGHT * seconds
-    connection.set(key, f"{average:.3f}")
 
 
 def waiting_count(queue: Queue, settings: Settings) -> int:

@@ -14,6 +14,7 @@ from shared import keys
 from shared.errors import JobNotFoundError, NotReadyError, ResultExpiredError
 from shared.jobs import JobError, JobRequest, JobStatus, JobView, Progress
 from shared.settings import Settings
+from shared.tenants import job_cost
 
 STATUS_FROM_RQ = {
     RQStatus.QUEUED: JobStatus.QUEUED,
@@ -91,6 +92,15 @@ def begin_attempt(job: Job) -> None:
     steps = job.kwargs.get("request", {}).get("steps")
     job.meta["progress"] = {"step": 0, "total": steps} if isinstance(steps, int) else None
     save_meta(job)
+
+
+def cost_of(job: Job) -> float:
+    """The job's cost in units, from its stored request."""
+    request = job.kwargs.get("request", {})
+    try:
+        return job_cost(request["width"], request["height"], request["steps"], request["num_images"])
+    except (KeyError, TypeError):
+        return 0.0
 
 
 def report_progress(job: Job, step: int, total: int) -> bool:

@@ -71,6 +71,8 @@ class Claims:
             if worker != self.worker and self.connection.exists(keys.alive_key(worker)):
                 continue
             claims_key = keys.claims_key(worker)
+            if worker != self.worker:
+                self.connection.hdel(keys.running_key(self.queue.name), worker)  # it runs nothing now
             for job_id in self.connection.lrange(claims_key, 0, -1):
                 moved += self._recover_one(claims_key, job_id.decode())
             if worker != self.worker and not self.connection.llen(claims_key):

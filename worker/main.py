@@ -19,7 +19,7 @@ from rq.serializers import JSONSerializer
 from rq.timeouts import JobTimeoutException
 from rq.worker import SimpleWorker
 
-from shared import keys, records
+from shared import estimates, keys, records
 from shared import queue as jobs
 from shared.errors import JobCanceledError, JobFailedError, JobInterruptedError, WorkerFatalError
 from shared.settings import Settings, get_settings
@@ -102,7 +102,16 @@ class SlotWorker(SimpleWorker):
             self._expire(job)
             return
         records.begin_attempt(job)
-        self.execute_job(job, self.queue)
+        cost = records.cost_of(job)
+        estimates.mark_running(self.connection, self.queue.name, self.name, cost)
+        started = time.perf_counter()
+        try:
+            self.execute_job(job, self.queue)
+        finally:
+            estimates.clear_running(self.connection, self.queue.name, self.name)
+        if job.get_status(refresh=False) == RQStatus.FINISHED:
+            # Wall time from claim to recorded end: the drain rate that Retry-After and ETAs need.
+            estimates.record_duration(self.connection, self.queue.name, cost, time.perf_counter() - started)
         self.claims.release(job_id)
 
     def _expire(self, job: Job) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import torch
@@ -12,7 +11,6 @@ from redis.exceptions import RedisError
 from rq import get_current_job
 from rq.job import Job
 
-from shared import queue as jobs
 from shared import records
 from shared.errors import JobCanceledError, JobFailedError, JobInterruptedError
 from shared.jobs import JobRequest, validate_request
@@ -40,12 +38,10 @@ def generate(request: dict[str, Any]) -> dict[str, Any]:
         if faults and step == 1:
             inject_fault(job_request)
 
-    started = time.perf_counter()
     on_step(0, job_request.steps)
     images = current_pipeline().generate(job_request, on_step=on_step)
     pngs = [encode_png(image, job_request) for image in images]
     records.store_images(job, settings, pngs)
-    jobs.record_job_seconds(job.connection, job.origin, time.perf_counter() - started)
     return {"images": len(pngs), "seed": job_request.seed}
 
 

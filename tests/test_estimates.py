@@ -1,0 +1,68 @@
+"""The job-time model the worker fits, and the Retry-After and ETAs drawn from it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+from flask.testing import FlaskClient
+
+from shared.settings import Settings
+from tests.conftest import Process, post_job, start_worker, wait_for, wait_for_status
+
+pytestmark = pytest.mark.slow
+SMALL = {"width": 256, "height": 256, "steps": 4}  # 1 cost unit
+LARGE = {"width": 512, "height": 512, "steps": 16}  # 16 cost units
+
+
+@pytest.fixture
+def trained(settings: Settings, client: FlaskClient, tmp_path: Path) -> Iterator[Process]:
+    """A worker whose model has seen a few jobs of both sizes."""
+    worker = start_worker(settings, tmp_path / "worker.log")
+    for body in [SMALL, LARGE, SMALL, LARGE, SMALL, LARGE]:
+        job_id = post_job(client, **body).get_json()["id"]
+        wait_for_status(client, job_id, "succeeded")
+    yield worker
+    worker.stop()
+
+
+def seconds_from(moment: str, origin: float) -> float:
+    return datetime.fromisoformat(moment).timestamp() - origin
+
+
+def within(estimate: float, actual: float, share: float = 0.25) -> bool:
+    return abs(estimate - actual) <= share * actual
+
+
+def test_eta_of_queued_jobs_of_two_sizes(client: FlaskClient, trained: Process) -> None:
+    ids = [post_job(client, **body).get_json()["id"] for body in [LARGE, SMALL, LARGE, SMALL, LARGE, SMALL]]
+    wait_for(lambda: client.get(f"/v1/jobs/{ids[0]}").get_json()["status"] == "running",
+             what="the first job to run")
+    asked = time.time()
+    etas = {i: client.get(f"/v1/jobs/{i}").get_json()["eta_s"] for i in ids[-2:]}
+    done = {i: wait_for_status(client, i, "succeeded", timeout=120) for i in ids[-2:]}
+    for job_id in ids[-2:]:
+        start = seconds_from(done[job_id]["started_at"], asked)
+        finish = seconds_from(done[job_id]["finished_at"], asked)
+        print(f"eta {etas[job_id]} vs actual start {start:.2f}s finish {finish:.2f}s")
+        assert within(etas[job_id]["start"], start) and within(etas[job_id]["finish"], finish)
+
+
+def test_retry_after_on_a_full_queue_comes_from_the_model(client: FlaskClient, settings: Settings,
+                                                          trained: Process) -> None:
+    first = post_job(client, **LARGE).get_json()["id"]
+    wait_for(lambda: client.get(f"/v1/jobs/{first}").get_json()["status"] == "running",
+             what="a large job to run")
+    running = client.get(f"/v1/jobs/{first}").get_json()
+    for _ in range(settings.queue_capacity):
+        post_job(client, **SMALL)
+    refused = post_job(client, **SMALL)
+    assert refused.status_code == 429
+    retry_after = int(refused.headers["Retry-After"])
+    # A place frees when the running job ends: its remaining time by the model, in whole seconds.
+    remaining = running["eta_s"]["finish"]
+    print(f"Retry-After {retry_after}s with a large job {remaining:.2f}s from its end")
+    assert remaining > 1 and abs(retry_after - remaining) <= 1.5
