@@ -74,6 +74,10 @@ class QueueFullError(ServiceError):
     status, code, message = 429, "queue_full", "The queue is full; retry later."
 
 
+class TenantQueueFullError(ServiceError):
+    status, code, message = 429, "tenant_queue_full", "This tenant already has its most jobs waiting."
+
+
 class RateLimitedError(ServiceError):
     status, code, message = 429, "rate_limited", "This API key is over its rate; retry later."
 

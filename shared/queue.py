@@ -30,6 +30,7 @@ from shared.errors import (
     QueueFullError,
     RateLimitedError,
     ResultExpiredError,
+    TenantQueueFullError,
 )
 from shared.estimates import ESTIMATE_LUA, PLACE_FREES_LUA
 from shared.jobs import JobRequest
@@ -79,12 +80,25 @@ if rate then
   tokens = math.min(burst, level + math.max(0, now - at) * rate)
   if tokens < cost then undo(); return {-3, tostring((cost - tokens) / rate)} end
 end
+-- The tenant's own cap: its waiting jobs are counted from the list itself, so the count can
+-- never drift from what waits (O(waiting jobs), bounded by the capacity).
+local max_queued = tonumber(ARGV[14])
+if max_queued then
+  local mine = 0
+  for _, id in ipairs(redis.call('LRANGE', KEYS[1], 0, -1)) do
+    if redis.call('HGET', ARGV[6] .. id, 'tenant') == ARGV[10] then mine = mine + 1 end
+  end
+  if mine >= max_queued then
+    undo()
+    return {-4, tostring(place_frees_in(KEYS[1], KEYS[3], KEYS[8], ARGV[6], now))}
+  end
+end
 local length = redis.call('LLEN', KEYS[1])
 if length > tonumber(ARGV[1]) then
   undo()
   return {-1, tostring(place_frees_in(KEYS[1], KEYS[3], KEYS[8], ARGV[6], now))}
 end
-redis.call('HSET', KEYS[2], 'cost', ARGV[13])
+redis.call('HSET', KEYS[2], 'cost', ARGV[13], 'tenant', ARGV[10])
 if rate then
   redis.call('HSET', KEYS[7], 'tokens', tostring(tokens - cost), 'at', tostring(now))
   redis.call('EXPIRE', KEYS[7], math.ceil(burst / rate) + 60)
@@ -169,7 +183,8 @@ def enqueue_job(queue: Queue, settings: Settings, request: JobRequest,
                     request.deadline_s or "", Job.redis_job_namespace_prefix, _rq_now(),
                     settings.record_ttl_s, settings.issued_ttl_s, name,
                     tenant.rate if tenant and tenant.rate else "",
-                    tenant.burst if tenant and tenant.rate else "", cost],
+                    tenant.burst if tenant and tenant.rate else "", cost,
+                    tenant.max_queued if tenant and tenant.max_queued else ""],
               client=pipe)
         position, detail = pipe.execute()[-1]
     return _admission(queue, job, position, detail, digest, tenant)
@@ -181,6 +196,8 @@ def _admission(queue: Queue, job: Job, position: int, detail: bytes | None, dige
         raise QueueFullError(retry_after=_whole_seconds(detail))
     if position == -3:
         raise RateLimitedError(retry_after=_whole_seconds(detail))
+    if position == -4:
+        raise TenantQueueFullError(retry_after=_whole_seconds(detail))
     if position == -2:
         assert detail is not None
         prior_digest, prior_id = detail.decode().split(" ")

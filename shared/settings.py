@@ -29,6 +29,7 @@ class KeyPolicy(BaseModel):
     tenant: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.@-]+$")
     rate: float | None = Field(None, gt=0)
     burst: float | None = Field(None, gt=0)
+    max_queued: int | None = Field(None, ge=1)
 
 
 KeyTable = dict[str, str | KeyPolicy]
@@ -67,6 +68,7 @@ class Settings(BaseSettings):
     api_keys_file: Path | None = None
     tenant_rate: float | None = Field(None, gt=0)
     tenant_burst: float | None = Field(None, gt=0)
+    tenant_max_queued: int | None = Field(None, ge=1)
 
     api_host: str = "127.0.0.1"
     api_port: int = Field(8000, ge=1, le=65535)

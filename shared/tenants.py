@@ -16,6 +16,7 @@ class Tenant:
     name: str
     rate: float | None = None
     burst: float | None = None
+    max_queued: int | None = None
 
 
 def policies(settings: Settings) -> dict[str, KeyPolicy]:
@@ -38,7 +39,8 @@ def authenticate(table: dict[str, KeyPolicy], settings: Settings, authorization:
         raise UnauthorizedError()
     return Tenant(name=match.tenant,
                   rate=match.rate if match.rate is not None else settings.tenant_rate,
-                  burst=match.burst if match.burst is not None else settings.tenant_burst)
+                  burst=match.burst if match.burst is not None else settings.tenant_burst,
+                  max_queued=match.max_queued if match.max_queued is not None else settings.tenant_max_queued)
 
 
 def job_cost(width: int, height: int, steps: int, num_images: int) -> float:

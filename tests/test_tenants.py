@@ -108,3 +108,23 @@ def test_keys_can_come_from_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     path.write_text('{"k": {"tenant": "x", "typo": 1}}')
     with pytest.raises(SystemExit, match="SLOTQ_API_KEYS_FILE"):
         load_settings()
+
+
+def test_per_tenant_cap_refuses_only_that_tenant(settings: Settings) -> None:
+    keys = {"key-alice": "alice", "key-carol": {"tenant": "carol", "max_queued": 2}}
+    capped = Settings(**(settings.model_dump() | {"api_keys": keys, "queue_capacity": 50,
+                                                  "tenant_max_queued": 3}))
+    clients = app_client(capped)
+    client = next(clients)
+    try:
+        carol = [submit(client, "key-carol") for _ in range(3)]
+        assert [r.status_code for r in carol] == [202, 202, 429]
+        assert carol[2].get_json()["error"]["code"] == "tenant_queue_full"
+        assert int(carol[2].headers["Retry-After"]) >= 1
+        alice = [submit(client, "key-alice").status_code for _ in range(4)]
+        assert alice == [202, 202, 202, 429]  # the service-wide SLOTQ_TENANT_MAX_QUEUED
+        first = carol[0].get_json()["id"]
+        client.delete(f"/v1/jobs/{first}", headers={"Authorization": "Bearer key-carol"})
+        assert submit(client, "key-carol").status_code == 202  # its place is free again
+    finally:
+        clients.close()
