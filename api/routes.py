@@ -19,7 +19,7 @@ from shared.errors import (
     InvalidRequestError,
     UnsupportedMediaTypeError,
 )
-from shared.jobs import Eta, JobStatus, JobView, validate_request
+from shared.jobs import PRIORITIES, Eta, JobStatus, JobView, validate_request
 from shared.settings import Settings
 from shared.tenants import Tenant
 
@@ -57,7 +57,10 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
     except ValidationError as exc:
         raise InvalidRequestError(details=_details(exc)) from None
     admission = jobs.enqueue_job(_queue(), settings, job_request, _idempotency_key(), _tenant())
-    view = _view(admission.job, admission.position)
+    if admission.replayed:
+        view = _view(admission.job)
+    else:  # the admission script already answered where the job stands: no second round trip
+        view = _with_eta(records.job_view(admission.job, admission.position), admission.eta)
     status = 200 if admission.replayed else 202
     return _json(view), status, {"Location": f"/v1/jobs/{admission.job.id}"}
 
@@ -91,9 +94,12 @@ def cancel_job(job_id: str) -> tuple[Response, int]:
 
 @bp.get("/v1/queue")
 def queue_state() -> Response:
-    """How many jobs wait, against the cap."""
+    """How many jobs wait, by priority, against the limits of each class."""
     settings = _settings()
-    return jsonify({"waiting": jobs.waiting_count(_queue(), settings), "capacity": settings.queue_capacity})
+    counts = jobs.waiting_counts(_queue(), settings)
+    return jsonify({"waiting": sum(counts.values()), "capacity": settings.queue_capacity,
+                    "by_priority": counts,
+                    "limits": {p: settings.waiting_limit(p) for p in PRIORITIES}})
 
 
 @bp.get("/openapi.json")
@@ -119,14 +125,18 @@ def readyz() -> Response:
     return jsonify({"status": "ready"})
 
 
-def _view(job: Job, position: int | None = None) -> JobView:
-    """The job's view, with start and finish estimates while it waits or runs."""
-    view = records.job_view(job, position)
-    if not view.status.is_terminal:
-        estimate = estimates.eta(_queue(), job, view.position)
-        if estimate is not None:
-            view = view.model_copy(update={"eta_s": Eta(start=estimate[0], finish=estimate[1])})
-    return view
+def _view(job: Job) -> JobView:
+    """The job's view, with its place and start and finish estimates while it waits or runs."""
+    if records.job_status(job).is_terminal:
+        return records.job_view(job)
+    position, estimate = estimates.standing(_queue(), job)
+    return _with_eta(records.job_view(job, position), estimate)
+
+
+def _with_eta(view: JobView, estimate: tuple[float, float] | None) -> JobView:
+    if estimate is None or view.status.is_terminal:
+        return view
+    return view.model_copy(update={"eta_s": Eta(start=estimate[0], finish=estimate[1])})
 
 
 def _json(view: Any) -> Response:

@@ -34,6 +34,10 @@ class UnauthorizedError(ServiceError):
     status, code, message = 401, "unauthorized", "Send a valid API key as `Authorization: Bearer <key>`."
 
 
+class PriorityNotAllowedError(ServiceError):
+    status, code, message = 403, "priority_not_allowed", "This API key may not use this priority."
+
+
 class NotFoundError(ServiceError):
     status, code, message = 404, "not_found", "No such resource."
 

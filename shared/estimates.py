@@ -12,6 +12,7 @@ from rq.job import Job
 from rq.queue import Queue
 
 from shared import keys
+from shared.waiting import LINE_LUA
 
 DECAY = 0.9  # weight of the history against each new run
 
@@ -38,18 +39,21 @@ local function redis_now()
 end
 """
 
-# Seconds until a place frees in a full queue: when the first running job ends (its successor
-# then leaves the list), or one job's time when nothing runs. Used by admission on refusal.
-PLACE_FREES_LUA = """
-local function place_frees_in(queue_key, model_key, running_key, job_prefix, now)
-  local soonest = nil
-  for _, left in ipairs(running_left(model_key, running_key, now)) do
-    if not soonest or left < soonest then soonest = left end
+# Seconds until the job at `index` in the line starts (index 0 is next): what the running jobs
+# have left plus the jobs ahead of it, shared among the workers running now. Admission asks it
+# when a refused place frees; GET /v1/jobs asks it for a waiting job's ETA.
+STARTS_IN_LUA = """
+local function starts_in(line, job_prefix, model_key, running_key, now, index)
+  local left = running_left(model_key, running_key, now)
+  local busy = 0
+  for _, seconds in ipairs(left) do busy = busy + seconds end
+  if index > 0 then
+    for _, id in ipairs(line_head(line, index)) do
+      local cost = tonumber(redis.call('HGET', job_prefix .. id, 'cost')) or 0
+      busy = busy + (job_seconds(model_key, cost) or 0)
+    end
   end
-  if soonest then return soonest end
-  local head = redis.call('LINDEX', queue_key, 0)
-  local cost = head and tonumber(redis.call('HGET', job_prefix .. head, 'cost')) or 0
-  return job_seconds(model_key, cost) or 1
+  return busy / math.max(1, #left)
 end
 """
 
@@ -75,25 +79,20 @@ redis.call('HSET', KEYS[1], 's0', s0, 's1', s1, 's2', s2, 't1', t1, 't2', t2, 'a
 return {tostring(a), tostring(b)}
 """
 
-ETA_SCRIPT = ESTIMATE_LUA + """
+STANDING_SCRIPT = LINE_LUA + ESTIMATE_LUA + STARTS_IN_LUA + """
 local now = redis_now()
-local own = job_seconds(KEYS[2], tonumber(redis.call('HGET', KEYS[4], 'cost')) or 0)
-if not own then return false end
-if ARGV[1] == 'running' then
-  local entry = redis.call('HGET', KEYS[3], ARGV[3])
-  if not entry then return false end
-  local _, started = string.match(entry, '(%S+) (%S+)')
-  return {'0', tostring(math.max(0, own - (now - tonumber(started))))}
+local f = redis.call('HMGET', KEYS[2], 'cost', 'priority')
+local position = line_position(KEYS[1], f[2] or 'normal', ARGV[1])
+local own = job_seconds(KEYS[3], tonumber(f[1]) or 0)
+if not own then return {position or false} end
+if position then
+  local start = starts_in(KEYS[1], ARGV[2], KEYS[3], KEYS[4], now, position)
+  return {position, num(start), num(start + own)}
 end
-local left = running_left(KEYS[2], KEYS[3], now)
-local busy = 0
-for _, seconds in ipairs(left) do busy = busy + seconds end
-local ahead = 0
-for _, id in ipairs(redis.call('LRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1)) do
-  ahead = ahead + (job_seconds(KEYS[2], tonumber(redis.call('HGET', ARGV[4] .. id, 'cost')) or 0) or 0)
-end
-local start = (busy + ahead) / math.max(1, #left)
-return {tostring(start), tostring(start + own)}
+local entry = redis.call('HGET', KEYS[4], ARGV[3])
+if not entry then return {false} end
+local _, started = string.match(entry, '(%S+) (%S+)')
+return {false, '0', num(math.max(0, own - (now - tonumber(started))))}
 """
 
 MARK_RUNNING_SCRIPT = ESTIMATE_LUA + """
@@ -116,13 +115,13 @@ def clear_running(connection: Redis, queue_name: str, worker: str) -> None:
     connection.hdel(keys.running_key(queue_name), worker)
 
 
-def eta(queue: Queue, job: Job, position: int | None) -> tuple[float, float] | None:
-    """Seconds from now until the job starts and finishes, by the model; None before it knows."""
-    mode = "running" if position is None else str(position)
-    answer = queue.connection.register_script(ETA_SCRIPT)(
-        keys=[queue.key, keys.model_key(queue.name), keys.running_key(queue.name), job.key],
-        args=[mode, "", job.worker_name or "", Job.redis_job_namespace_prefix])
-    if not answer:
-        return None
-    start, finish = (float(value) for value in answer)
-    return start, finish
+def standing(queue: Queue, job: Job) -> tuple[int | None, tuple[float, float] | None]:
+    """A job's place in the line (None once taken) and the seconds until it starts and finishes,
+    by the model (None before the model has seen a job)."""
+    answer = queue.connection.register_script(STANDING_SCRIPT)(
+        keys=[keys.line_key(queue.name), job.key, keys.model_key(queue.name), keys.running_key(queue.name)],
+        args=[job.id, Job.redis_job_namespace_prefix, job.worker_name or ""])
+    position = None if answer[0] is None else int(answer[0])
+    if len(answer) < 3:
+        return position, None
+    return position, (float(answer[1]), float(answer[2]))

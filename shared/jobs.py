@@ -5,11 +5,14 @@ from __future__ import annotations
 import secrets
 from datetime import datetime
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 MAX_SEED = 2**32 - 1
+
+Priority = Literal["high", "normal", "low"]
+PRIORITIES: tuple[Priority, ...] = get_args(Priority)  # the order a worker serves them in
 
 
 class JobStatus(StrEnum):
@@ -43,6 +46,7 @@ class JobRequest(BaseModel):
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     num_images: int = Field(1, ge=1, le=4)
     deadline_s: float | None = Field(None, gt=0, le=86_400, allow_inf_nan=False)
+    priority: Priority = "normal"
 
     @field_validator("width", "height")
     @classmethod

@@ -34,6 +34,11 @@ def bucket_key(queue: str, tenant: str) -> str:
     return f"{PREFIX}:bucket:{queue}:{tenant}"
 
 
+def line_key(queue: str) -> str:
+    """Prefix of the waiting line: one sorted set per priority class plus its bookkeeping."""
+    return f"{PREFIX}:line:{queue}"
+
+
 def deadlines_key(queue: str) -> str:
     """Sorted set of waiting jobs by the time they expire."""
     return f"{PREFIX}:deadlines:{queue}"

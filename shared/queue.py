@@ -1,4 +1,4 @@
-"""The queue: atomic admission (cap, idempotency, deadlines), lookup and cancellation.
+"""The queue: atomic admission (limits, idempotency, deadlines), lookup and cancellation.
 
 Both processes reach Redis through here and ``shared/records.py``; key names live in
 ``shared/keys.py``.
@@ -11,6 +11,7 @@ import json
 import math
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 from redis import Redis
 from redis.backoff import NoBackoff
@@ -21,7 +22,7 @@ from rq.job import Job
 from rq.job import JobStatus as RQStatus
 from rq.serializers import JSONSerializer
 
-from shared import keys
+from shared import keys, waiting
 from shared.errors import (
     AlreadyFinishedError,
     IdempotencyConflictError,
@@ -32,25 +33,25 @@ from shared.errors import (
     ResultExpiredError,
     TenantQueueFullError,
 )
-from shared.estimates import ESTIMATE_LUA, PLACE_FREES_LUA
+from shared.estimates import ESTIMATE_LUA, STARTS_IN_LUA
 from shared.jobs import JobRequest
 from shared.records import end_job, job_status
 from shared.settings import Settings
 from shared.tenants import Tenant, job_cost
+from shared.waiting import LINE_LUA
 
 IDEMPOTENCY_TTL_S = 24 * 3600
 RQ_TIME_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
 
-# Waiting jobs whose deadline has passed leave the list and end expired. Runs at the start of
+# Waiting jobs whose deadline has passed leave the line and end expired. Runs at the start of
 # every admission, so an expired job never holds a place that a new one asks for.
 EXPIRE_DUE_LUA = """
-local function expire_due(queue_key, deadlines_key, job_prefix, ended_at, ttl)
-  local clock = redis.call('TIME')
-  local now = tonumber(clock[1]) + tonumber(clock[2]) / 1e6
+local function expire_due(line, deadlines_key, job_prefix, ended_at, ttl)
+  local now = redis_now()
   for _, id in ipairs(redis.call('ZRANGEBYSCORE', deadlines_key, '-inf', now)) do
     redis.call('ZREM', deadlines_key, id)
-    if redis.call('LREM', queue_key, 1, id) > 0 then
-      local key = job_prefix .. id
+    local key = job_prefix .. id
+    if line_remove(line, key, id) then
       local meta = cjson.decode(redis.call('HGET', key, 'meta') or '{}')
       meta['expired'] = true
       redis.call('HSET', key, 'status', 'canceled', 'ended_at', ended_at, 'meta', cjson.encode(meta))
@@ -61,62 +62,61 @@ local function expire_due(queue_key, deadlines_key, job_prefix, ended_at, ttl)
 end
 """
 
-# RQ's enqueue writes the job and pushes its id inside our MULTI; this script runs last in the
-# same transaction and undoes both when the key was used before or the push went over the cap.
-# The transaction is atomic, so no client ever sees more than `capacity` waiting ids, however
-# many API processes admit at once, and concurrent retries with one key admit one job.
-ADMIT_SCRIPT = EXPIRE_DUE_LUA + ESTIMATE_LUA + PLACE_FREES_LUA + """
-local now = expire_due(KEYS[1], KEYS[5], ARGV[6], ARGV[7], tonumber(ARGV[8]))
-local function undo() redis.call('LREM', KEYS[1], -1, ARGV[2]); redis.call('DEL', KEYS[2]) end
-if ARGV[3] ~= '' then
-  local prior = redis.call('GET', KEYS[4])
-  if prior then undo(); return {-2, prior} end
+# Admission in one script call: every check first, and only an admitted job writes anything, so
+# a refusal costs one round trip and no writes however hard the service is flooded. Redis runs
+# scripts one at a time, so the limits hold exactly however many API processes admit at once.
+# KEYS: job, idempotency (or job), deadlines, issued, bucket, model, running.
+# ARGV[1]: the parameters as JSON; ARGV[2..]: the RQ job's fields, as Job.save would write them.
+ADMIT_SCRIPT = LINE_LUA + ESTIMATE_LUA + STARTS_IN_LUA + EXPIRE_DUE_LUA + """
+local p = cjson.decode(ARGV[1])
+local line, prefix = p.line, p.job_prefix
+local now = expire_due(line, KEYS[3], prefix, p.ended_at, p.record_ttl)
+local function frees_in(index) return num(starts_in(line, prefix, KEYS[6], KEYS[7], now, index)) end
+if p.digest then
+  local prior = redis.call('GET', KEYS[2])
+  if prior then return {-2, prior} end
 end
 -- The tenant's token bucket, on Redis's clock: refilled at `rate` units a second up to `burst`.
-local rate, burst, cost, tokens = tonumber(ARGV[11]), tonumber(ARGV[12]), tonumber(ARGV[13]), 0
-if rate then
-  local state = redis.call('HMGET', KEYS[7], 'tokens', 'at')
-  local level, at = tonumber(state[1]) or burst, tonumber(state[2]) or now
-  tokens = math.min(burst, level + math.max(0, now - at) * rate)
-  if tokens < cost then undo(); return {-3, tostring((cost - tokens) / rate)} end
+local tokens = 0
+if p.rate then
+  local state = redis.call('HMGET', KEYS[5], 'tokens', 'at')
+  local level, at = tonumber(state[1]) or p.burst, tonumber(state[2]) or now
+  tokens = math.min(p.burst, level + math.max(0, now - at) * p.rate)
+  if tokens < p.cost then return {-3, num((p.cost - tokens) / p.rate)} end
 end
--- The tenant's own cap: its waiting jobs are counted from the list itself, so the count can
--- never drift from what waits (O(waiting jobs), bounded by the capacity).
-local max_queued = tonumber(ARGV[14])
-if max_queued then
-  local mine = 0
-  for _, id in ipairs(redis.call('LRANGE', KEYS[1], 0, -1)) do
-    if redis.call('HGET', ARGV[6] .. id, 'tenant') == ARGV[10] then mine = mine + 1 end
-  end
-  if mine >= max_queued then
-    undo()
-    return {-4, tostring(place_frees_in(KEYS[1], KEYS[3], KEYS[8], ARGV[6], now))}
+local total = line_total(line)
+if p.max_queued and line_tenant_count(line, p.tenant) >= p.max_queued then
+  -- A place frees for this tenant when the first of its waiting jobs starts.
+  for index, id in ipairs(line_head(line, total)) do
+    if redis.call('HGET', prefix .. id, 'tenant') == p.tenant then return {-4, frees_in(index - 1)} end
   end
 end
-local length = redis.call('LLEN', KEYS[1])
-if length > tonumber(ARGV[1]) then
-  undo()
-  return {-1, tostring(place_frees_in(KEYS[1], KEYS[3], KEYS[8], ARGV[6], now))}
+-- The class's share of the line: `limit` places for normal, fewer for low, more for high.
+if total >= p.limit then return {-1, frees_in(total - p.limit)} end
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+line_push(line, KEYS[1], p.id, p.priority, p.tenant, p.cost)
+if p.rate then
+  redis.call('HSET', KEYS[5], 'tokens', num(tokens - p.cost), 'at', num(now))
+  redis.call('EXPIRE', KEYS[5], math.ceil(p.burst / p.rate) + 60)
 end
-redis.call('HSET', KEYS[2], 'cost', ARGV[13], 'tenant', ARGV[10])
-if rate then
-  redis.call('HSET', KEYS[7], 'tokens', tostring(tokens - cost), 'at', tostring(now))
-  redis.call('EXPIRE', KEYS[7], math.ceil(burst / rate) + 60)
-end
-if ARGV[3] ~= '' then redis.call('SET', KEYS[4], ARGV[3] .. ' ' .. ARGV[2], 'EX', ARGV[4]) end
-redis.call('SET', KEYS[6], ARGV[10], 'EX', ARGV[9])
-if ARGV[5] ~= '' then
-  local deadline = now + tonumber(ARGV[5])
-  redis.call('ZADD', KEYS[5], deadline, ARGV[2])
-  local meta = cjson.decode(redis.call('HGET', KEYS[2], 'meta') or '{}')
+if p.digest then redis.call('SET', KEYS[2], p.digest .. ' ' .. p.id, 'EX', p.idempotency_ttl) end
+redis.call('SET', KEYS[4], p.tenant, 'EX', p.issued_ttl)
+local deadline = false
+if p.deadline_s then
+  deadline = now + p.deadline_s
+  redis.call('ZADD', KEYS[3], deadline, p.id)
+  local meta = cjson.decode(redis.call('HGET', KEYS[1], 'meta') or '{}')
   meta['deadline_at'] = deadline
-  redis.call('HSET', KEYS[2], 'meta', cjson.encode(meta))
+  redis.call('HSET', KEYS[1], 'meta', cjson.encode(meta))
 end
-return {length - 1, false}
+local position = line_position(line, p.priority, p.id)
+local own = job_seconds(KEYS[6], p.cost)
+local start = own and starts_in(line, prefix, KEYS[6], KEYS[7], now, position)
+return {position, own and num(start) or false, own and num(start + own) or false, deadline and num(deadline)}
 """
 
-EXPIRE_SCRIPT = EXPIRE_DUE_LUA + """
-return tostring(expire_due(KEYS[1], KEYS[2], ARGV[1], ARGV[2], tonumber(ARGV[3])))
+EXPIRE_SCRIPT = LINE_LUA + ESTIMATE_LUA + EXPIRE_DUE_LUA + """
+return num(expire_due(KEYS[1], KEYS[2], ARGV[1], ARGV[2], tonumber(ARGV[3])))
 """
 
 
@@ -126,6 +126,7 @@ class Admission:
 
     job: Job
     position: int | None
+    eta: tuple[float, float] | None = None
     replayed: bool = False
 
 
@@ -159,6 +160,8 @@ def enqueue_job(queue: Queue, settings: Settings, request: JobRequest,
                 idempotency_key: str | None = None, tenant: Tenant | None = None) -> Admission:
     """Admit one job atomically, replay an idempotent retry, or raise a typed refusal."""
     digest = request_digest(request)
+    if tenant is not None:
+        request = tenant.prioritised(request)
     cost = job_cost(request.width, request.height, request.steps, request.num_images)
     if tenant and tenant.burst is not None and cost > tenant.burst:
         raise InvalidRequestError(details=[{"loc": [], "msg": f"the job costs {cost:g} units, more than "
@@ -171,40 +174,42 @@ def enqueue_job(queue: Queue, settings: Settings, request: JobRequest,
         result_ttl=settings.record_ttl_s,
         failure_ttl=settings.failure_ttl_s,
     )
+    job.enqueued_at = datetime.now(UTC)
     name = tenant.name if tenant else ""
     idem = keys.idempotency_key(queue.name, _hashed(f"{name} {idempotency_key}")) if idempotency_key else ""
-    admit = queue.connection.register_script(ADMIT_SCRIPT)
-    with queue.connection.pipeline(transaction=True) as pipe:
-        queue.enqueue_job(job, pipeline=pipe)
-        admit(keys=[queue.key, job.key, keys.model_key(queue.name), idem or job.key,
-                    keys.deadlines_key(queue.name), keys.issued_key(job.id),
-                    keys.bucket_key(queue.name, name), keys.running_key(queue.name)],
-              args=[settings.queue_capacity, job.id, digest if idem else "", IDEMPOTENCY_TTL_S,
-                    request.deadline_s or "", Job.redis_job_namespace_prefix, _rq_now(),
-                    settings.record_ttl_s, settings.issued_ttl_s, name,
-                    tenant.rate if tenant and tenant.rate else "",
-                    tenant.burst if tenant and tenant.rate else "", cost,
-                    tenant.max_queued if tenant and tenant.max_queued else ""],
-              client=pipe)
-        position, detail = pipe.execute()[-1]
-    return _admission(queue, job, position, detail, digest, tenant)
+    limits = ({"rate": tenant.rate, "burst": tenant.burst, "max_queued": tenant.max_queued}
+              if tenant else {})
+    params = {
+        "id": job.id, "line": keys.line_key(queue.name), "job_prefix": Job.redis_job_namespace_prefix,
+        "priority": request.priority, "limit": settings.waiting_limit(request.priority),
+        "tenant": name, "cost": cost, "digest": digest if idem else None,
+        "idempotency_ttl": IDEMPOTENCY_TTL_S, "deadline_s": request.deadline_s, "ended_at": _rq_now(),
+        "record_ttl": settings.record_ttl_s, "issued_ttl": settings.issued_ttl_s, **limits,
+    }
+    fields = [item for pair in job.to_dict().items() for item in pair]
+    answer = queue.connection.register_script(ADMIT_SCRIPT)(
+        keys=[job.key, idem or job.key, keys.deadlines_key(queue.name), keys.issued_key(job.id),
+              keys.bucket_key(queue.name, name), keys.model_key(queue.name), keys.running_key(queue.name)],
+        # cjson reads JSON null as a truthy value: leave unset parameters out instead.
+        args=[json.dumps({key: value for key, value in params.items() if value is not None}), *fields])
+    return _admission(queue, job, answer, digest, tenant)
 
 
-def _admission(queue: Queue, job: Job, position: int, detail: bytes | None, digest: str,
-               tenant: Tenant | None) -> Admission:
-    if position == -1:
-        raise QueueFullError(retry_after=_whole_seconds(detail))
-    if position == -3:
-        raise RateLimitedError(retry_after=_whole_seconds(detail))
-    if position == -4:
-        raise TenantQueueFullError(retry_after=_whole_seconds(detail))
-    if position == -2:
-        assert detail is not None
+def _admission(queue: Queue, job: Job, answer: list[Any], digest: str, tenant: Tenant | None) -> Admission:
+    outcome, detail = answer[0], answer[1] if len(answer) > 1 else None
+    refusals = {-1: QueueFullError, -3: RateLimitedError, -4: TenantQueueFullError}
+    if outcome in refusals:
+        raise refusals[outcome](retry_after=_whole_seconds(detail))
+    if outcome == -2:
         prior_digest, prior_id = detail.decode().split(" ")
         if prior_digest != digest:
             raise IdempotencyConflictError()
         return Admission(fetch_job(queue, prior_id, tenant), None, replayed=True)
-    return Admission(fetch_job(queue, job.id, tenant), position)
+    start, finish, deadline = (answer + [None] * 4)[1:4]
+    if deadline is not None:
+        job.meta["deadline_at"] = float(deadline)
+    eta = (float(start), float(finish)) if start is not None else None
+    return Admission(job, int(outcome), eta)
 
 
 def _whole_seconds(seconds: bytes | None) -> int:
@@ -222,7 +227,7 @@ def _rq_now() -> str:
 def expire_due(queue: Queue, settings: Settings) -> float:
     """End the waiting jobs whose deadline has passed; returns Redis's clock."""
     script = queue.connection.register_script(EXPIRE_SCRIPT)
-    now = script(keys=[queue.key, keys.deadlines_key(queue.name)],
+    now = script(keys=[keys.line_key(queue.name), keys.deadlines_key(queue.name)],
                  args=[Job.redis_job_namespace_prefix, _rq_now(), settings.record_ttl_s])
     return float(now)
 
@@ -250,10 +255,10 @@ def cancel_job(queue: Queue, settings: Settings, job: Job) -> bool:
     if job_status(job).is_terminal:
         raise AlreadyFinishedError()
     connection = queue.connection
-    # The flag first: if a worker pops the job after this point, it sees the flag at start.
+    # The flag first: if a worker takes the job after this point, it sees the flag at start.
     connection.set(keys.cancel_key(job.id), 1, ex=settings.record_ttl_s)
-    # LREM decides ownership: either we take the id out of the list or a worker already has it.
-    if not connection.lrem(queue.key, 0, job.id):
+    # Removal decides ownership: either we take the id out of the line or a worker already has it.
+    if not waiting.remove(connection, queue.name, job.id):
         return False
     with connection.pipeline() as pipe:
         end_job(job, queue, settings, pipe, RQStatus.CANCELED)
@@ -262,9 +267,7 @@ def cancel_job(queue: Queue, settings: Settings, job: Job) -> bool:
     return True
 
 
-def waiting_count(queue: Queue, settings: Settings) -> int:
-    """Jobs waiting now, after the expired ones have left."""
+def waiting_counts(queue: Queue, settings: Settings) -> dict[str, int]:
+    """Jobs waiting now in each priority class, after the expired ones have left."""
     expire_due(queue, settings)
-    return queue.count
-
-
+    return waiting.counts(queue.connection, queue.name)

@@ -10,7 +10,7 @@ from rq.job import Job
 from rq.job import JobStatus as RQStatus
 from rq.queue import Queue
 
-from shared import keys
+from shared import keys, waiting
 from shared.errors import JobNotFoundError, NotReadyError, ResultExpiredError
 from shared.jobs import JobError, JobRequest, JobStatus, JobView, Progress
 from shared.settings import Settings
@@ -48,8 +48,8 @@ def job_view(job: Job, position: int | None = None) -> JobView:
     if status is not JobStatus.QUEUED:
         position = None
     elif position is None:
-        # None here means a worker popped it a moment ago: it is next, about to run.
-        position = job.get_position() or 0
+        # None here means a worker took it a moment ago: it is next, about to run.
+        position = waiting.position(job.connection, job.origin, job.id) or 0
     progress, error = meta.get("progress"), meta.get("error")
     images = meta.get("images", 0) if status is JobStatus.SUCCEEDED else 0
     deadline = meta.get("deadline_at")
@@ -158,9 +158,9 @@ def _forget_executions(job: Job, queue: Queue, pipe: Pipeline) -> None:
 
 
 def requeue_at_front(job: Job, queue: Queue, pipe: Pipeline) -> None:
-    """Queue the writes that put a job back at the head of the queue, to run next."""
+    """Queue the writes that put a job back at the head of its class, to run next."""
     job.meta["progress"] = None
     job.set_status(RQStatus.QUEUED, pipeline=pipe)
     save_meta(job, pipe)
     _forget_executions(job, queue, pipe)
-    pipe.lpush(queue.key, job.id)
+    waiting.requeue(pipe, queue.name, job.id)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from functools import lru_cache
 from pathlib import Path
@@ -18,6 +19,8 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.jobs import Priority
+
 DEVICE_PATTERN = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 
 
@@ -30,6 +33,7 @@ class KeyPolicy(BaseModel):
     rate: float | None = Field(None, gt=0)
     burst: float | None = Field(None, gt=0)
     max_queued: int | None = Field(None, ge=1)
+    priorities: list[Priority] | None = Field(None, min_length=1)
 
 
 KeyTable = dict[str, str | KeyPolicy]
@@ -44,6 +48,8 @@ class Settings(BaseSettings):
     redis_timeout_s: float = Field(1.0, gt=0, le=30)
     queue_name: str = Field("slotq", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     queue_capacity: int = Field(100, ge=1, le=1_000_000)
+    low_share: float = Field(0.5, gt=0, le=1)
+    high_reserve: float = Field(0.1, ge=0, le=10)
 
     model: str = Field("tiny", min_length=1)
     device: str = "auto"
@@ -108,6 +114,12 @@ class Settings(BaseSettings):
         if self.tenant_rate is not None and self.tenant_burst is None:
             raise ValueError("SLOTQ_TENANT_BURST must be set with SLOTQ_TENANT_RATE")
         return self
+
+    def waiting_limit(self, priority: Priority) -> int:
+        """A job of this priority is admitted while fewer than this many jobs wait, in all classes."""
+        share = {"low": self.low_share, "normal": 1.0, "high": 1 + self.high_reserve}[priority]
+        # Rounded first so that 100 * 1.1 (110.00000000000001 in floats) gives 110 places, not 111.
+        return max(1, math.ceil(round(self.queue_capacity * share, 6)))
 
     @property
     def issued_ttl_s(self) -> int:

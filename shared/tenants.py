@@ -5,7 +5,8 @@ from __future__ import annotations
 import hmac
 from dataclasses import dataclass
 
-from shared.errors import UnauthorizedError
+from shared.errors import PriorityNotAllowedError, UnauthorizedError
+from shared.jobs import PRIORITIES, JobRequest, Priority
 from shared.settings import KeyPolicy, Settings
 
 
@@ -17,6 +18,20 @@ class Tenant:
     rate: float | None = None
     burst: float | None = None
     max_queued: int | None = None
+    priorities: tuple[Priority, ...] = PRIORITIES
+
+    def prioritised(self, request: JobRequest) -> JobRequest:
+        """The request with the priority it runs at, or ``PriorityNotAllowedError``.
+
+        A request that names no priority runs at normal, or at the first priority the key lists
+        when normal is not among them (a batch key limited to low needs not say so each time).
+        """
+        if "priority" not in request.model_fields_set and request.priority not in self.priorities:
+            return request.model_copy(update={"priority": self.priorities[0]})
+        if request.priority not in self.priorities:
+            allowed = ", ".join(self.priorities)
+            raise PriorityNotAllowedError(f"This API key may use priority {allowed}, not {request.priority}.")
+        return request
 
 
 def policies(settings: Settings) -> dict[str, KeyPolicy]:
@@ -40,7 +55,8 @@ def authenticate(table: dict[str, KeyPolicy], settings: Settings, authorization:
     return Tenant(name=match.tenant,
                   rate=match.rate if match.rate is not None else settings.tenant_rate,
                   burst=match.burst if match.burst is not None else settings.tenant_burst,
-                  max_queued=match.max_queued if match.max_queued is not None else settings.tenant_max_queued)
+                  max_queued=match.max_queued if match.max_queued is not None else settings.tenant_max_queued,
+                  priorities=tuple(dict.fromkeys(match.priorities or PRIORITIES)))
 
 
 def job_cost(width: int, height: int, steps: int, num_images: int) -> float:

@@ -18,6 +18,8 @@ from redis import Redis
 from rq import Worker
 
 from api.app import create_app
+from shared import keys
+from shared.jobs import PRIORITIES
 from shared.localredis import free_port, start_redis
 from shared.settings import Settings
 
@@ -34,6 +36,12 @@ def wait_for(condition: Callable[[], Any], timeout: float = DEADLINE_S, what: st
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(0.02)
+
+
+def waiting_ids(redis: Redis, settings: Settings) -> list[str]:
+    """The ids of the waiting jobs, in the order a worker takes them."""
+    line = keys.line_key(settings.queue_name)
+    return [raw.decode() for priority in PRIORITIES for raw in redis.zrange(f"{line}:{priority}", 0, -1)]
 
 
 @pytest.fixture(scope="session")

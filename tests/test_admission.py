@@ -12,7 +12,7 @@ from flask.testing import FlaskClient
 from redis import Redis
 
 from shared.settings import Settings
-from tests.conftest import Process, post_job, wait_for, wait_for_status
+from tests.conftest import Process, post_job, wait_for, wait_for_status, waiting_ids
 
 
 def post_keyed(client: FlaskClient, key: str, **body: Any) -> Any:
@@ -27,7 +27,7 @@ def test_same_key_and_body_returns_the_original_job(client: FlaskClient, redis: 
     assert first.status_code == 202 and again.status_code == 200
     assert again.get_json()["id"] == first.get_json()["id"]
     assert again.get_json()["request"]["seed"] == first.get_json()["request"]["seed"]
-    assert redis.llen(f"rq:queue:{settings.queue_name}") == 1
+    assert len(waiting_ids(redis, settings)) == 1
     assert len(redis.keys("rq:job:*")) == 1
 
 
@@ -73,7 +73,7 @@ def test_concurrent_retries_with_one_key_create_one_job(settings: Settings, redi
         answers = list(pool.map(post, range(48)))
     assert Counter(status for status, _ in answers) == {202: 1, 200: 47}
     assert len({job_id for _, job_id in answers}) == 1
-    assert redis.llen(f"rq:queue:{settings.queue_name}") == 1
+    assert len(waiting_ids(redis, settings)) == 1
 
 
 def test_job_past_its_deadline_expires_and_frees_its_place(client: FlaskClient, settings: Settings,
@@ -88,7 +88,7 @@ def test_job_past_its_deadline_expires_and_frees_its_place(client: FlaskClient, 
     view = client.get(f"/v1/jobs/{expiring['id']}").get_json()
     assert view["status"] == "expired"
     assert view["started_at"] is None and view["position"] is None and view["finished_at"]
-    assert expiring["id"].encode() not in redis.lrange(f"rq:queue:{settings.queue_name}", 0, -1)
+    assert expiring["id"] not in waiting_ids(redis, settings)
     assert client.delete(f"/v1/jobs/{expiring['id']}").status_code == 409
 
 

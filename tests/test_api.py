@@ -10,7 +10,7 @@ from flask.testing import FlaskClient
 from redis import Redis
 
 from shared.settings import Settings
-from tests.conftest import post_job
+from tests.conftest import post_job, waiting_ids
 
 
 def error_of(response: Any) -> dict[str, Any]:
@@ -29,7 +29,7 @@ def test_submit_answers_202_with_the_queued_view(client: FlaskClient, settings: 
     assert view["status"] == "queued" and view["position"] == 0
     assert view["request"] == {"prompt": "a red fox", "negative_prompt": None, "width": 256,
                                "height": 128, "steps": 4, "guidance_scale": 7.5, "seed": 7,
-                               "num_images": 1, "deadline_s": None}
+                               "num_images": 1, "deadline_s": None, "priority": "normal"}
     assert view["progress"] is None and view["error"] is None and view["images"] == []
     assert view["created_at"].endswith("Z") or view["created_at"].endswith("+00:00")
 
@@ -54,7 +54,7 @@ def test_full_queue_refuses_with_429_and_retry_after(client: FlaskClient, settin
     assert response.status_code == 429
     assert error_of(response)["code"] == "queue_full"
     assert int(response.headers["Retry-After"]) >= 1
-    assert redis.llen(f"rq:queue:{settings.queue_name}") == settings.queue_capacity
+    assert len(waiting_ids(redis, settings)) == settings.queue_capacity
 
 
 def test_refused_job_leaves_nothing_behind(client: FlaskClient, settings: Settings, redis: Redis) -> None:
@@ -167,7 +167,7 @@ def test_cancel_of_a_queued_job_removes_it(client: FlaskClient, settings: Settin
     assert response.status_code == 200
     view = response.get_json()
     assert view["status"] == "canceled" and view["position"] is None and view["finished_at"]
-    assert redis.lrange(f"rq:queue:{settings.queue_name}", 0, -1) == [second.encode()]
+    assert waiting_ids(redis, settings) == [second]
     assert client.get(f"/v1/jobs/{second}").get_json()["position"] == 0
     again = client.delete(f"/v1/jobs/{first}")
     assert again.status_code == 409
@@ -194,4 +194,6 @@ def test_health_and_readiness(client: FlaskClient) -> None:
 
 def test_queue_state_reports_waiting_and_capacity(client: FlaskClient, settings: Settings) -> None:
     post_job(client)
-    assert client.get("/v1/queue").get_json() == {"waiting": 1, "capacity": settings.queue_capacity}
+    assert client.get("/v1/queue").get_json() == {
+        "waiting": 1, "capacity": 5, "by_priority": {"high": 0, "normal": 1, "low": 0},
+        "limits": {"high": 6, "normal": 5, "low": 3}}

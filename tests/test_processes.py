@@ -19,7 +19,7 @@ from redis import Redis
 
 from shared.client import Client
 from shared.settings import Settings
-from tests.conftest import Process, slotq_env, wait_for
+from tests.conftest import Process, slotq_env, wait_for, waiting_ids
 
 CLIENTS = 32
 REQUESTS = 240
@@ -48,7 +48,7 @@ def test_cap_holds_exactly_across_api_processes(settings: Settings, redis: Redis
     statuses = Counter(status for status, _, _ in answers)
     assert statuses == {202: capacity, 429: REQUESTS - capacity}
     admitted = {ident for status, ident, _ in answers if status == 202}
-    queued = {raw.decode() for raw in redis.lrange(f"rq:queue:{settings.queue_name}", 0, -1)}
+    queued = set(waiting_ids(redis, settings))
     assert queued == admitted  # exactly the admitted jobs wait: none lost, none extra
     refused = [(ident, retry) for status, ident, retry in answers if status == 429]
     assert all(ident == "queue_full" and retry and int(retry) >= 1 for ident, retry in refused)
@@ -60,7 +60,7 @@ def test_cap_of_one_admits_exactly_one(settings: Settings, redis: Redis,
     with ThreadPoolExecutor(16) as pool:
         answers = list(pool.map(post, [apis[i % 2].url for i in range(40)]))
     assert Counter(status for status, _, _ in answers) == {202: 1, 429: 39}
-    assert redis.llen(f"rq:queue:{settings.queue_name}") == 1
+    assert len(waiting_ids(redis, settings)) == 1
 
 
 @pytest.mark.slow

@@ -14,7 +14,16 @@ from flask.testing import FlaskClient
 from redis import Redis
 
 from shared.settings import Settings
-from tests.conftest import Process, RedisServer, app_client, post_job, start_worker, wait_for, wait_for_status
+from tests.conftest import (
+    Process,
+    RedisServer,
+    app_client,
+    post_job,
+    start_worker,
+    wait_for,
+    wait_for_status,
+    waiting_ids,
+)
 
 pytestmark = pytest.mark.slow
 LONG = {"width": 1024, "height": 1024, "steps": 100}  # about half a second a step on a small CPU
@@ -181,7 +190,7 @@ def test_random_kills_lose_nothing(settings: Settings, tmp_path: Path) -> None:
     finally:
         clients.close()
     with Redis.from_url(settings.redis_url) as redis:
-        assert redis.llen(f"rq:queue:{settings.queue_name}") == 0
+        assert len(waiting_ids(redis, settings)) == 0
         assert all(redis.llen(key) == 0 for key in redis.keys("slotq:claims:*"))
         assert redis.zcard(f"rq:wip:{settings.queue_name}") == 0  # RQ's started-job registry
     outcomes = {(v["status"], (v["error"] or {}).get("code")) for v in views}

@@ -1,7 +1,7 @@
 """Claiming jobs so that none is lost when a worker dies, and recovering a dead worker's claims.
 
-A worker moves a job id from the queue into its own claims list in one atomic BLMOVE, so the
-id is always in exactly one list: there is no gap between the pop and the registration. The
+A worker moves a job id from the waiting line into its own claims list in one script, so the id
+is always in exactly one place: there is no gap between the pop and the registration. The
 worker keeps an ``alive`` key fresh while it lives; the claims of a worker whose key has
 expired are recovered by any other worker: each job runs again, up to SLOTQ_MAX_ATTEMPTS starts
 in all, then ends ``failed`` with ``worker_lost``.
@@ -18,7 +18,7 @@ from rq.job import Job
 from rq.job import JobStatus as RQStatus
 from rq.queue import Queue
 
-from shared import keys, records
+from shared import keys, records, waiting
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -43,11 +43,11 @@ class Claims:
 
     def claim(self, timeout: float | None) -> str | None:
         """Move the next waiting job id into this worker's claims; None when there is none."""
-        if timeout is None:
-            claimed = self.connection.lmove(self.queue.key, self.key, "LEFT", "RIGHT")
-        else:
-            claimed = self.connection.blmove(self.queue.key, self.key, timeout, "LEFT", "RIGHT")
-        return claimed.decode() if claimed is not None else None
+        claimed = waiting.claim(self.connection, self.queue.name, self.key)
+        if claimed is None and timeout is not None:
+            waiting.wait_for_work(self.connection, self.queue.name, timeout)
+            claimed = waiting.claim(self.connection, self.queue.name, self.key)
+        return claimed
 
     def release(self, job_id: str) -> None:
         """Drop a claim once the job's end is recorded."""
