@@ -8,7 +8,7 @@ from typing import Any
 
 from api.routes import MAX_IDEMPOTENCY_KEY
 from shared import errors
-from shared.jobs import JobRequest, JobView
+from shared.jobs import PRIORITIES, JobRequest, JobView
 from shared.settings import Settings
 
 REF = "#/components/schemas/{model}"
@@ -28,10 +28,13 @@ ERROR_SCHEMA: dict[str, Any] = {
         }}},
     }},
 }
+_BY_CLASS = {"type": "object", "required": list(PRIORITIES), "additionalProperties": False,
+             "properties": {p: {"type": "integer", "minimum": 0} for p in PRIORITIES}}
 QUEUE_SCHEMA: dict[str, Any] = {
-    "type": "object", "required": ["waiting", "capacity"],
+    "type": "object", "required": ["waiting", "capacity", "by_priority", "limits"],
     "properties": {"waiting": {"type": "integer", "minimum": 0},
-                   "capacity": {"type": "integer", "minimum": 1}},
+                   "capacity": {"type": "integer", "minimum": 1},
+                   "by_priority": _BY_CLASS, "limits": _BY_CLASS},
 }
 
 
@@ -74,7 +77,7 @@ def _document(max_side: int, max_steps: int) -> dict[str, Any]:
         "/v1/jobs": {"post": operation(
             "submitJob", "Admit a job, or refuse it at once.",
             {"202": _json("Admitted.", "JobView", job), "200": _json("An idempotent retry.", "JobView", job)},
-            (400, 409, 413, 415, 422, 429, 503), parameters=[key],
+            (400, 403, 409, 413, 415, 422, 429, 503), parameters=[key],
             requestBody={"required": True, "content": {JSON: {"schema": _ref("JobRequest")}}})},
         "/v1/jobs/{id}": {
             "parameters": [job_id],
@@ -92,7 +95,7 @@ def _document(max_side: int, max_steps: int) -> dict[str, Any]:
                 "content": {"image/png": {"schema": {"type": "string", "contentMediaType": "image/png"}}}}},
                 (404, 409, 410, 503)),
         },
-        "/v1/queue": {"get": operation("getQueue", "How many jobs wait, against the cap.",
+        "/v1/queue": {"get": operation("getQueue", "How many jobs wait, by class, and each class's limit.",
                                        {"200": _json("The queue.", QUEUE_SCHEMA)}, (503,))},
         "/healthz": {"get": operation("healthz", "The process is alive.",
                                       {"200": _json("Alive.", _status("ok"))}, ())},
