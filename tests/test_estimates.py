@@ -66,3 +66,25 @@ def test_retry_after_on_a_full_queue_comes_from_the_model(client: FlaskClient, s
     remaining = running["eta_s"]["finish"]
     print(f"Retry-After {retry_after}s with a large job {remaining:.2f}s from its end")
     assert remaining > 1 and abs(retry_after - remaining) <= 1.5
+
+
+def test_retry_after_for_a_low_job_counts_the_jobs_that_must_leave_first(
+        client: FlaskClient, settings: Settings, trained: Process) -> None:
+    first = post_job(client, **LARGE).get_json()["id"]
+    wait_for(lambda: client.get(f"/v1/jobs/{first}").get_json()["status"] == "running",
+             what="a large job to run")
+    for _ in range(settings.queue_capacity):
+        assert post_job(client, **LARGE).status_code == 202
+    refused = post_job(client, priority="low", **SMALL)
+    asked = time.monotonic()
+    assert refused.status_code == 429 and refused.get_json()["error"]["code"] == "queue_full"
+    retry_after = int(refused.headers["Retry-After"])
+    # Low jobs are admitted while fewer than 3 wait (half of 5, rounded up): 3 of the 5 waiting
+    # must leave, so the running job and two more must end first.
+    limit = settings.waiting_limit("low")
+    wait_for(lambda: client.get("/v1/queue").get_json()["waiting"] < limit, timeout=120,
+             what="room for a low job")
+    actual = time.monotonic() - asked
+    print(f"Retry-After {retry_after}s; room for a low job after {actual:.2f}s")
+    assert actual > 2 and abs(retry_after - actual) <= max(1.0, 0.25 * actual)
+    assert post_job(client, priority="low", **SMALL).status_code == 202
