@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -17,9 +18,11 @@ from shared.settings import Settings, get_settings
 class APIServer(BaseApplication):  # type: ignore[misc]
     """gunicorn configured from code, so ``slotq api`` needs no config file."""
 
-    def __init__(self, settings: Settings, options: dict[str, Any]) -> None:
+    def __init__(self, settings: Settings, options: dict[str, Any],
+                 factory: Callable[[Settings], Flask] = create_app) -> None:
         self.settings = settings
         self.options = options
+        self.factory = factory
         super().__init__()
 
     def load_config(self) -> None:
@@ -27,7 +30,7 @@ class APIServer(BaseApplication):  # type: ignore[misc]
             self.cfg.set(key, value)
 
     def load(self) -> Flask:
-        return create_app(self.settings)
+        return self.factory(self.settings)
 
 
 def drain_on_sigterm(worker: Any) -> None:
@@ -48,8 +51,9 @@ def drain_on_sigterm(worker: Any) -> None:
     signal.signal(signal.SIGTERM, drain)
 
 
-def serve(host: str | None = None, port: int | None = None, settings: Settings | None = None) -> None:
-    """Run the API until SIGTERM or SIGINT; in-flight requests finish first."""
+def serve(host: str | None = None, port: int | None = None, settings: Settings | None = None,
+          factory: Callable[[Settings], Flask] = create_app) -> None:
+    """Run the API (or, for benchmarks, another app) until SIGTERM or SIGINT; requests in flight finish."""
     settings = settings or get_settings()
     options = {
         "bind": f"{host or settings.api_host}:{port or settings.api_port}",
@@ -66,4 +70,4 @@ def serve(host: str | None = None, port: int | None = None, settings: Settings |
         # Room for the drain pause plus the slowest request.
         "graceful_timeout": int(settings.drain_s) + 20,
     }
-    APIServer(settings, options).run()
+    APIServer(settings, options, factory).run()

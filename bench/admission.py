@@ -1,79 +1,225 @@
-"""What one admission and one refusal cost: Redis commands and latency, against a bare LPUSH.
+"""What one admission and one refusal cost, against a bare LPUSH measured in the same run.
 
-    python -m bench.admission [--jobs 2000]
+    python -m bench.admission [--jobs 2000] [--processes 2] [--clients 16]
 
-In-process through Flask's WSGI test client (no HTTP, no network), so the figures are the
-service's own work: validation, the admission transaction, the JSON answer. The baseline is one
-``LPUSH`` per request on the same Redis connection, the floor for "admit into a Redis list".
+Two views of the same question:
+
+- **in-process**, through Flask's WSGI test client (no HTTP): the service's own work per request,
+  with the Redis round trips it makes (counted at the client) and the commands Redis runs (counted
+  by the server, those inside scripts included). Baseline: one ``LPUSH`` on the same connection.
+- **over HTTP**, with ``--processes`` gunicorn API processes and ``--clients`` concurrent keep-alive
+  clients: latency and throughput of accepted and refused submits. Baseline: a bare Flask endpoint
+  doing one ``LPUSH``, served by the same gunicorn configuration on the same Redis.
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
+from threading import Event
 
+from flask import Flask, jsonify
 from redis import Redis
+from redis.connection import Connection
 
 from api.app import create_app
 from shared.localredis import free_port, start_redis
+from shared.queue import connect
 from shared.settings import Settings
 
 BODY = json.dumps({"prompt": "bench", "width": 256, "height": 256, "steps": 4})
+HEADER = f"{'':36}{'p50 ms':>9}{'p99 ms':>9}{'req/s':>9}"
 
 
-def measure(connection: Redis, count: int, call: Callable[[], object]) -> tuple[list[float], float]:
-    """Per-call seconds, and Redis commands per call (from the server's own counter)."""
-    before = int(connection.info("stats")["total_commands_processed"])
-    times = []
-    for _ in range(count):
-        started = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - started)
-    after = int(connection.info("stats")["total_commands_processed"])
-    return times, (after - before - 1) / count  # the first INFO is counted by the second
+class RoundTrips:
+    """Counts what redis-py sends: one packed send is one round trip (a pipeline is one)."""
+
+    count = 0
+    _send = Connection.send_packed_command
+
+    @classmethod
+    @contextmanager
+    def counting(cls) -> Iterator[type[RoundTrips]]:
+        def send(self: Connection, *args: object, **kwargs: object) -> None:
+            cls.count += 1
+            cls._send(self, *args, **kwargs)  # type: ignore[arg-type]
+
+        Connection.send_packed_command = send  # type: ignore[method-assign]
+        try:
+            yield cls
+        finally:
+            Connection.send_packed_command = cls._send  # type: ignore[method-assign]
 
 
-def row(name: str, times: list[float], commands: float) -> str:
+def percentile(ordered: list[float], share: float) -> float:
+    return ordered[int(share * (len(ordered) - 1))]
+
+
+def row(name: str, times: list[float], wall: float, *extra: str) -> str:
     ordered = sorted(times)
-    p99 = ordered[int(0.99 * (len(ordered) - 1))]
-    return (f"{name:34}{1000 * statistics.median(ordered):>9.3f}{1000 * p99:>9.3f}"
-            f"{commands:>11.1f}{len(ordered) / sum(ordered):>10.0f}")
+    return (f"{name:36}{1000 * statistics.median(ordered):>9.3f}{1000 * percentile(ordered, 0.99):>9.3f}"
+            f"{len(ordered) / wall:>9.0f}" + "".join(f"{value:>11}" for value in extra))
+
+
+def in_process(url: str, jobs: int, scratch: Path) -> None:
+    settings = Settings(redis_url=url, queue_name="in-process", queue_capacity=jobs, cache_dir=scratch)
+    client = create_app(settings).test_client()
+    connection = Redis.from_url(url)
+
+    def post() -> object:
+        return client.post("/v1/jobs", data=BODY, content_type="application/json")
+
+    def measure(call: Callable[[], object]) -> tuple[list[float], float, str, str]:
+        commands = int(connection.info("stats")["total_commands_processed"])
+        with RoundTrips.counting() as trips:
+            trips.count, times, began = 0, [], time.perf_counter()
+            for _ in range(jobs):
+                started = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - started)
+            wall, sent = time.perf_counter() - began, trips.count
+        commands = int(connection.info("stats")["total_commands_processed"]) - commands - 1
+        return times, wall, f"{sent / jobs:.1f}", f"{commands / jobs:.1f}"
+
+    post()  # load the admission script once
+    connection.flushdb()
+    baseline = measure(lambda: connection.lpush("bench:list", "x" * 36))
+    admitted = measure(post)
+    refused = measure(post)
+    assert post().status_code == 429
+    print(f"in-process (WSGI test client), {jobs} requests each, one Redis on loopback")
+    print("round trips: client sends per request; commands: what Redis ran, inside scripts included")
+    print(HEADER + f"{'trips/req':>11}{'cmds/req':>11}")
+    print(row("bare LPUSH (baseline)", *baseline))
+    print(row("POST /v1/jobs admitted (202)", *admitted))
+    print(row("POST /v1/jobs refused (429)", *refused))
+
+
+def bare_app(settings: Settings) -> Flask:
+    """The ceiling for this stack: Flask under the same gunicorn, one LPUSH per request."""
+    app = Flask("bare")
+    connection = connect(settings)
+    app.extensions.update({"slotq.settings": settings, "slotq.draining": Event()})
+
+    @app.post("/v1/jobs")
+    def push() -> tuple[object, int]:
+        connection.lpush("bench:bare", "x" * 36)
+        return jsonify({"id": "x"}), 202
+
+    return app
+
+
+@contextmanager
+def served(settings: Settings, processes: int, bare: bool, scratch: Path) -> Iterator[int]:
+    port = free_port()
+    env = {key: value for key, value in os.environ.items() if not key.startswith("SLOTQ_")}
+    env |= {"SLOTQ_REDIS_URL": settings.redis_url, "SLOTQ_QUEUE_NAME": settings.queue_name,
+            "SLOTQ_QUEUE_CAPACITY": str(settings.queue_capacity), "SLOTQ_API_WORKERS": str(processes),
+            "SLOTQ_API_THREADS": "8", "SLOTQ_LOG_LEVEL": "WARNING", "SLOTQ_DRAIN_S": "0"}
+    command = [sys.executable, "-m", "bench.admission", "--serve-bare", str(port)] if bare else [
+        sys.executable, "-m", "shared.cli", "api", "--port", str(port)]
+    with (scratch / f"api-{port}.log").open("wb") as log:
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not _answers(port):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start: {(scratch / f'api-{port}.log').read_text()}")
+            time.sleep(0.1)
+        yield port
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+def _answers(port: int) -> bool:
+    try:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
+        connection.request("POST", "/v1/jobs/none", body="{}")
+        connection.getresponse().read()
+        return True
+    except OSError:
+        return False
+
+
+def load(port: int, requests: int, clients: int) -> tuple[list[float], float, dict[int, int]]:
+    """``requests`` POSTs from ``clients`` threads, each on its own keep-alive connection."""
+    share = [requests // clients + (index < requests % clients) for index in range(clients)]
+
+    def client(count: int) -> list[tuple[float, int]]:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        results = []
+        for _ in range(count):
+            started = time.perf_counter()
+            connection.request("POST", "/v1/jobs", body=BODY, headers={"Content-Type": "application/json"})
+            response = connection.getresponse()
+            response.read()
+            results.append((time.perf_counter() - started, response.status))
+        connection.close()
+        return results
+
+    began = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = [result for batch in pool.map(client, share) for result in batch]
+    wall = time.perf_counter() - began
+    statuses: dict[int, int] = {}
+    for _, status in results:
+        statuses[status] = statuses.get(status, 0) + 1
+    return [seconds for seconds, _ in results], wall, statuses
+
+
+def over_http(url: str, jobs: int, processes: int, clients: int, scratch: Path) -> None:
+    settings = Settings(redis_url=url, queue_name="http", queue_capacity=jobs, cache_dir=scratch)
+    with served(settings, processes, True, scratch) as port:
+        load(port, min(200, jobs), clients)  # warm up connections and code paths
+        baseline = load(port, jobs, clients)
+    with served(settings, processes, False, scratch) as port:
+        admitted = load(port, jobs, clients)
+        refused = load(port, jobs, clients)
+    print(f"\nover HTTP: gunicorn gthread, {processes} API processes x 8 threads, {clients} keep-alive "
+          f"clients, {jobs} requests each (the load generator shares this machine's cores)")
+    print(HEADER + f"{'statuses':>11}")
+    for name, (times, wall, statuses) in [("bare Flask + LPUSH (baseline)", baseline),
+                                          ("POST /v1/jobs admitted", admitted),
+                                          ("POST /v1/jobs refused", refused)]:
+        print(row(name, times, wall, " ".join(f"{code}x{n}" for code, n in sorted(statuses.items()))))
+    assert admitted[2] == {202: jobs} and refused[2] == {429: jobs}, (admitted[2], refused[2])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=2000)
+    parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--serve-bare", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.serve_bare:
+        from api.server import serve
+        from shared.settings import load_settings
+
+        serve(port=args.serve_bare, settings=load_settings(), factory=bare_app)
+        return
     with tempfile.TemporaryDirectory(prefix="slotq-bench-") as scratch:
         port = free_port()
         server = start_redis(port, Path(scratch) / "redis")
         try:
             url = f"redis://127.0.0.1:{port}/0"
-            settings = Settings(redis_url=url, queue_capacity=args.jobs, cache_dir=Path(scratch))
-            client = create_app(settings).test_client()
-            connection = Redis.from_url(url)
-
-            def post() -> object:
-                return client.post("/v1/jobs", data=BODY, content_type="application/json")
-
-            baseline = measure(connection, args.jobs, lambda: connection.lpush("bench:list", "x" * 36))
-            admitted = measure(connection, args.jobs, post)
-            refused = measure(connection, args.jobs, post)
-            assert post().status_code == 429
+            in_process(url, args.jobs, Path(scratch))
+            over_http(url, args.jobs, args.processes, args.clients, Path(scratch))
         finally:
             server.terminate()
             server.wait(10)
-    print(f"{args.jobs} requests each, in-process (WSGI test client), one Redis on loopback")
-    print("cmds/req: commands Redis executed per request, those run inside scripts included")
-    print(f"{'':34}{'p50 ms':>9}{'p99 ms':>9}{'cmds/req':>11}{'req/s':>10}")
-    print(row("bare LPUSH (baseline)", *baseline))
-    print(row("POST /v1/jobs admitted (202)", *admitted))
-    print(row("POST /v1/jobs refused (429)", *refused))
 
 
 if __name__ == "__main__":
