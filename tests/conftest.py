@@ -238,6 +238,23 @@ def worker_client(worker: Process, worker_settings: Settings) -> Iterator[FlaskC
     yield from app_client(worker_settings)
 
 
+def http_post_job(url: str, body: dict[str, Any], key: str | None = None,
+                  headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any], Any]:
+    """POST a job to a real API process: the status, the JSON answer and the headers."""
+    import urllib.error
+    import urllib.request
+
+    sent = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {}),
+            **(headers or {})}
+    request = urllib.request.Request(url + "/v1/jobs", data=json.dumps(body).encode(), method="POST",
+                                     headers=sent)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read()), response.headers
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read()), exc.headers
+
+
 def post_job(client: FlaskClient, **body: Any) -> Any:
     """POST a job and return the response."""
     return client.post("/v1/jobs", data=json.dumps({"prompt": "a red fox", **body}),

@@ -12,7 +12,7 @@ from flask.testing import FlaskClient
 from redis import Redis
 
 from shared.settings import Settings
-from tests.conftest import Process, post_job, wait_for, wait_for_status, waiting_ids
+from tests.conftest import Process, http_post_job, post_job, wait_for, wait_for_status, waiting_ids
 
 
 def post_keyed(client: FlaskClient, key: str, **body: Any) -> Any:
@@ -58,16 +58,12 @@ def test_bad_idempotency_key_is_refused(client: FlaskClient) -> None:
 
 def test_concurrent_retries_with_one_key_create_one_job(settings: Settings, redis: Redis,
                                                         start_api: Callable[..., Process]) -> None:
-    import urllib.request
-
     api = start_api(settings)
 
     def post(_: int) -> tuple[int, str]:
-        request = urllib.request.Request(
-            api.url + "/v1/jobs", data=b'{"prompt": "once"}', method="POST",
-            headers={"Content-Type": "application/json", "Idempotency-Key": "retry-storm"})
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, json.loads(response.read())["id"]
+        status, answer, _ = http_post_job(api.url, {"prompt": "once"},
+                                          headers={"Idempotency-Key": "retry-storm"})
+        return status, answer["id"]
 
     with ThreadPoolExecutor(12) as pool:
         answers = list(pool.map(post, range(48)))

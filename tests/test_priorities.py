@@ -7,8 +7,6 @@ in one script. The tests with the session's worker check that order where jobs r
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +18,7 @@ from flask.testing import FlaskClient
 from redis import Redis
 
 from shared.settings import Settings
-from tests.conftest import Process, app_client, wait_for, wait_for_status, waiting_ids
+from tests.conftest import Process, app_client, http_post_job, wait_for, wait_for_status, waiting_ids
 
 KEYS = {"key-a": "alice", "key-c": "carol",
         "key-batch": {"tenant": "batch", "priorities": ["low"]},
@@ -128,14 +126,7 @@ def test_a_newcomer_is_not_starved_by_a_burst_across_api_processes(
     tiny = {"prompt": "x", "width": 64, "height": 64, "steps": 1}
 
     def post(index: int, key: str = "key-a") -> tuple[int, dict[str, Any]]:
-        request = urllib.request.Request(
-            apis[index % 2].url + "/v1/jobs", method="POST", data=json.dumps(tiny).encode(),
-            headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
-        try:
-            with urllib.request.urlopen(request, timeout=30) as response:
-                return response.status, json.loads(response.read())
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read())
+        return http_post_job(apis[index % 2].url, tiny, key)[:2]
 
     with ThreadPoolExecutor(8) as pool:
         burst = list(pool.map(post, range(500)))
@@ -174,15 +165,7 @@ def test_class_limits_are_exact_across_api_processes(settings: Settings,
     apis = [start_api(settings, queue_capacity=20, low_share=0.5, high_reserve=0.2) for _ in range(2)]
 
     def post(index: int, priority: str) -> int:
-        request = urllib.request.Request(
-            apis[index % 2].url + "/v1/jobs", method="POST",
-            data=json.dumps({"prompt": "x", "priority": priority}).encode(),
-            headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=30) as response:
-                return response.status
-        except urllib.error.HTTPError as exc:
-            return exc.code
+        return http_post_job(apis[index % 2].url, {"prompt": "x", "priority": priority})[0]
 
     with ThreadPoolExecutor(16) as pool:
         low = Counter(pool.map(post, range(40), ["low"] * 40))

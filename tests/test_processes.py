@@ -19,7 +19,7 @@ from redis import Redis
 
 from shared.client import Client
 from shared.settings import Settings
-from tests.conftest import Process, slotq_env, wait_for, waiting_ids
+from tests.conftest import Process, http_post_job, slotq_env, wait_for, waiting_ids
 
 CLIENTS = 32
 REQUESTS = 240
@@ -27,14 +27,10 @@ REQUESTS = 240
 
 def post(url: str) -> tuple[int, str | None, str | None]:
     """POST one job; the status, the job id or error code, and Retry-After."""
-    body = json.dumps({"prompt": "burst", "width": 64, "height": 64, "steps": 1}).encode()
-    request = urllib.request.Request(url + "/v1/jobs", data=body, method="POST",
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, json.loads(response.read())["id"], None
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())["error"]["code"], exc.headers.get("Retry-After")
+    status, answer, headers = http_post_job(url, {"prompt": "burst", "width": 64, "height": 64, "steps": 1})
+    if status == 202:
+        return status, answer["id"], None
+    return status, answer["error"]["code"], headers.get("Retry-After")
 
 
 @pytest.mark.slow

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +13,7 @@ import pytest
 from flask.testing import FlaskClient
 
 from shared.settings import Settings, load_settings
-from tests.conftest import Process, app_client
+from tests.conftest import Process, app_client, http_post_job
 
 KEYS = {"key-alice": "alice", "key-bob": {"tenant": "bob", "rate": 1, "burst": 10}}
 
@@ -81,15 +79,8 @@ def test_bucket_is_exact_across_api_processes(settings: Settings, start_api: Cal
     apis = [start_api(settings, api_keys=keys, queue_capacity=1000) for _ in range(2)]
 
     def post(index: int) -> int:
-        request = urllib.request.Request(
-            apis[index % 2].url + "/v1/jobs", method="POST",
-            data=b'{"prompt": "x", "width": 512, "height": 512, "steps": 4}',
-            headers={"Content-Type": "application/json", "Authorization": "Bearer secret-key-7"})
-        try:
-            with urllib.request.urlopen(request, timeout=30) as response:
-                return response.status
-        except urllib.error.HTTPError as exc:
-            return exc.code
+        body = {"prompt": "x", "width": 512, "height": 512, "steps": 4}
+        return http_post_job(apis[index % 2].url, body, "secret-key-7")[0]
 
     with ThreadPoolExecutor(16) as pool:
         statuses = Counter(pool.map(post, range(40)))
@@ -128,3 +119,17 @@ def test_per_tenant_cap_refuses_only_that_tenant(settings: Settings) -> None:
         assert submit(client, "key-carol").status_code == 202  # its place is free again
     finally:
         clients.close()
+
+
+def test_tenant_cap_is_exact_across_api_processes(settings: Settings,
+                                                  start_api: Callable[..., Process]) -> None:
+    keys = json.dumps({"key-dave": {"tenant": "dave", "max_queued": 5}, "key-erin": "erin"})
+    apis = [start_api(settings, api_keys=keys, queue_capacity=100) for _ in range(2)]
+
+    def post(index: int, key: str) -> int:
+        return http_post_job(apis[index % 2].url, {"prompt": "x"}, key)[0]
+
+    with ThreadPoolExecutor(16) as pool:
+        dave = Counter(pool.map(post, range(30), ["key-dave"] * 30))
+        erin = Counter(pool.map(post, range(30), ["key-erin"] * 30))
+    assert dave == {202: 5, 429: 25} and erin == {202: 30}
