@@ -39,6 +39,11 @@ def line_key(queue: str) -> str:
     return f"{PREFIX}:line:{queue}"
 
 
+def events_channel(queue: str) -> str:
+    """Pub/sub channel on which a job's id is published whenever its status changes."""
+    return f"{PREFIX}:events:{queue}"
+
+
 def deadlines_key(queue: str) -> str:
     """Sorted set of waiting jobs by the time they expire."""
     return f"{PREFIX}:deadlines:{queue}"

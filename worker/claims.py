@@ -33,6 +33,8 @@ class Claims:
         self.connection = queue.connection
         self.key = keys.claims_key(worker)
         self._recovered_at = 0.0
+        # The claims this process is working on (one running, one being finished): never leftovers.
+        self._held: set[str] = set()
 
     def beat(self) -> None:
         """Tell the others this worker lives."""
@@ -47,11 +49,18 @@ class Claims:
         if claimed is None and timeout is not None:
             waiting.wait_for_work(self.connection, self.queue.name, timeout)
             claimed = waiting.claim(self.connection, self.queue.name, self.key)
+        if claimed is not None:
+            self._held.add(claimed)
         return claimed
+
+    def unhold(self, job_id: str) -> None:
+        """This process is done with the job: a claim on it still in the list is a leftover."""
+        self._held.discard(job_id)
 
     def release(self, job_id: str) -> None:
         """Drop a claim once the job's end is recorded."""
         self.connection.lrem(self.key, 1, job_id)
+        self.unhold(job_id)
 
     def gone(self) -> None:
         """Say this worker is gone: others recover any claim it still holds right away."""
@@ -67,14 +76,16 @@ class Claims:
         moved = 0
         for raw in self.connection.smembers(keys.workers_key(self.queue.name)):
             worker = raw.decode()
-            # Between jobs this worker holds no claim, so any of its own is a leftover.
+            # Of this worker's own claims, those it is not working on are leftovers.
             if worker != self.worker and self.connection.exists(keys.alive_key(worker)):
                 continue
             claims_key = keys.claims_key(worker)
             if worker != self.worker:
                 self.connection.hdel(keys.running_key(self.queue.name), worker)  # it runs nothing now
+            held = set(self._held) if worker == self.worker else set()
             for job_id in self.connection.lrange(claims_key, 0, -1):
-                moved += self._recover_one(claims_key, job_id.decode())
+                if job_id.decode() not in held:
+                    moved += self._recover_one(claims_key, job_id.decode())
             if worker != self.worker and not self.connection.llen(claims_key):
                 self.connection.srem(keys.workers_key(self.queue.name), worker)
         return moved
@@ -82,6 +93,7 @@ class Claims:
     def recover_now(self, job_id: str) -> None:
         """Settle one of this worker's own claims without running it: back to the queue, or dropped."""
         self._recover_one(self.key, job_id)
+        self.unhold(job_id)
 
     def _recover_one(self, claims_key: str, job_id: str) -> int:
         with self.connection.pipeline() as pipe:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -12,19 +14,22 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq.exceptions import NoSuchJobError
+from rq.executions import Execution
 from rq.job import Job
 from rq.job import JobStatus as RQStatus
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
 from rq.timeouts import JobTimeoutException
+from rq.utils import now as rq_now
 from rq.worker import SimpleWorker
 
-from shared import estimates, keys, records
+from shared import estimates, events, keys, records
 from shared import queue as jobs
 from shared.errors import JobCanceledError, JobFailedError, JobInterruptedError, WorkerFatalError
 from shared.settings import Settings, get_settings
-from worker import lifecycle
+from worker import lifecycle, tasks
 from worker.claims import Claims
+from worker.finisher import Finisher
 from worker.pipeline import current_pipeline, load_pipeline, set_current_pipeline
 
 log = logging.getLogger(__name__)
@@ -34,12 +39,23 @@ MAX_BACKOFF_S = 15.0
 EXIT_FATAL = 3
 
 
+@dataclass(frozen=True)
+class Handoff:
+    """A job whose GPU section is done, on its way to the finisher thread."""
+
+    job: Job
+    execution: Execution
+    rendered: tasks.Rendered
+
+
 class SlotWorker(SimpleWorker):
     """An RQ worker that runs jobs in its own process, so the model stays loaded on the device.
 
     No fork per job: CUDA does not survive fork, and reloading weights per job would waste the GPU.
-    RQ runs each job and records its end; this class owns the loop around it: claims that survive
-    a crash, a heartbeat while a job runs, reconnection to Redis, and the stop signals.
+    The GPU gate is narrow: the main thread runs only the GPU section of each job (and the few
+    Redis calls that start it), and a finisher thread encodes, stores and records each job's end
+    through RQ while the next one runs. This class also owns the loop around it: claims that
+    survive a crash, a heartbeat, reconnection to Redis, and the stop signals.
     """
 
     def __init__(self, queue: Queue, settings: Settings) -> None:
@@ -55,12 +71,14 @@ class SlotWorker(SimpleWorker):
         beating = threading.Event()
         heart = threading.Thread(target=self._beat, args=(beating,), name="heartbeat", daemon=True)
         heart.start()
+        self.finisher = Finisher(self._finish)
         try:
             return self._loop(burst)
         except WorkerFatalError as exc:
             log.critical("device unusable, exiting for the supervisor to restart: %s", exc)
             return EXIT_FATAL
         finally:
+            self.finisher.close()  # the last job's end is recorded before this worker says it is gone
             beating.set()
             self._unregister()
 
@@ -75,7 +93,11 @@ class SlotWorker(SimpleWorker):
                     if burst:
                         break
                     continue
-                self._run_claim(job_id, now)
+                try:
+                    self._run_claim(job_id, now)
+                except BaseException:
+                    self.claims.unhold(job_id)  # not handed over: a leftover for recovery now
+                    raise
                 backoff = 0.5
             except (RedisConnectionError, RedisTimeoutError) as exc:
                 log.warning("Redis unreachable (%s); retrying in %.1fs", exc, backoff)
@@ -105,14 +127,53 @@ class SlotWorker(SimpleWorker):
         cost = records.cost_of(job)
         estimates.mark_running(self.connection, self.queue.name, self.name, cost)
         started = time.perf_counter()
+        execution = self.prepare_execution(job)
         try:
-            self.execute_job(job, self.queue)
-        finally:
+            rendered = self._render(job)
+        except Exception:
             estimates.clear_running(self.connection, self.queue.name, self.name)
-        if job.get_status(refresh=False) == RQStatus.FINISHED:
-            # Wall time from claim to recorded end: the drain rate that Retry-After and ETAs need.
-            estimates.record_duration(self.connection, self.queue.name, cost, time.perf_counter() - started)
-        self.claims.release(job_id)
+            # RQ's own failure path: our handle_exception and handle_job_failure decide the ending.
+            self._finalize_failure(job, self.queue, execution, sys.exc_info())
+            self._settled(job.id)
+            return
+        estimates.clear_running(self.connection, self.queue.name, self.name)
+        # The time this job held the slot: the drain rate that Retry-After and ETAs need.
+        estimates.record_duration(self.connection, self.queue.name, cost, time.perf_counter() - started)
+        self.finisher.submit(Handoff(job, execution, rendered))
+
+    def _render(self, job: Job) -> tasks.Rendered:
+        """Mark the job started and run its GPU section, under the job timeout."""
+        self.prepare_job_execution(job)
+        events.announce(self.connection, self.queue.name, job.id)
+        job.started_at = rq_now()
+        with self.death_penalty_class(job.timeout or self.settings.job_timeout_s, JobTimeoutException,
+                                      job_id=job.id):
+            return tasks.render(job, job.kwargs["request"])
+
+    def _finish(self, handoff: Handoff) -> None:
+        """On the finisher thread: store the images, then record the end through RQ."""
+        job, execution = handoff.job, handoff.execution
+        try:
+            result = tasks.finish(job, handoff.rendered)
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            # Nothing recorded: the claim stays, and the job runs again once Redis is back.
+            log.warning("could not store job %s (%s); it will run again", job.id, exc)
+            self.claims.unhold(job.id)
+            return
+        except Exception:
+            self._finalize_failure(job, self.queue, execution, sys.exc_info())
+        else:
+            # RQ's own success path (the one its perform_job takes): result, registries, status.
+            self._finalize_success(job, self.queue, execution, result)
+        self._settled(job.id)
+
+    def _settled(self, job_id: str) -> None:
+        """The job's end is recorded: drop the claim and tell whoever waits on it."""
+        with self.connection.pipeline(transaction=False) as pipe:
+            pipe.lrem(self.claims.key, 1, job_id)
+            events.announce(pipe, self.queue.name, job_id)
+            pipe.execute()
+        self.claims.unhold(job_id)
 
     def _expire(self, job: Job) -> None:
         job.meta["expired"] = True
@@ -121,6 +182,7 @@ class SlotWorker(SimpleWorker):
             pipe.zrem(keys.deadlines_key(self.queue.name), job.id)
             pipe.lrem(self.claims.key, 1, job.id)
             pipe.execute()
+        self.claims.unhold(job.id)
 
     def handle_exception(self, job: Job, *exc_info: Any) -> None:
         """Record why a job ended; decide whether it failed, was canceled or goes back to the queue."""
@@ -155,7 +217,7 @@ class SlotWorker(SimpleWorker):
                 records.requeue_at_front(job, queue, pipe)
                 pipe.lrem(self.claims.key, 1, job.id)
                 pipe.execute()
-            log.info("job %s interrupted and put back at the head of the queue", job.id)
+            log.info("job %s interrupted and put back at the head of its class", job.id)
             return
         super().handle_job_failure(job, queue, started_job_registry, exc_string, execution)
 

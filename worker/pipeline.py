@@ -5,8 +5,10 @@ from __future__ import annotations
 import io
 import json
 import logging
+import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -45,6 +47,9 @@ class ImagePipeline:
 
     pipe: DiffusionPipeline
     device: torch.device
+    # When each recent GPU section (denoising and decoding) began and ended, by time.perf_counter():
+    # what the duty cycle is computed from.
+    sections: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=10_000))
 
     def generate(self, request: JobRequest, on_step: StepCallback) -> list[Image.Image]:
         """Run one request; ``on_step(step, total)`` runs after each denoising step and may raise."""
@@ -57,6 +62,7 @@ class ImagePipeline:
         # One CPU generator per image: image i is reproducible from seed + i, on any device.
         generators = [torch.Generator("cpu").manual_seed(request.seed + index)
                       for index in range(request.num_images)]
+        began = time.perf_counter()
         with torch.inference_mode():
             output = self.pipe(
                 prompt=request.prompt,
@@ -70,6 +76,9 @@ class ImagePipeline:
                 output_type="pil",
                 callback_on_step_end=step_end,
             )
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the section ends when the device is done, not at launch
+        self.sections.append((began, time.perf_counter()))
         return list(output.images)
 
     def release_memory(self) -> None:

@@ -1,4 +1,9 @@
-"""The RQ task the API enqueues by name: one text-to-image job."""
+"""The RQ task the API enqueues by name: one text-to-image job, in two stages.
+
+``render`` is the GPU section (denoise and decode); ``finish`` encodes and stores the PNGs. The
+slotq worker runs them on two threads so that finishing one job overlaps the next one's GPU
+section; ``generate`` runs both in turn, for any plain RQ worker.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import logging
 from typing import Any
 
 import torch
+from PIL import Image
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 from rq import get_current_job
@@ -21,10 +27,18 @@ from worker.pipeline import current_pipeline, encode_png
 log = logging.getLogger(__name__)
 
 
+Rendered = tuple[JobRequest, list[Image.Image]]
+
+
 def generate(request: dict[str, Any]) -> dict[str, Any]:
     """Generate the images of one request and store them for the result TTL."""
     job = get_current_job()
     assert job is not None, "generate runs inside an RQ worker"
+    return finish(job, render(job, request))
+
+
+def render(job: Job, request: dict[str, Any]) -> Rendered:
+    """The GPU section: validate the stored request, then denoise and decode its images."""
     settings = get_settings()
     try:
         # The queue is a trust boundary too: re-validate what came out of Redis.
@@ -39,9 +53,14 @@ def generate(request: dict[str, Any]) -> dict[str, Any]:
             inject_fault(job_request)
 
     on_step(0, job_request.steps)
-    images = current_pipeline().generate(job_request, on_step=on_step)
+    return job_request, current_pipeline().generate(job_request, on_step=on_step)
+
+
+def finish(job: Job, rendered: Rendered) -> dict[str, Any]:
+    """Off the GPU: encode the images as PNG and store them for the result TTL; the job's result."""
+    job_request, images = rendered
     pngs = [encode_png(image, job_request) for image in images]
-    records.store_images(job, settings, pngs)
+    records.store_images(job, get_settings(), pngs)
     return {"images": len(pngs), "seed": job_request.seed}
 
 

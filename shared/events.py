@@ -1,0 +1,19 @@
+"""Announcing that a job's status changed, so that requests waiting on it wake at once.
+
+Redis pub/sub: the id of the job is published on the queue's channel by whoever changes its
+status (the worker, an API process cancelling it, the scripts that expire or recover it). Delivery
+is at most once, so a waiter also looks again on its own now and then; an announcement only makes
+it answer sooner.
+"""
+
+from __future__ import annotations
+
+from redis import Redis
+from redis.client import Pipeline
+
+from shared import keys
+
+
+def announce(client: Redis | Pipeline, queue_name: str, job_id: str) -> None:
+    """Publish that this job's status changed (in a pipeline: when it executes)."""
+    client.publish(keys.events_channel(queue_name), job_id)
