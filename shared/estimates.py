@@ -8,6 +8,7 @@ long jobs are both estimated well and the model follows the device as it warms o
 from __future__ import annotations
 
 from redis import Redis
+from redis.client import Pipeline
 from rq.job import Job
 from rq.queue import Queue
 
@@ -95,19 +96,26 @@ local _, started = string.match(entry, '(%S+) (%S+)')
 return {false, '0', num(math.max(0, own - (now - tonumber(started))))}
 """
 
-MARK_RUNNING_SCRIPT = ESTIMATE_LUA + """
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2] .. ' ' .. tostring(redis_now()))
-"""
+# A job's end: fit the model with the time it held the slot, and clear the worker's running entry
+# unless the worker has started its next job meanwhile (the entry is then that job's).
+JOB_DONE_SCRIPT = FIT_SCRIPT.replace("return {tostring(a), tostring(b)}", """
+if redis.call('HGET', KEYS[2], ARGV[4]) == ARGV[5] then redis.call('HDEL', KEYS[2], ARGV[4]) end
+return {tostring(a), tostring(b)}""")
 
 
-def record_duration(connection: Redis, queue_name: str, cost: float, seconds: float) -> None:
-    """Feed one finished job's cost and wall time into the model."""
-    connection.register_script(FIT_SCRIPT)(keys=[keys.model_key(queue_name)], args=[DECAY, cost, seconds])
+def mark_running(pipe: Redis | Pipeline, queue_name: str, worker: str, cost: float, since: float) -> str:
+    """Note that this worker started a job of this cost at ``since`` on Redis's clock; the entry."""
+    entry = f"{cost!r} {since!r}"
+    pipe.hset(keys.running_key(queue_name), worker, entry)
+    return entry
 
 
-def mark_running(connection: Redis, queue_name: str, worker: str, cost: float) -> None:
-    """Note, on Redis's clock, that this worker started a job of this cost."""
-    connection.register_script(MARK_RUNNING_SCRIPT)(keys=[keys.running_key(queue_name)], args=[worker, cost])
+def job_done(connection: Redis, queue_name: str, worker: str, entry: str, cost: float,
+             seconds: float) -> None:
+    """A job this worker marked running with ``entry`` held the slot this long: fit, and clear."""
+    connection.register_script(JOB_DONE_SCRIPT)(
+        keys=[keys.model_key(queue_name), keys.running_key(queue_name)],
+        args=[DECAY, cost, seconds, worker, entry])
 
 
 def clear_running(connection: Redis, queue_name: str, worker: str) -> None:

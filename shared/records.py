@@ -10,7 +10,7 @@ from rq.job import Job
 from rq.job import JobStatus as RQStatus
 from rq.queue import Queue
 
-from shared import keys, waiting
+from shared import events, keys, waiting
 from shared.errors import JobNotFoundError, NotReadyError, ResultExpiredError
 from shared.jobs import JobError, JobRequest, JobStatus, JobView, Progress
 from shared.settings import Settings
@@ -86,12 +86,12 @@ def save_meta(job: Job, pipe: Pipeline | None = None) -> None:
     (pipe or job.connection).hset(job.key, "meta", job.serializer.dumps(job.meta))
 
 
-def begin_attempt(job: Job) -> None:
+def begin_attempt(job: Job, pipe: Pipeline | None = None) -> None:
     """Count a start and show step 0, before RQ marks the job running (never running without progress)."""
     job.meta["attempt"] = int(job.meta.get("attempt", 0)) + 1
     steps = job.kwargs.get("request", {}).get("steps")
     job.meta["progress"] = {"step": 0, "total": steps} if isinstance(steps, int) else None
-    save_meta(job)
+    save_meta(job, pipe)
 
 
 def cost_of(job: Job) -> float:
@@ -104,10 +104,15 @@ def cost_of(job: Job) -> float:
 
 
 def report_progress(job: Job, step: int, total: int) -> bool:
-    """Record step progress on the job; returns whether cancellation was requested."""
+    """Record step progress on the job; returns whether cancellation was requested.
+
+    The report of step 0 comes once the job is marked running, so it also announces the start.
+    """
     job.meta["progress"] = {"step": step, "total": total}
     with job.connection.pipeline(transaction=False) as pipe:
         save_meta(job, pipe)
+        if step == 0:
+            events.announce(pipe, job.origin, job.id)
         pipe.exists(keys.cancel_key(job.id))
         return bool(pipe.execute()[-1])
 
@@ -149,6 +154,7 @@ def end_job(job: Job, queue: Queue, settings: Settings, pipe: Pipeline, status: 
     _forget_executions(job, queue, pipe)
     failed = status is RQStatus.FAILED
     pipe.expire(job.key, settings.failure_ttl_s if failed else settings.record_ttl_s)
+    events.announce(pipe, queue.name, job.id)  # after the writes: a woken reader sees them
 
 
 def _forget_executions(job: Job, queue: Queue, pipe: Pipeline) -> None:
@@ -164,3 +170,4 @@ def requeue_at_front(job: Job, queue: Queue, pipe: Pipeline) -> None:
     save_meta(job, pipe)
     _forget_executions(job, queue, pipe)
     waiting.requeue(pipe, queue.name, job.id)
+    events.announce(pipe, queue.name, job.id)

@@ -43,14 +43,14 @@ class Claims:
             pipe.sadd(keys.workers_key(self.queue.name), self.worker)
             pipe.execute()
 
-    def claim(self, timeout: float | None) -> str | None:
+    def claim(self, timeout: float | None) -> waiting.Claimed | None:
         """Move the next waiting job id into this worker's claims; None when there is none."""
         claimed = waiting.claim(self.connection, self.queue.name, self.key)
         if claimed is None and timeout is not None:
             waiting.wait_for_work(self.connection, self.queue.name, timeout)
             claimed = waiting.claim(self.connection, self.queue.name, self.key)
         if claimed is not None:
-            self._held.add(claimed)
+            self._held.add(claimed.job_id)
         return claimed
 
     def unhold(self, job_id: str) -> None:
@@ -68,10 +68,13 @@ class Claims:
         if not self.connection.llen(self.key):
             self.connection.srem(keys.workers_key(self.queue.name), self.worker)
 
-    def recover(self) -> int:
-        """Recover this worker's leftover claims and those of dead workers; how many jobs moved."""
+    def recover(self) -> int | None:
+        """Recover this worker's leftover claims and those of dead workers; how many jobs moved.
+
+        Runs at most once a second; None when it did not run this time.
+        """
         if time.monotonic() - self._recovered_at < RECOVER_EVERY_S:
-            return 0
+            return None
         self._recovered_at = time.monotonic()
         moved = 0
         for raw in self.connection.smembers(keys.workers_key(self.queue.name)):

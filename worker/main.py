@@ -13,7 +13,6 @@ import torch
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from rq.exceptions import NoSuchJobError
 from rq.executions import Execution
 from rq.job import Job
 from rq.job import JobStatus as RQStatus
@@ -27,6 +26,7 @@ from shared import estimates, events, keys, records
 from shared import queue as jobs
 from shared.errors import JobCanceledError, JobFailedError, JobInterruptedError, WorkerFatalError
 from shared.settings import Settings, get_settings
+from shared.waiting import Claimed
 from worker import lifecycle, tasks
 from worker.claims import Claims
 from worker.finisher import Finisher
@@ -46,6 +46,9 @@ class Handoff:
     job: Job
     execution: Execution
     rendered: tasks.Rendered
+    running: str  # the worker's running entry for this job
+    cost: float
+    seconds: float  # how long the job held the slot: the drain rate that Retry-After and ETAs need
 
 
 class SlotWorker(SimpleWorker):
@@ -86,17 +89,17 @@ class SlotWorker(SimpleWorker):
         backoff = 0.5
         while not lifecycle.stopping.is_set():
             try:
-                self.claims.recover()
-                now = jobs.expire_due(self.queue, self.settings)
-                job_id = self.claims.claim(None if burst else CLAIM_TIMEOUT_S)
-                if job_id is None:
+                if self.claims.recover() is not None:  # at most once a second, like the expiry
+                    jobs.expire_due(self.queue, self.settings)
+                claimed = self.claims.claim(None if burst else CLAIM_TIMEOUT_S)
+                if claimed is None:
                     if burst:
                         break
                     continue
                 try:
-                    self._run_claim(job_id, now)
+                    self._run_claim(claimed)
                 except BaseException:
-                    self.claims.unhold(job_id)  # not handed over: a leftover for recovery now
+                    self.claims.unhold(claimed.job_id)  # not handed over: a leftover for recovery now
                     raise
                 backoff = 0.5
             except (RedisConnectionError, RedisTimeoutError) as exc:
@@ -109,12 +112,13 @@ class SlotWorker(SimpleWorker):
     def queue(self) -> Queue:
         return self.queues[0]
 
-    def _run_claim(self, job_id: str, now: float) -> None:
-        try:
-            job = Job.fetch(job_id, connection=self.connection, serializer=self.serializer)
-        except NoSuchJobError:
-            self.claims.release(job_id)
+    def _run_claim(self, claimed: Claimed) -> None:
+        job_id, now = claimed.job_id, claimed.at
+        if not claimed.record:
+            self.claims.release(job_id)  # the record expired while the job waited
             return
+        job = Job(job_id, connection=self.connection, serializer=self.serializer)
+        job.restore(claimed.record)
         if lifecycle.stopping.is_set() or records.job_status(job).is_terminal:
             # Claimed as a stop came in, or canceled/expired meanwhile: put back or drop.
             self.claims.recover_now(job_id)
@@ -123,9 +127,11 @@ class SlotWorker(SimpleWorker):
             # Its deadline passed in the instant between the purge and the claim.
             self._expire(job)
             return
-        records.begin_attempt(job)
         cost = records.cost_of(job)
-        estimates.mark_running(self.connection, self.queue.name, self.name, cost)
+        with self.connection.pipeline(transaction=False) as pipe:
+            records.begin_attempt(job, pipe)
+            running = estimates.mark_running(pipe, self.queue.name, self.name, cost, claimed.at)
+            pipe.execute()
         started = time.perf_counter()
         execution = self.prepare_execution(job)
         try:
@@ -136,15 +142,11 @@ class SlotWorker(SimpleWorker):
             self._finalize_failure(job, self.queue, execution, sys.exc_info())
             self._settled(job.id)
             return
-        estimates.clear_running(self.connection, self.queue.name, self.name)
-        # The time this job held the slot: the drain rate that Retry-After and ETAs need.
-        estimates.record_duration(self.connection, self.queue.name, cost, time.perf_counter() - started)
-        self.finisher.submit(Handoff(job, execution, rendered))
+        self.finisher.submit(Handoff(job, execution, rendered, running, cost, time.perf_counter() - started))
 
     def _render(self, job: Job) -> tasks.Rendered:
         """Mark the job started and run its GPU section, under the job timeout."""
-        self.prepare_job_execution(job)
-        events.announce(self.connection, self.queue.name, job.id)
+        self.prepare_job_execution(job)  # the first progress report announces the start
         job.started_at = rq_now()
         with self.death_penalty_class(job.timeout or self.settings.job_timeout_s, JobTimeoutException,
                                       job_id=job.id):
@@ -165,6 +167,8 @@ class SlotWorker(SimpleWorker):
         else:
             # RQ's own success path (the one its perform_job takes): result, registries, status.
             self._finalize_success(job, self.queue, execution, result)
+            estimates.job_done(self.connection, self.queue.name, self.name, handoff.running, handoff.cost,
+                               handoff.seconds)
         self._settled(job.id)
 
     def _settled(self, job_id: str) -> None:

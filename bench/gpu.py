@@ -1,0 +1,227 @@
+"""Does the GPU stay busy? Duty cycle, idle gaps and dispatch overhead, each against its baselines.
+
+    python -m bench.gpu [--jobs 60] [--size 256] [--steps 4] [--dispatch-jobs 400]
+
+**Duty cycle.** A saturated queue of identical tiny-model jobs (all admitted before the worker
+starts). Each pipeline records when its GPU sections (denoise and decode) begin and end; the duty
+cycle is their share of the wall time from the first start to the last end, and the gaps are the
+idle times between consecutive sections. Run three ways, in this run:
+
+- the in-process loop: the pipeline and PNG encoding back to back in one Python loop (the ceiling);
+- a plain RQ ``SimpleWorker`` running ``worker.tasks.generate`` from RQ's own list (what a user
+  would write first);
+- the slotq worker (``SlotWorker``, burst mode), from slotq's waiting line.
+
+**Dispatch overhead.** The same workers with a pipeline that does no work (one blank image at once),
+so the time per job is what taking, starting and recording a job costs; against a bare Redis loop
+that moves an id with ``BLMOVE`` and drops it with ``LREM``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from PIL import Image
+
+from shared import queue as jobs
+from shared.jobs import JobRequest
+from shared.localredis import free_port, start_redis
+from shared.settings import Settings
+
+Sections = list[tuple[float, float]]
+
+
+@dataclass
+class NullPipeline:
+    """A pipeline that does no work: one blank image per request, at once."""
+
+    sections: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=100_000))
+
+    def generate(self, request: JobRequest, on_step: Callable[[int, int], None]) -> list[Image.Image]:
+        began = time.perf_counter()
+        for step in range(1, request.steps + 1):
+            on_step(step, request.steps)
+        self.sections.append((began, time.perf_counter()))
+        return [Image.new("RGB", (request.width, request.height)) for _ in range(request.num_images)]
+
+    def release_memory(self) -> None:
+        """Nothing to release."""
+
+
+@dataclass(frozen=True)
+class Figures:
+    """What one run measured."""
+
+    jobs: int
+    wall: float
+    busy: float
+    gaps: list[float]
+
+    @classmethod
+    def of(cls, sections: Sections) -> Figures:
+        sections = sorted(sections)
+        gaps = [start - end for (_, end), (start, _) in zip(sections, sections[1:], strict=False)]
+        return cls(len(sections), sections[-1][1] - sections[0][0], sum(e - s for s, e in sections), gaps)
+
+    @property
+    def per_second(self) -> float:
+        return self.jobs / self.wall
+
+    def gap_ms(self, share: float) -> float:
+        ordered = sorted(self.gaps) or [0.0]
+        return 1000 * ordered[int(share * (len(ordered) - 1))]
+
+
+def requests(count: int, size: int, steps: int) -> list[JobRequest]:
+    return [JobRequest(prompt="bench", width=size, height=size, steps=steps, seed=seed)
+            for seed in range(count)]
+
+
+def in_process_loop(settings: Settings, batch: list[JobRequest]) -> Sections:
+    """The ceiling: the pipeline and PNG encoding back to back, nothing else."""
+    from worker.pipeline import encode_png, load_pipeline
+
+    pipeline = load_pipeline(settings)
+    pipeline.sections.clear()  # not the warm-up
+    for request in batch:
+        for image in pipeline.generate(request, on_step=lambda step, total: None):
+            encode_png(image, request)
+    return list(pipeline.sections)
+
+
+def through_worker(kind: str, settings: Settings, batch: list[JobRequest], scratch: Path,
+                   null: bool = False) -> Sections:
+    """Admit the whole batch, then run a worker of this kind in burst mode; its GPU sections."""
+    connection = jobs.connect(settings)
+    connection.flushdb()
+    queue = jobs.job_queue(connection, settings)
+    for request in batch:
+        if kind == "slotq":
+            jobs.enqueue_job(queue, settings, request)
+        else:  # RQ's own list, as a user of plain RQ would enqueue it
+            queue.enqueue("worker.tasks.generate", kwargs={"request": request.model_dump(mode="json")})
+    trace = scratch / f"{kind}-trace.json"
+    env = {key: value for key, value in os.environ.items() if not key.startswith("SLOTQ_")}
+    env |= {f"SLOTQ_{name.upper()}": str(value)
+            for name, value in settings.model_dump(mode="json").items() if value is not None}
+    command = [sys.executable, "-m", "bench.gpu", "--serve", kind, "--trace", str(trace)]
+    with (scratch / f"{kind}.log").open("wb") as log:
+        done = subprocess.run(command + (["--null"] if null else []), env=env, stdout=log, stderr=log,
+                              timeout=1800)
+    if done.returncode != 0:
+        raise SystemExit(f"the {kind} worker failed:\n{(scratch / f'{kind}.log').read_text()}")
+    sections = [tuple(pair) for pair in json.loads(trace.read_text())]
+    return sections[-len(batch):]  # the jobs, not the model's warm-up
+
+
+def serve(kind: str, trace: Path, null: bool) -> None:
+    """In the worker subprocess: run the queue dry, then write the pipeline's GPU sections."""
+    from rq import Queue, SimpleWorker
+    from rq.serializers import JSONSerializer
+
+    from shared.settings import get_settings
+    from worker.main import SlotWorker
+    from worker.pipeline import load_pipeline, set_current_pipeline
+
+    logging.basicConfig(level=logging.WARNING)
+    settings = get_settings()
+    pipeline = NullPipeline() if null else load_pipeline(settings)
+    set_current_pipeline(pipeline)  # type: ignore[arg-type]
+    connection = jobs.connect(settings, blocking=True)
+    if kind == "slotq":
+        SlotWorker(jobs.job_queue(connection, settings), settings).serve(burst=True)
+    else:
+        queue = Queue(settings.queue_name, connection=connection, serializer=JSONSerializer)
+        SimpleWorker([queue], connection=connection, serializer=JSONSerializer).work(burst=True)
+    trace.write_text(json.dumps(list(pipeline.sections)))
+
+
+def bare_loop(settings: Settings, count: int) -> float:
+    """Seconds per job for the floor of a reliable Redis queue: BLMOVE into a claims list, LREM."""
+    connection = jobs.connect(settings, blocking=True)
+    connection.flushdb()
+    connection.rpush("bench:waiting", *[f"job-{index}" for index in range(count)])
+    began = time.perf_counter()
+    for _ in range(count):
+        job_id = connection.blmove("bench:waiting", "bench:claims", 1, "LEFT", "RIGHT")
+        connection.lrem("bench:claims", 1, job_id)
+    return (time.perf_counter() - began) / count
+
+
+def duty_table(title: str, runs: dict[str, Figures]) -> list[str]:
+    ceiling = runs["in-process loop (ceiling)"].per_second
+    lines = [title, f"{'':30}{'jobs/s':>8}{'% of loop':>11}{'duty':>8}{'gap p50 ms':>12}{'gap p99 ms':>12}"]
+    for name, figures in runs.items():
+        lines.append(f"{name:30}{figures.per_second:>8.2f}{100 * figures.per_second / ceiling:>10.1f}%"
+                     f"{100 * figures.busy / figures.wall:>7.1f}%{figures.gap_ms(0.5):>12.2f}"
+                     f"{figures.gap_ms(0.99):>12.2f}")
+    return lines
+
+
+def duty_cycle(settings: Settings, batch: list[JobRequest], scratch: Path) -> list[str]:
+    first = batch[0]
+    runs = {"in-process loop (ceiling)": Figures.of(in_process_loop(settings, batch)),
+            "plain RQ SimpleWorker": Figures.of(through_worker("rq", settings, batch, scratch)),
+            "slotq worker": Figures.of(through_worker("slotq", settings, batch, scratch))}
+    return duty_table(f"GPU duty cycle: tiny model, {first.width}x{first.height}, {first.steps} steps, "
+                      f"{len(batch)} jobs, saturated queue", runs)
+
+
+def dispatch(settings: Settings, count: int, scratch: Path) -> list[str]:
+    batch = requests(count, 64, 1)
+    runs = {"bare BLMOVE/LREM loop": bare_loop(settings, count),
+            "plain RQ SimpleWorker": Figures.of(through_worker("rq", settings, batch, scratch, True)),
+            "slotq worker": Figures.of(through_worker("slotq", settings, batch, scratch, True))}
+    lines = [f"Dispatch overhead: a pipeline that does no work, {count} jobs", f"{'':30}{'ms/job':>8}"]
+    for name, figures in runs.items():
+        per_job = figures if isinstance(figures, float) else figures.wall / (figures.jobs - 1)
+        lines.append(f"{name:30}{1000 * per_job:>8.2f}")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=60, help="jobs of the duty-cycle run (0: skip it)")
+    parser.add_argument("--size", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--large-jobs", type=int, default=12, help="jobs of the 1024x1024 run (0: skip it)")
+    parser.add_argument("--dispatch-jobs", type=int, default=400)
+    parser.add_argument("--serve", choices=["slotq", "rq"], help=argparse.SUPPRESS)
+    parser.add_argument("--trace", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--null", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        serve(args.serve, args.trace, args.null)
+        return
+    with tempfile.TemporaryDirectory(prefix="slotq-bench-") as scratch:
+        port = free_port()
+        server = start_redis(port, Path(scratch) / "redis")
+        try:
+            settings = Settings(redis_url=f"redis://127.0.0.1:{port}/0", queue_name="bench",
+                                queue_capacity=100_000, cache_dir=Path(scratch) / "models",
+                                log_level="WARNING", max_steps=1000)
+            lines: list[str] = []
+            for count, size, steps in ((args.jobs, args.size, args.steps), (args.large_jobs, 1024, 1)):
+                if count:
+                    lines += duty_cycle(settings, requests(count, size, steps), Path(scratch)) + [""]
+            if args.dispatch_jobs:
+                lines += dispatch(settings, args.dispatch_jobs, Path(scratch))
+        finally:
+            server.terminate()
+            server.wait(10)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
