@@ -9,6 +9,7 @@ import redis
 from flask import Flask, Response, jsonify
 from werkzeug.exceptions import HTTPException
 
+from api.longpoll import Waits
 from api.routes import bp
 from shared.errors import (
     MethodNotAllowedError,
@@ -40,8 +41,9 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.json.sort_keys = False  # type: ignore[attr-defined]
     app.extensions["slotq.settings"] = settings
-    app.extensions["slotq.queue"] = job_queue(connect(settings), settings)
-    app.extensions["slotq.draining"] = threading.Event()  # set by the server on SIGTERM
+    queue = app.extensions["slotq.queue"] = job_queue(connect(settings), settings)
+    draining = app.extensions["slotq.draining"] = threading.Event()  # set by the server on SIGTERM
+    app.extensions["slotq.waits"] = Waits.for_settings(queue.connection, settings, draining)
     app.extensions["slotq.keys"] = policies(settings)
     app.register_blueprint(bp)
     app.register_error_handler(ServiceError, error_response)

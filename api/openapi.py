@@ -6,6 +6,7 @@ import copy
 from functools import lru_cache
 from typing import Any
 
+from api.longpoll import MAX_WAIT_S
 from api.routes import MAX_IDEMPOTENCY_KEY
 from shared import errors
 from shared.jobs import PRIORITIES, JobRequest, JobView
@@ -72,17 +73,29 @@ def _document(max_side: int, max_steps: int) -> dict[str, Any]:
     key = {"name": "Idempotency-Key", "in": "header", "required": False,
            "description": "A retry with the same key and body answers 200 with the first job.",
            "schema": {"type": "string", "minLength": 1, "maxLength": MAX_IDEMPOTENCY_KEY}}
+    # Free text, as RFC 7240 has it: a preference the server does not know, or a malformed one, is
+    # ignored. Only `wait=N` (whole seconds) is acted on; above MAX_WAIT_S it is cut to MAX_WAIT_S.
+    prefer = {"name": "Prefer", "in": "header", "required": False, "schema": _STRING,
+              "description": f"`wait=N`: hold the answer until the job ends or N seconds pass (at most "
+                             f"{MAX_WAIT_S}); a job that ended answers 200 with `Preference-Applied`."}
+    wait = {"name": "wait", "in": "query", "required": False,
+            "description": "Hold the answer until the job's status changes or this many seconds pass.",
+            "schema": {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_WAIT_S}}
     job = {"Location": {"description": "The job's URL.", "schema": _STRING}}
+    applied = {**job, "Preference-Applied": {"description": "`wait=N` when a `Prefer: wait=N` was applied.",
+                                             "schema": _STRING}}
     paths = {
         "/v1/jobs": {"post": operation(
             "submitJob", "Admit a job, or refuse it at once.",
-            {"202": _json("Admitted.", "JobView", job), "200": _json("An idempotent retry.", "JobView", job)},
-            (400, 403, 409, 413, 415, 422, 429, 503), parameters=[key],
+            {"202": _json("Admitted.", "JobView", job),
+             "200": _json("An idempotent retry, or with `Prefer: wait=N` a job that ended within N s.",
+                          "JobView", applied)},
+            (400, 403, 409, 413, 415, 422, 429, 503), parameters=[key, prefer],
             requestBody={"required": True, "content": {JSON: {"schema": _ref("JobRequest")}}})},
         "/v1/jobs/{id}": {
             "parameters": [job_id],
             "get": operation("getJob", "A job's status, progress and result links.",
-                             {"200": _json("The job.", "JobView")}, (404, 503)),
+                             {"200": _json("The job.", "JobView")}, (404, 422, 503), parameters=[wait]),
             "delete": operation("cancelJob", "Cancel a job.",
                                 {"200": _json("Canceled now.", "JobView"),
                                  "202": _json("Its worker stops it at its next step.", "JobView")},

@@ -11,6 +11,8 @@ from pydantic import ValidationError
 from rq import Queue
 from rq.job import Job
 
+from api import longpoll
+from api.longpoll import Waits
 from shared import estimates, records, tenants
 from shared import queue as jobs
 from shared.errors import (
@@ -35,6 +37,10 @@ def _settings() -> Settings:
     return current_app.extensions["slotq.settings"]
 
 
+def _waits() -> Waits:
+    return current_app.extensions["slotq.waits"]
+
+
 def _tenant() -> Tenant | None:
     return g.get("tenant")
 
@@ -50,6 +56,7 @@ def authenticate() -> None:
 @bp.post("/v1/jobs")
 def submit_job() -> tuple[Response, int, dict[str, str]]:
     """Admit a job (202), replay an earlier submit with the same Idempotency-Key (200), or refuse."""
+    # With ``Prefer: wait=N``, a job that ends within N seconds answers 200 with its final view.
     settings = _settings()
     try:
         job_request = validate_request(_json_body(), max_side=settings.max_side,
@@ -57,24 +64,25 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
     except ValidationError as exc:
         raise InvalidRequestError(details=_details(exc)) from None
     admission = jobs.enqueue_job(_queue(), settings, job_request, _idempotency_key(), _tenant())
-    if admission.replayed:
-        view = _view(admission.job)
-    else:  # the admission script already answered where the job stands: no second round trip
-        view = _with_eta(records.job_view(admission.job, admission.position), admission.eta)
-    status = 200 if admission.replayed else 202
-    return _json(view), status, {"Location": f"/v1/jobs/{admission.job.id}"}
+    headers = {"Location": f"/v1/jobs/{admission.job.id}"}
+    wait = longpoll.preferred_wait(request.headers.getlist("Prefer"))
+    if wait and _waits().hold(admission.job, wait, longpoll.finished):
+        view = _current_view(jobs.fetch_job(_queue(), admission.job.id, _tenant()))
+    else:
+        view = _admitted_view(admission)
+    if wait and view.status.is_terminal:
+        headers["Preference-Applied"] = f"wait={wait}"
+    return _json(view), 200 if admission.replayed or view.status.is_terminal else 202, headers
 
 
 @bp.get("/v1/jobs/<job_id>")
 def get_job(job_id: str) -> Response:
-    """A job's status, progress and result links."""
-    queue = _queue()
-    job = jobs.fetch_job(queue, job_id, _tenant())
-    view = _view(job)
-    if view.status is JobStatus.QUEUED and view.deadline_at and _past(view.deadline_at.timestamp()):
-        jobs.expire_due(queue, _settings())
-        view = _view(jobs.fetch_job(queue, job_id, _tenant()))
-    return _json(view)
+    """A job's status, progress and result links; with ``?wait=N``, once its status changes or N s pass."""
+    wait = longpoll.wait_query(request.args.get("wait"))
+    job = jobs.fetch_job(_queue(), job_id, _tenant())
+    if wait and _waits().hold(job, wait, longpoll.changed_from(records.job_status(job))):
+        job = jobs.fetch_job(_queue(), job_id, _tenant())
+    return _json(_current_view(job))
 
 
 @bp.get("/v1/jobs/<job_id>/images/<int:index>")
@@ -123,6 +131,24 @@ def readyz() -> Response:
         raise DrainingError(retry_after=1)
     _queue().connection.ping()  # a Redis error becomes 503 in the app's error handler
     return jsonify({"status": "ready"})
+
+
+def _admitted_view(admission: jobs.Admission) -> JobView:
+    """The view of a job just admitted or replayed."""
+    if admission.replayed:
+        return _view(admission.job)
+    # The admission script already answered where the job stands: no second round trip.
+    return _with_eta(records.job_view(admission.job, admission.position), admission.eta)
+
+
+def _current_view(job: Job) -> JobView:
+    """The job's view; a waiting job whose deadline has passed is expired first."""
+    view = _view(job)
+    if view.status is JobStatus.QUEUED and view.deadline_at and _past(view.deadline_at.timestamp()):
+        queue = _queue()
+        jobs.expire_due(queue, _settings())
+        view = _view(jobs.fetch_job(queue, job.id, _tenant()))
+    return view
 
 
 def _view(job: Job) -> JobView:

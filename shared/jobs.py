@@ -10,6 +10,7 @@ from typing import Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 MAX_SEED = 2**32 - 1
+MAX_IMAGES = 4  # per job
 
 Priority = Literal["high", "normal", "low"]
 PRIORITIES: tuple[Priority, ...] = get_args(Priority)  # the order a worker serves them in
@@ -44,7 +45,7 @@ class JobRequest(BaseModel):
     steps: int = Field(30, ge=1)
     guidance_scale: float = Field(7.5, ge=0, le=30, allow_inf_nan=False)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    num_images: int = Field(1, ge=1, le=4)
+    num_images: int = Field(1, ge=1, le=MAX_IMAGES)
     deadline_s: float | None = Field(None, gt=0, le=86_400, allow_inf_nan=False)
     priority: Priority = "normal"
 
@@ -63,6 +64,18 @@ class JobRequest(BaseModel):
         if value > max_steps:
             raise ValueError(f"must be at most {max_steps}")
         return value
+
+    @property
+    def batch_key(self) -> str:
+        """Jobs with equal keys can run as one batch: same size, steps, guidance and images each."""
+        return f"{self.width}x{self.height}/{self.steps}/{self.guidance_scale!r}/{self.num_images}"
+
+    @staticmethod
+    def pixels_of_batch_key(key: str) -> int:
+        """The pixels one job with this batch key makes (all its images)."""
+        size, *_, images = key.split("/")
+        width, height = size.split("x")
+        return int(width) * int(height) * int(images)
 
     def with_seed(self) -> JobRequest:
         """This request with a seed drawn at random when the client gave none."""

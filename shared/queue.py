@@ -44,9 +44,10 @@ IDEMPOTENCY_TTL_S = 24 * 3600
 RQ_TIME_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
 
 # Waiting jobs whose deadline has passed leave the line and end expired. Runs at the start of
-# every admission, so an expired job never holds a place that a new one asks for.
+# every admission, so an expired job never holds a place that a new one asks for. Each expired id
+# is published on ``channel`` (shared/events.py), when one is given.
 EXPIRE_DUE_LUA = """
-local function expire_due(line, deadlines_key, job_prefix, ended_at, ttl)
+local function expire_due(line, deadlines_key, job_prefix, ended_at, ttl, channel)
   local now = redis_now()
   for _, id in ipairs(redis.call('ZRANGEBYSCORE', deadlines_key, '-inf', now)) do
     redis.call('ZREM', deadlines_key, id)
@@ -56,6 +57,7 @@ local function expire_due(line, deadlines_key, job_prefix, ended_at, ttl)
       meta['expired'] = true
       redis.call('HSET', key, 'status', 'canceled', 'ended_at', ended_at, 'meta', cjson.encode(meta))
       redis.call('EXPIRE', key, ttl)
+      if channel then redis.call('PUBLISH', channel, id) end
     end
   end
   return now
@@ -70,7 +72,7 @@ end
 ADMIT_SCRIPT = LINE_LUA + ESTIMATE_LUA + STARTS_IN_LUA + EXPIRE_DUE_LUA + """
 local p = cjson.decode(ARGV[1])
 local line, prefix = p.line, p.job_prefix
-local now = expire_due(line, KEYS[3], prefix, p.ended_at, p.record_ttl)
+local now = expire_due(line, KEYS[3], prefix, p.ended_at, p.record_ttl, p.channel)
 local function frees_in(index) return num(starts_in(line, prefix, KEYS[6], KEYS[7], now, index)) end
 if p.digest then
   local prior = redis.call('GET', KEYS[2])
@@ -116,7 +118,7 @@ return {position, own and num(start) or false, own and num(start + own) or false
 """
 
 EXPIRE_SCRIPT = LINE_LUA + ESTIMATE_LUA + EXPIRE_DUE_LUA + """
-return num(expire_due(KEYS[1], KEYS[2], ARGV[1], ARGV[2], tonumber(ARGV[3])))
+return num(expire_due(KEYS[1], KEYS[2], ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]))
 """
 
 
@@ -184,9 +186,11 @@ def enqueue_job(queue: Queue, settings: Settings, request: JobRequest,
         "priority": request.priority, "limit": settings.waiting_limit(request.priority),
         "tenant": name, "cost": cost, "digest": digest if idem else None,
         "idempotency_ttl": IDEMPOTENCY_TTL_S, "deadline_s": request.deadline_s, "ended_at": _rq_now(),
-        "record_ttl": settings.record_ttl_s, "issued_ttl": settings.issued_ttl_s, **limits,
+        "record_ttl": settings.record_ttl_s, "issued_ttl": settings.issued_ttl_s,
+        "channel": keys.events_channel(queue.name), **limits,
     }
-    fields = [item for pair in job.to_dict().items() for item in pair]
+    # RQ's fields, and which jobs this one may share a GPU execution with (see worker/batching.py).
+    fields = [item for pair in job.to_dict().items() for item in pair] + ["batch", request.batch_key]
     answer = queue.connection.register_script(ADMIT_SCRIPT)(
         keys=[job.key, idem or job.key, keys.deadlines_key(queue.name), keys.issued_key(job.id),
               keys.bucket_key(queue.name, name), keys.model_key(queue.name), keys.running_key(queue.name)],
@@ -228,7 +232,8 @@ def expire_due(queue: Queue, settings: Settings) -> float:
     """End the waiting jobs whose deadline has passed; returns Redis's clock."""
     script = queue.connection.register_script(EXPIRE_SCRIPT)
     now = script(keys=[keys.line_key(queue.name), keys.deadlines_key(queue.name)],
-                 args=[Job.redis_job_namespace_prefix, _rq_now(), settings.record_ttl_s])
+                 args=[Job.redis_job_namespace_prefix, _rq_now(), settings.record_ttl_s,
+                       keys.events_channel(queue.name)])
     return float(now)
 
 

@@ -103,18 +103,21 @@ def cost_of(job: Job) -> float:
         return 0.0
 
 
-def report_progress(job: Job, step: int, total: int) -> bool:
-    """Record step progress on the job; returns whether cancellation was requested.
+def report_progress(jobs: list[Job], step: int, total: int) -> list[bool]:
+    """Record step progress on jobs that run together (one round trip); whether each was canceled.
 
-    The report of step 0 comes once the job is marked running, so it also announces the start.
+    The report of step 0 comes once the jobs are marked running, so it also announces their start.
     """
-    job.meta["progress"] = {"step": step, "total": total}
-    with job.connection.pipeline(transaction=False) as pipe:
-        save_meta(job, pipe)
-        if step == 0:
-            events.announce(pipe, job.origin, job.id)
-        pipe.exists(keys.cancel_key(job.id))
-        return bool(pipe.execute()[-1])
+    with jobs[0].connection.pipeline(transaction=False) as pipe:
+        for job in jobs:
+            job.meta["progress"] = {"step": step, "total": total}
+            save_meta(job, pipe)
+            if step == 0:
+                events.announce(pipe, job.origin, job.id)
+            pipe.exists(keys.cancel_key(job.id))
+        answers = pipe.execute()
+    per_job = 3 if step == 0 else 2  # the EXISTS comes last of each job's commands
+    return [bool(answer) for answer in answers[per_job - 1::per_job]]
 
 
 def store_images(job: Job, settings: Settings, pngs: list[bytes]) -> None:

@@ -19,7 +19,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from shared.jobs import Priority
+from shared.jobs import MAX_IMAGES, Priority
 
 DEVICE_PATTERN = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 
@@ -60,6 +60,8 @@ class Settings(BaseSettings):
     max_steps: int = Field(100, ge=1, le=1000)
     max_body_bytes: int = Field(65_536, ge=1024, le=10_485_760)
     job_timeout_s: int = Field(900, ge=1)
+    max_batch: int = Field(1, ge=1, le=64)
+    batch_wait_ms: int = Field(0, ge=0, le=10_000)
     max_attempts: int = Field(2, ge=1, le=10)
     heartbeat_ttl_s: float = Field(6.0, ge=1, le=300)
     stop_timeout_s: float | None = Field(None, gt=0)
@@ -79,7 +81,7 @@ class Settings(BaseSettings):
     api_host: str = "127.0.0.1"
     api_port: int = Field(8000, ge=1, le=65535)
     api_workers: int = Field(2, ge=1, le=64)
-    api_threads: int = Field(4, ge=1, le=256)
+    api_threads: int = Field(16, ge=1, le=256)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
     @field_validator("redis_url")
@@ -120,6 +122,11 @@ class Settings(BaseSettings):
         share = {"low": self.low_share, "normal": 1.0, "high": 1 + self.high_reserve}[priority]
         # Rounded first so that 100 * 1.1 (110.00000000000001 in floats) gives 110 places, not 111.
         return max(1, math.ceil(round(self.queue_capacity * share, 6)))
+
+    @property
+    def batch_pixels(self) -> int:
+        """The most pixels one GPU execution may make: those of the largest single job allowed."""
+        return self.max_side * self.max_side * MAX_IMAGES
 
     @property
     def issued_ttl_s(self) -> int:

@@ -81,13 +81,17 @@ local function line_requeue(line, job_key, id)
   local tag = tonumber(f[3]) or tonumber(redis.call('HGET', line .. ':vtime', class)) or 0
   line_insert(line, id, class, f[2] or '', tag)
 end
+-- A job leaves the line for a worker: the class's virtual time moves up to its tag.
+local function line_taken(line, job_prefix, class, id, tag)
+  local vtime = tonumber(redis.call('HGET', line .. ':vtime', class)) or 0
+  redis.call('HSET', line .. ':vtime', class, num(math.max(vtime, tonumber(tag))))
+  line_uncount(line, class, redis.call('HGET', job_prefix .. id, 'tenant') or '')
+end
 local function line_pop(line, job_prefix)
   for _, class in ipairs(CLASSES) do
     local popped = redis.call('ZPOPMIN', line .. ':' .. class)
     if popped[1] then
-      local vtime = tonumber(redis.call('HGET', line .. ':vtime', class)) or 0
-      redis.call('HSET', line .. ':vtime', class, num(math.max(vtime, tonumber(popped[2]))))
-      line_uncount(line, class, redis.call('HGET', job_prefix .. popped[1], 'tenant') or '')
+      line_taken(line, job_prefix, class, popped[1], popped[2])
       return popped[1]
     end
   end
@@ -125,6 +129,25 @@ local clock = redis.call('TIME')
 return {id, redis.call('HGETALL', ARGV[1] .. id), clock[1] .. '.' .. string.format('%06d', clock[2])}
 """
 
+# More jobs for a batch: up to ARGV[4] jobs of class ARGV[2] whose batch key is ARGV[3], from the
+# first ARGV[5] of that class, each registered in the worker's claims as a claim is.
+CLAIM_COMPATIBLE_SCRIPT = LINE_LUA + """
+local line, prefix, class = KEYS[1], ARGV[1], ARGV[2]
+local wanted, taken = tonumber(ARGV[4]), {}
+local window = redis.call('ZRANGE', line .. ':' .. class, 0, tonumber(ARGV[5]) - 1, 'WITHSCORES')
+for i = 1, #window, 2 do
+  if #taken >= wanted then break end
+  local id = window[i]
+  if redis.call('HGET', prefix .. id, 'batch') == ARGV[3] then
+    redis.call('ZREM', line .. ':' .. class, id)
+    line_taken(line, prefix, class, id, window[i + 1])
+    redis.call('RPUSH', KEYS[2], id)
+    table.insert(taken, {id, redis.call('HGETALL', prefix .. id)})
+  end
+end
+return taken
+"""
+
 REQUEUE_SCRIPT = LINE_LUA + "line_requeue(KEYS[1], KEYS[2], ARGV[1])"
 
 REMOVE_SCRIPT = LINE_LUA + "return line_remove(KEYS[1], KEYS[2], ARGV[1]) and 1 or 0"
@@ -158,6 +181,18 @@ def claim(connection: Redis, queue_name: str, claims_key: str) -> Claimed | None
         return None
     job_id, flat, at = claimed
     return Claimed(job_id.decode(), dict(zip(flat[::2], flat[1::2], strict=True)), float(at))
+
+
+def claim_compatible(connection: Redis, queue_name: str, claims_key: str, like: Claimed, count: int,
+                     window: int) -> list[Claimed]:
+    """Claim up to ``count`` more jobs that may share a batch with ``like``: of its class and batch
+    key, among the first ``window`` of that class (a bounded step out of line)."""
+    priority, batch = like.record.get(b"priority", b"normal"), like.record.get(b"batch", b"")
+    script = connection.register_script(CLAIM_COMPATIBLE_SCRIPT)
+    taken = script(keys=[keys.line_key(queue_name), claims_key],
+                   args=[Job.redis_job_namespace_prefix, priority, batch, count, window])
+    return [Claimed(job_id.decode(), dict(zip(flat[::2], flat[1::2], strict=True)), like.at)
+            for job_id, flat in taken]
 
 
 def wait_for_work(connection: Redis, queue_name: str, timeout: float) -> None:

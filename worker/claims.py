@@ -53,6 +53,16 @@ class Claims:
             self._held.add(claimed.job_id)
         return claimed
 
+    def claim_compatible(self, like: waiting.Claimed, count: int, window: int) -> list[waiting.Claimed]:
+        """Claim up to ``count`` more waiting jobs that may share a batch with ``like``."""
+        claimed = waiting.claim_compatible(self.connection, self.queue.name, self.key, like, count, window)
+        self._held.update(member.job_id for member in claimed)
+        return claimed
+
+    def wait_for_work(self, timeout: float) -> None:
+        """Block until a job may have arrived, or the timeout passes."""
+        waiting.wait_for_work(self.connection, self.queue.name, timeout)
+
     def unhold(self, job_id: str) -> None:
         """This process is done with the job: a claim on it still in the list is a leftover."""
         self._held.discard(job_id)

@@ -9,7 +9,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -24,31 +23,37 @@ from rq.worker import SimpleWorker
 
 from shared import estimates, events, keys, records
 from shared import queue as jobs
-from shared.errors import JobCanceledError, JobFailedError, JobInterruptedError, WorkerFatalError
+from shared.errors import JobCanceledError, JobInterruptedError, WorkerFatalError
 from shared.settings import Settings, get_settings
 from shared.waiting import Claimed
-from worker import lifecycle, tasks
+from worker import batching, lifecycle, tasks
 from worker.claims import Claims
+from worker.failures import classify, is_device_fatal
 from worker.finisher import Finisher
 from worker.pipeline import current_pipeline, load_pipeline, set_current_pipeline
 
 log = logging.getLogger(__name__)
-MAX_ERROR_MESSAGE = 500
 CLAIM_TIMEOUT_S = 1.0
 MAX_BACKOFF_S = 15.0
 EXIT_FATAL = 3
 
 
 @dataclass(frozen=True)
-class Handoff:
-    """A job whose GPU section is done, on its way to the finisher thread."""
+class Member:
+    """One job of a GPU execution, with RQ's record of this run of it."""
 
     job: Job
     execution: Execution
-    rendered: tasks.Rendered
-    running: str  # the worker's running entry for this job
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """Jobs whose GPU section is done, with their images, on their way to the finisher thread."""
+
+    done: list[tuple[Member, tasks.Rendered]]
+    running: str  # the worker's running entry for this execution
     cost: float
-    seconds: float  # how long the job held the slot: the drain rate that Retry-After and ETAs need
+    seconds: float  # how long the execution held the slot: the drain rate Retry-After and ETAs need
 
 
 class SlotWorker(SimpleWorker):
@@ -96,10 +101,12 @@ class SlotWorker(SimpleWorker):
                     if burst:
                         break
                     continue
+                batch = [claimed] + batching.gather(self.claims, self.settings, claimed)
                 try:
-                    self._run_claim(claimed)
+                    self._run(batch)
                 except BaseException:
-                    self.claims.unhold(claimed.job_id)  # not handed over: a leftover for recovery now
+                    for member in batch:  # not handed over: leftovers for recovery now
+                        self.claims.unhold(member.job_id)
                     raise
                 backoff = 0.5
             except (RedisConnectionError, RedisTimeoutError) as exc:
@@ -112,64 +119,84 @@ class SlotWorker(SimpleWorker):
     def queue(self) -> Queue:
         return self.queues[0]
 
-    def _run_claim(self, claimed: Claimed) -> None:
+    def _run(self, batch: list[Claimed]) -> None:
+        """Run claimed jobs as one GPU execution (a single job unless batching is on)."""
+        members = [Member(job, self.prepare_execution(job)) for job in map(self._startable, batch) if job]
+        if not members:
+            return
+        cost = sum(records.cost_of(member.job) for member in members)
+        with self.connection.pipeline(transaction=False) as pipe:
+            for member in members:
+                records.begin_attempt(member.job, pipe)
+            running = estimates.mark_running(pipe, self.queue.name, self.name, cost, batch[0].at)
+            pipe.execute()
+        started = time.perf_counter()
+        try:
+            outcomes = self._render([member.job for member in members])
+        except Exception as exc:
+            estimates.clear_running(self.connection, self.queue.name, self.name)
+            outcomes = [exc] * len(members)
+        done = []
+        for member, outcome in zip(members, outcomes, strict=True):
+            if isinstance(outcome, Exception):
+                # RQ's own failure path: our handle_exception and handle_job_failure decide the ending.
+                self._finalize_failure(member.job, self.queue, member.execution,
+                                       (type(outcome), outcome, outcome.__traceback__))
+                self._settled(member.job.id)
+            else:
+                done.append((member, outcome))
+        if done:
+            self.finisher.submit(Handoff(done, running, cost, time.perf_counter() - started))
+
+    def _startable(self, claimed: Claimed) -> Job | None:
+        """The claimed job, unless it must not start: then it is put back or ended here."""
         job_id, now = claimed.job_id, claimed.at
         if not claimed.record:
             self.claims.release(job_id)  # the record expired while the job waited
-            return
+            return None
         job = Job(job_id, connection=self.connection, serializer=self.serializer)
         job.restore(claimed.record)
         if lifecycle.stopping.is_set() or records.job_status(job).is_terminal:
             # Claimed as a stop came in, or canceled/expired meanwhile: put back or drop.
             self.claims.recover_now(job_id)
-            return
+            return None
         if job.meta.get("deadline_at", now + 1) <= now:
             # Its deadline passed in the instant between the purge and the claim.
             self._expire(job)
-            return
-        cost = records.cost_of(job)
-        with self.connection.pipeline(transaction=False) as pipe:
-            records.begin_attempt(job, pipe)
-            running = estimates.mark_running(pipe, self.queue.name, self.name, cost, claimed.at)
-            pipe.execute()
-        started = time.perf_counter()
-        execution = self.prepare_execution(job)
-        try:
-            rendered = self._render(job)
-        except Exception:
-            estimates.clear_running(self.connection, self.queue.name, self.name)
-            # RQ's own failure path: our handle_exception and handle_job_failure decide the ending.
-            self._finalize_failure(job, self.queue, execution, sys.exc_info())
-            self._settled(job.id)
-            return
-        self.finisher.submit(Handoff(job, execution, rendered, running, cost, time.perf_counter() - started))
+            return None
+        return job
 
-    def _render(self, job: Job) -> tasks.Rendered:
-        """Mark the job started and run its GPU section, under the job timeout."""
-        self.prepare_job_execution(job)  # the first progress report announces the start
-        job.started_at = rq_now()
-        with self.death_penalty_class(job.timeout or self.settings.job_timeout_s, JobTimeoutException,
-                                      job_id=job.id):
-            return tasks.render(job, job.kwargs["request"])
+    def _render(self, jobs: list[Job]) -> list[tasks.Outcome]:
+        """Mark the jobs started and run their GPU section, under the shortest job timeout."""
+        for job in jobs:
+            self.prepare_job_execution(job)  # the first progress report announces the start
+            job.started_at = rq_now()
+        timeout = min(job.timeout or self.settings.job_timeout_s for job in jobs)
+        with self.death_penalty_class(timeout, JobTimeoutException, job_id=jobs[0].id):
+            return tasks.render(jobs)
 
     def _finish(self, handoff: Handoff) -> None:
-        """On the finisher thread: store the images, then record the end through RQ."""
-        job, execution = handoff.job, handoff.execution
-        try:
-            result = tasks.finish(job, handoff.rendered)
-        except (RedisConnectionError, RedisTimeoutError) as exc:
-            # Nothing recorded: the claim stays, and the job runs again once Redis is back.
-            log.warning("could not store job %s (%s); it will run again", job.id, exc)
-            self.claims.unhold(job.id)
-            return
-        except Exception:
-            self._finalize_failure(job, self.queue, execution, sys.exc_info())
-        else:
-            # RQ's own success path (the one its perform_job takes): result, registries, status.
-            self._finalize_success(job, self.queue, execution, result)
+        """On the finisher thread: store each job's images, then record its end through RQ."""
+        finished = False
+        for member, rendered in handoff.done:
+            job = member.job
+            try:
+                result = tasks.finish(job, rendered)
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                # Nothing recorded: the claim stays, and the job runs again once Redis is back.
+                log.warning("could not store job %s (%s); it will run again", job.id, exc)
+                self.claims.unhold(job.id)
+                continue
+            except Exception:
+                self._finalize_failure(job, self.queue, member.execution, sys.exc_info())
+            else:
+                # RQ's own success path (the one its perform_job takes): result, registries, status.
+                self._finalize_success(job, self.queue, member.execution, result)
+                finished = True
+            self._settled(job.id)
+        if finished:
             estimates.job_done(self.connection, self.queue.name, self.name, handoff.running, handoff.cost,
                                handoff.seconds)
-        self._settled(job.id)
 
     def _settled(self, job_id: str) -> None:
         """The job's end is recorded: drop the claim and tell whoever waits on it."""
@@ -255,26 +282,6 @@ class SlotWorker(SimpleWorker):
             self.register_death()
         except RedisError as exc:
             log.warning("could not unregister: %s", exc)
-
-
-def is_device_fatal(error: object) -> bool:
-    """Errors after which the device cannot be trusted: only a new process helps."""
-    if isinstance(error, torch.OutOfMemoryError):
-        return False  # the job asked for too much; the device is fine
-    return isinstance(error, torch.AcceleratorError) or (
-        isinstance(error, RuntimeError) and "CUDA error" in str(error))
-
-
-def classify(error: object) -> tuple[str, str]:
-    """A stable code and a short message for what ended a job."""
-    if isinstance(error, JobFailedError):
-        return error.code, str(error)
-    if isinstance(error, torch.OutOfMemoryError):
-        return "out_of_memory", "The device ran out of memory; try fewer pixels, steps or images."
-    if isinstance(error, JobTimeoutException):
-        return "timeout", "The job ran past SLOTQ_JOB_TIMEOUT_S."
-    message = f"{type(error).__name__}: {error}"
-    return "job_failed", message[:MAX_ERROR_MESSAGE]
 
 
 def run_worker(settings: Settings | None = None, *, burst: bool = False) -> int:

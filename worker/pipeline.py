@@ -53,25 +53,33 @@ class ImagePipeline:
 
     def generate(self, request: JobRequest, on_step: StepCallback) -> list[Image.Image]:
         """Run one request; ``on_step(step, total)`` runs after each denoising step and may raise."""
-        assert request.seed is not None, "the API draws a seed for every job"
+        return self.generate_batch([request], on_step)[0]
+
+    def generate_batch(self, requests: list[JobRequest], on_step: StepCallback) -> list[list[Image.Image]]:
+        """Run requests that share size, steps, guidance and image count as one execution; the
+        images of each. Each image keeps its own generator, so it is the one it would be alone."""
+        first = requests[0]
+        assert all(r.batch_key == first.batch_key and r.seed is not None for r in requests), requests
 
         def step_end(pipe: DiffusionPipeline, step: int, timestep: object, kwargs: dict) -> dict:
-            on_step(step + 1, request.steps)
+            on_step(step + 1, first.steps)
             return kwargs  # diffusers expects the callback's tensors back
 
-        # One CPU generator per image: image i is reproducible from seed + i, on any device.
-        generators = [torch.Generator("cpu").manual_seed(request.seed + index)
-                      for index in range(request.num_images)]
+        # One CPU generator per image, in diffusers' order (each prompt's images together): image i
+        # of a job is reproducible from its seed + i, on any device and in any batch.
+        generators = [torch.Generator("cpu").manual_seed(r.seed + index)  # type: ignore[operator]
+                      for r in requests for index in range(r.num_images)]
+        negatives = [r.negative_prompt or "" for r in requests]  # "" is what diffusers uses for none
         began = time.perf_counter()
         with torch.inference_mode():
             output = self.pipe(
-                prompt=request.prompt,
-                negative_prompt=request.negative_prompt,
-                width=request.width,
-                height=request.height,
-                num_inference_steps=request.steps,
-                guidance_scale=request.guidance_scale,
-                num_images_per_prompt=request.num_images,
+                prompt=[r.prompt for r in requests],
+                negative_prompt=negatives if any(negatives) else None,
+                width=first.width,
+                height=first.height,
+                num_inference_steps=first.steps,
+                guidance_scale=first.guidance_scale,
+                num_images_per_prompt=first.num_images,
                 generator=generators,
                 output_type="pil",
                 callback_on_step_end=step_end,
@@ -79,7 +87,8 @@ class ImagePipeline:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the section ends when the device is done, not at launch
         self.sections.append((began, time.perf_counter()))
-        return list(output.images)
+        images, per_job = list(output.images), first.num_images
+        return [images[index * per_job:(index + 1) * per_job] for index in range(len(requests))]
 
     def release_memory(self) -> None:
         """Give cached device memory back after a failure such as out-of-memory."""

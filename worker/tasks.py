@@ -28,32 +28,60 @@ log = logging.getLogger(__name__)
 
 
 Rendered = tuple[JobRequest, list[Image.Image]]
+Outcome = Rendered | Exception  # a member of a batch either has its images or the error that ended it
 
 
 def generate(request: dict[str, Any]) -> dict[str, Any]:
     """Generate the images of one request and store them for the result TTL."""
     job = get_current_job()
     assert job is not None, "generate runs inside an RQ worker"
-    return finish(job, render(job, request))
+    (outcome,) = render([job])
+    if isinstance(outcome, Exception):
+        raise outcome
+    return finish(job, outcome)
 
 
-def render(job: Job, request: dict[str, Any]) -> Rendered:
-    """The GPU section: validate the stored request, then denoise and decode its images."""
+def render(jobs: list[Job]) -> list[Outcome]:
+    """The GPU section: validate each stored request, then denoise and decode them all as one batch.
+
+    A member canceled while the batch runs ends canceled and its images are dropped; the others go
+    on (the batch stops only when every member is canceled). Any other error ends the whole batch.
+    """
+    outcomes: list[Outcome | None] = [_validated(job) for job in jobs]
+    members = [index for index, outcome in enumerate(outcomes) if isinstance(outcome, tuple)]
+    if not members:
+        return outcomes  # type: ignore[return-value]
+    requests = [outcomes[index][0] for index in members]  # type: ignore[index]
+    live = list(members)
+    faults = get_settings().fault_injection
+
+    def on_step(step: int, total: int) -> None:
+        for index in check_in([jobs[index] for index in live], step, total):
+            outcomes[live[index]] = JobCanceledError()
+        live[:] = [index for index in live if not isinstance(outcomes[index], JobCanceledError)]
+        if not live:
+            raise JobCanceledError()
+        if faults and step == 1:
+            for request in requests:
+                inject_fault(request)
+
+    on_step(0, requests[0].steps)
+    images = current_pipeline().generate_batch(requests, on_step=on_step)
+    for index, request, made in zip(members, requests, images, strict=True):
+        if index in live:
+            outcomes[index] = (request, made)
+    return outcomes  # type: ignore[return-value]
+
+
+def _validated(job: Job) -> Outcome:
     settings = get_settings()
     try:
         # The queue is a trust boundary too: re-validate what came out of Redis.
-        job_request = validate_request(request, max_side=settings.max_side, max_steps=settings.max_steps)
-    except ValidationError as exc:
-        raise JobFailedError("invalid_request", f"the stored request is invalid: {exc}") from None
-    faults = settings.fault_injection
-
-    def on_step(step: int, total: int) -> None:
-        check_in(job, step, total)
-        if faults and step == 1:
-            inject_fault(job_request)
-
-    on_step(0, job_request.steps)
-    return job_request, current_pipeline().generate(job_request, on_step=on_step)
+        request = validate_request(job.kwargs["request"], max_side=settings.max_side,
+                                   max_steps=settings.max_steps)
+    except (ValidationError, KeyError) as exc:
+        return JobFailedError("invalid_request", f"the stored request is invalid: {exc}")
+    return request, []
 
 
 def finish(job: Job, rendered: Rendered) -> dict[str, Any]:
@@ -64,18 +92,18 @@ def finish(job: Job, rendered: Rendered) -> dict[str, Any]:
     return {"images": len(pngs), "seed": job_request.seed}
 
 
-def check_in(job: Job, step: int, total: int) -> None:
-    """Report progress; stop here if the client canceled the job or the worker must stop now."""
+def check_in(jobs: list[Job], step: int, total: int) -> list[int]:
+    """Report progress; the indexes of the jobs canceled by their clients. Raises when the worker
+    must stop now."""
     if lifecycle.interrupting.is_set():
         raise JobInterruptedError()
     try:
-        canceled = records.report_progress(job, step, total)
+        canceled = records.report_progress(jobs, step, total)
     except RedisError as exc:
-        # Progress is best effort: the image is still worth making while Redis restarts.
-        log.warning("could not report progress of job %s: %s", job.id, exc)
-        return
-    if canceled:
-        raise JobCanceledError()
+        # Progress is best effort: the images are still worth making while Redis restarts.
+        log.warning("could not report progress of %d job(s): %s", len(jobs), exc)
+        return []
+    return [index for index, flag in enumerate(canceled) if flag]
 
 
 def inject_fault(request: JobRequest) -> None:

@@ -1,0 +1,223 @@
+"""Long polling: requests that wait for a job's status to change, and the one thread that wakes them.
+
+A waiting request holds one gunicorn thread and sleeps on a ``threading.Event`` of its own. One
+listener thread per process subscribes to the queue's events channel (``shared/events.py``) and
+sets the events of the requests waiting on each announced job id, which then read the job again.
+Delivery over pub/sub is at most once, so a waiter also reads the status on its own every
+``RECHECK_S``: an announcement only makes it answer sooner. The listener starts on the first
+wait (gunicorn forks its workers after import, and a thread does not survive a fork), ends after
+``LINGER_S`` with nobody waiting or once the process drains, and is a daemon thread, so it never
+keeps a process from exiting.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from redis import Redis
+from redis.client import PubSub
+from redis.exceptions import RedisError
+from rq.job import Job
+
+from shared import keys, records
+from shared.errors import InvalidRequestError
+from shared.jobs import JobStatus
+from shared.settings import Settings
+
+log = logging.getLogger(__name__)
+
+MAX_WAIT_S = 60
+RECHECK_S = 1.0  # a waiter reads the status itself this often, in case an announcement was lost
+TICK_S = 0.25  # the listener looks at the drain flag and its waiters at least this often
+LINGER_S = 10.0  # the listener unsubscribes and ends after this long with nobody waiting
+READY_S = 1.0  # the longest a first waiter waits for the subscription before relying on re-reads
+BACKOFF_S, MAX_BACKOFF_S = 0.5, 5.0
+# A plain decimal number ("2", "0.5", "1e1"); float() alone would also take "nan", "inf" and "1_0".
+NUMBER = re.compile(r"(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+DIGITS = re.compile(r"[0-9]+")
+STATUS = {rq_status.value: status for rq_status, status in records.STATUS_FROM_RQ.items()}
+
+Done = Callable[[JobStatus], bool]
+
+
+def wait_query(value: str | None) -> float | None:
+    """The ``wait`` query parameter in seconds (None when absent), or ``InvalidRequestError``."""
+    if value is None:
+        return None
+    seconds = float(value) if NUMBER.fullmatch(value) else 0.0
+    if not 0 < seconds <= MAX_WAIT_S:
+        message = f"must be a number of seconds above 0 and at most {MAX_WAIT_S}"
+        raise InvalidRequestError(details=[{"loc": ["query", "wait"], "msg": message}])
+    return seconds
+
+
+def preferred_wait(headers: list[str]) -> int | None:
+    """RFC 7240's ``Prefer: wait=N`` in whole seconds, cut to MAX_WAIT_S; None when absent or malformed."""
+    for preference in ",".join(headers).split(","):
+        name, _, value = preference.split(";", 1)[0].partition("=")
+        if name.strip().lower() != "wait":
+            continue
+        value = value.strip()
+        if len(value) > 1 and value[0] == value[-1] == '"':
+            value = value[1:-1]
+        if not DIGITS.fullmatch(value):
+            return None  # a preference the server does not understand is ignored (RFC 7240, 2)
+        digits = value.lstrip("0")
+        seconds = min(int(digits or "0"), MAX_WAIT_S) if len(digits) <= 3 else MAX_WAIT_S
+        return seconds or None
+    return None
+
+
+def changed_from(status: JobStatus) -> Done:
+    """Done once the job's status is no longer ``status``; at once when that status is final."""
+    return lambda now: now is not status or now.is_terminal
+
+
+def finished(status: JobStatus) -> bool:
+    """Done once the job has ended."""
+    return status.is_terminal
+
+
+class Waits:
+    """The requests of one API process that wait on jobs, and the listener thread that wakes them."""
+
+    def __init__(self, connection: Redis, queue_name: str, draining: threading.Event, capacity: int) -> None:
+        self._connection = connection
+        self._channel = keys.events_channel(queue_name)
+        self._draining = draining
+        # Past this many waiting requests a wait is not held: threads stay free for submits and reads.
+        self._slots = threading.BoundedSemaphore(capacity)
+        self._lock = threading.Lock()
+        self._waiters: dict[str, set[threading.Event]] = {}
+        self._listener: threading.Thread | None = None
+        self._subscribed = threading.Event()
+        self._last_wait = time.monotonic()  # when a request last began or stopped waiting
+
+    @classmethod
+    def for_settings(cls, connection: Redis, settings: Settings, draining: threading.Event) -> Waits:
+        """Waits for this API process: half its threads may wait, the other half stay free."""
+        return cls(connection, settings.queue_name, draining, max(1, settings.api_threads // 2))
+
+    @property
+    def waiting(self) -> int:
+        """How many requests wait now."""
+        with self._lock:
+            return sum(len(events) for events in self._waiters.values())
+
+    def hold(self, job: Job, seconds: float, done: Done) -> bool:
+        """Hold the request until ``done(status)``, ``seconds`` pass or the process drains; False if not."""
+        # Not held: ``done`` already, the process draining, or every waiting slot taken.
+        if done(records.job_status(job)) or self._draining.is_set():
+            return False
+        if not self._slots.acquire(blocking=False):
+            log.info("too many requests waiting; job %s answered at once", job.id)
+            return False
+        wake = threading.Event()
+        try:
+            self._enter(job.id, wake)
+            self._watch(job, time.monotonic() + seconds, done, wake)
+        finally:
+            self._leave(job.id, wake)
+            self._slots.release()
+        return True
+
+    def _watch(self, job: Job, until: float, done: Done, wake: threading.Event) -> None:
+        # Announcements count from the subscription on: read the status only once it is in place.
+        self._subscribed.wait(max(0.0, min(READY_S, until - time.monotonic())))
+        deadline = job.meta.get("deadline_at")  # seconds since the epoch, on Redis's clock
+        while not self._draining.is_set():
+            status = self._status(job)
+            if status is None or done(status):
+                return
+            remaining = until - time.monotonic()
+            if status is JobStatus.QUEUED and deadline is not None:
+                # Nothing announces a deadline passing until something expires the job: answer
+                # then, and the view expires it.
+                remaining = min(remaining, deadline - time.time())
+            if remaining <= 0:
+                return
+            wake.wait(min(remaining, RECHECK_S))
+            wake.clear()  # the next read sees whatever an announcement meant
+
+    def _status(self, job: Job) -> JobStatus | None:
+        """The job's status as Redis has it now; None when its record is gone."""
+        raw = self._connection.hget(job.key, "status")
+        return None if raw is None else STATUS.get(raw.decode(), JobStatus.QUEUED)
+
+    def _enter(self, job_id: str, wake: threading.Event) -> None:
+        with self._lock:
+            self._waiters.setdefault(job_id, set()).add(wake)
+            self._last_wait = time.monotonic()
+            if self._listener is None or not self._listener.is_alive():
+                self._subscribed.clear()
+                self._listener = threading.Thread(target=self._listen, name="slotq-longpoll", daemon=True)
+                self._listener.start()
+
+    def _leave(self, job_id: str, wake: threading.Event) -> None:
+        with self._lock:
+            events = self._waiters.get(job_id, set())
+            events.discard(wake)
+            if not events:
+                self._waiters.pop(job_id, None)
+            self._last_wait = time.monotonic()
+
+    def _wake(self, job_id: str | None = None) -> None:
+        """Wake the requests waiting on this job, or all of them."""
+        with self._lock:
+            waiting = [self._waiters.get(job_id, set())] if job_id else list(self._waiters.values())
+            for event in (event for events in waiting for event in events):
+                event.set()
+
+    def _listen(self) -> None:
+        """The listener thread: relay announcements; after a Redis error, subscribe again with backoff."""
+        backoff = BACKOFF_S
+        while not self._draining.is_set():
+            pubsub = self._connection.pubsub()
+            try:
+                pubsub.subscribe(self._channel)
+                self._relay(pubsub)
+                break
+            except RedisError as exc:
+                if self._subscribed.is_set():
+                    backoff = BACKOFF_S  # it worked until now: a fresh drop
+                log.warning("long-poll listener lost Redis (%s); subscribing again in %.1fs", exc, backoff)
+            except Exception:  # a bug here must not end the thread: waiters would fall back to re-reads
+                log.exception("long-poll listener failed; subscribing again in %.1fs", backoff)
+            finally:
+                pubsub.close()
+            self._subscribed.clear()
+            self._wake()  # announcements may have been lost meanwhile: let every waiter read again
+            if self._draining.wait(backoff) or self._retire_if_idle():
+                break  # with nobody waiting, a Redis that is down is not worth retrying
+            backoff = min(backoff * 2, MAX_BACKOFF_S)
+        self._wake()  # draining: every waiting request answers now (after retiring: nobody waits)
+
+    def _relay(self, pubsub: PubSub) -> None:
+        """Wake the waiters of each announced job until the process drains or nobody waited for a while."""
+        while not self._draining.is_set() and not self._retire_if_idle():
+            self._receive(pubsub.get_message(timeout=TICK_S))
+
+    def _retire_if_idle(self) -> bool:
+        """End this listener once nobody has waited for LINGER_S; the next waiter starts another."""
+        with self._lock:
+            if self._waiters or time.monotonic() - self._last_wait < LINGER_S:
+                return False
+            self._listener = None
+            self._subscribed.clear()
+            return True
+
+    def _receive(self, message: dict[str, Any] | None) -> None:
+        if message is None:
+            return
+        if message["type"] == "subscribe":
+            # Subscribed, perhaps again after redis-py reconnected on its own: what was announced
+            # before may be lost, so every waiter reads again.
+            self._subscribed.set()
+            self._wake()
+        elif message["type"] == "message":
+            self._wake(message["data"].decode())

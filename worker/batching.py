@@ -1,0 +1,46 @@
+"""Dynamic batching: gathering waiting jobs that can share one GPU execution with a claimed one.
+
+Jobs with the same size, steps, guidance and images per job (one worker has one model and one
+scheduler) run as one batch: still one GPU execution at a time. A batch holds at most
+SLOTQ_MAX_BATCH jobs and never more pixels than the largest single job allowed
+(SLOTQ_MAX_SIDE² × 4 images), so batching cannot ask the device for more memory than one job
+may. Companions are taken from the first job's class only, among the first few of that class: a
+bounded step out of line, in exchange for the throughput of one execution for several jobs.
+"""
+
+from __future__ import annotations
+
+import time
+
+from shared.jobs import JobRequest
+from shared.settings import Settings
+from shared.waiting import Claimed
+from worker import lifecycle
+from worker.claims import Claims
+
+WINDOW_PER_PLACE = 4  # how far into its class a batch looks for companions, per place in it
+
+
+def room(settings: Settings, first: Claimed) -> int:
+    """How many more jobs may join ``first``'s batch."""
+    key = first.record.get(b"batch", b"").decode()
+    if settings.max_batch <= 1 or not key:
+        return 0
+    fits = settings.batch_pixels // JobRequest.pixels_of_batch_key(key)
+    return max(0, min(settings.max_batch, fits) - 1)
+
+
+def gather(claims: Claims, settings: Settings, first: Claimed) -> list[Claimed]:
+    """Companions for ``first``: compatible jobs waiting now, or arriving within SLOTQ_BATCH_WAIT_MS."""
+    wanted = room(settings, first)
+    if not wanted:
+        return []
+    deadline = time.monotonic() + settings.batch_wait_ms / 1000
+    gathered: list[Claimed] = []
+    while True:
+        gathered += claims.claim_compatible(first, wanted - len(gathered),
+                                            window=WINDOW_PER_PLACE * settings.max_batch)
+        left = deadline - time.monotonic()
+        if len(gathered) >= wanted or left <= 0 or lifecycle.stopping.is_set():
+            return gathered
+        claims.wait_for_work(left)
