@@ -9,7 +9,8 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-TERMINAL = {"succeeded", "failed", "canceled"}
+TERMINAL = {"succeeded", "failed", "canceled", "expired"}
+LONG_POLL_S = 30  # the service holds a ?wait request at most 60 s
 
 
 class APIError(Exception):
@@ -31,9 +32,11 @@ class Client:
         """Queue a job; returns its view."""
         return json.loads(self._call("POST", "/v1/jobs", {"prompt": prompt, **params}))
 
-    def get(self, job_id: str) -> dict[str, Any]:
-        """A job's current view."""
-        return json.loads(self._call("GET", f"/v1/jobs/{job_id}"))
+    def get(self, job_id: str, wait: float | None = None) -> dict[str, Any]:
+        """A job's view; with ``wait``, once its status changes or that many seconds pass."""
+        if wait is None:
+            return json.loads(self._call("GET", f"/v1/jobs/{job_id}"))
+        return json.loads(self._call("GET", f"/v1/jobs/{job_id}?wait={wait:g}", timeout=wait + self.timeout))
 
     def cancel(self, job_id: str) -> dict[str, Any]:
         """Cancel a job; returns its view."""
@@ -45,24 +48,31 @@ class Client:
 
     def wait(self, job_id: str, timeout: float = 600.0, interval: float = 0.25,
              on_update: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-        """Poll until the job ends or ``timeout`` passes; returns the last view."""
+        """Follow the job until it ends or ``timeout`` passes; returns the last view.
+
+        Without ``on_update`` it long-polls (one request per status change); with it, it polls every
+        ``interval`` seconds so that step progress shows as it happens.
+        """
         deadline = time.monotonic() + timeout
         while True:
-            view = self.get(job_id)
+            left = deadline - time.monotonic()
+            view = self.get(job_id, None if on_update else max(1, min(LONG_POLL_S, round(left))))
             if on_update:
                 on_update(view)
             if view["status"] in TERMINAL:
                 return view
             if time.monotonic() > deadline:
                 raise TimeoutError(f"job {job_id} still {view['status']} after {timeout:.0f}s")
-            time.sleep(interval)
+            if on_update:
+                time.sleep(interval)
 
-    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> bytes:
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None,
+              timeout: float | None = None) -> bytes:
         data = json.dumps(body).encode() if body is not None else None
         headers = {"Content-Type": "application/json"} if body is not None else {}
         req = urllib.request.Request(self.base_url + path, data=data, method=method, headers=headers)
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as response:
+            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as response:
                 return response.read()
         except urllib.error.HTTPError as exc:
             raise _api_error(exc) from None
