@@ -72,7 +72,8 @@ def row(name: str, times: list[float], wall: float, *extra: str) -> str:
             f"{len(ordered) / wall:>9.0f}" + "".join(f"{value:>11}" for value in extra))
 
 
-def in_process(url: str, jobs: int, scratch: Path) -> None:
+def in_process(url: str, jobs: int, scratch: Path) -> list[str]:
+    """The service's own work per request, through the WSGI test client; the table."""
     settings = Settings(redis_url=url, queue_name="in-process", queue_capacity=jobs, cache_dir=scratch)
     client = create_app(settings).test_client()
     connection = Redis.from_url(url)
@@ -98,12 +99,12 @@ def in_process(url: str, jobs: int, scratch: Path) -> None:
     admitted = measure(post)
     refused = measure(post)
     assert post().status_code == 429
-    print(f"in-process (WSGI test client), {jobs} requests each, one Redis on loopback")
-    print("round trips: client sends per request; commands: what Redis ran, inside scripts included")
-    print(HEADER + f"{'trips/req':>11}{'cmds/req':>11}")
-    print(row("bare LPUSH (baseline)", *baseline))
-    print(row("POST /v1/jobs admitted (202)", *admitted))
-    print(row("POST /v1/jobs refused (429)", *refused))
+    return [f"in-process (WSGI test client), {jobs} requests each, one Redis on loopback",
+            "round trips: client sends per request; commands: what Redis ran, inside scripts included",
+            HEADER + f"{'trips/req':>11}{'cmds/req':>11}",
+            row("bare LPUSH (baseline)", *baseline),
+            row("POST /v1/jobs admitted (202)", *admitted),
+            row("POST /v1/jobs refused (429)", *refused)]
 
 
 def bare_app(settings: Settings) -> Flask:
@@ -179,7 +180,8 @@ def load(port: int, requests: int, clients: int) -> tuple[list[float], float, di
     return [seconds for seconds, _ in results], wall, statuses
 
 
-def over_http(url: str, jobs: int, processes: int, clients: int, scratch: Path) -> None:
+def over_http(url: str, jobs: int, processes: int, clients: int, scratch: Path) -> list[str]:
+    """Accepted and refused submits through real gunicorn processes, against a bare Flask LPUSH."""
     settings = Settings(redis_url=url, queue_name="http", queue_capacity=jobs, cache_dir=scratch)
     with served(settings, processes, True, scratch) as port:
         load(port, min(200, jobs), clients)  # warm up connections and code paths
@@ -187,14 +189,29 @@ def over_http(url: str, jobs: int, processes: int, clients: int, scratch: Path) 
     with served(settings, processes, False, scratch) as port:
         admitted = load(port, jobs, clients)
         refused = load(port, jobs, clients)
-    print(f"\nover HTTP: gunicorn gthread, {processes} API processes x 8 threads, {clients} keep-alive "
-          f"clients, {jobs} requests each (the load generator shares this machine's cores)")
-    print(HEADER + f"{'statuses':>11}")
+    lines = [f"over HTTP: gunicorn gthread, {processes} API processes x 8 threads, {clients} keep-alive "
+             f"clients, {jobs} requests each (the load generator shares this machine's cores)",
+             HEADER + f"{'statuses':>11}"]
     for name, (times, wall, statuses) in [("bare Flask + LPUSH (baseline)", baseline),
                                           ("POST /v1/jobs admitted", admitted),
                                           ("POST /v1/jobs refused", refused)]:
-        print(row(name, times, wall, " ".join(f"{code}x{n}" for code, n in sorted(statuses.items()))))
+        lines.append(row(name, times, wall, " ".join(f"{code}x{n}" for code, n in sorted(statuses.items()))))
     assert admitted[2] == {202: jobs} and refused[2] == {429: jobs}, (admitted[2], refused[2])
+    return lines
+
+
+def report(jobs: int = 2000, processes: int = 2, clients: int = 16) -> list[str]:
+    """Both views on their own Redis; the tables."""
+    with tempfile.TemporaryDirectory(prefix="slotq-bench-") as scratch:
+        port = free_port()
+        server = start_redis(port, Path(scratch) / "redis")
+        try:
+            url = f"redis://127.0.0.1:{port}/0"
+            return (in_process(url, jobs, Path(scratch)) + [""]
+                    + over_http(url, jobs, processes, clients, Path(scratch)))
+        finally:
+            server.terminate()
+            server.wait(10)
 
 
 def main() -> None:
@@ -210,16 +227,7 @@ def main() -> None:
 
         serve(port=args.serve_bare, settings=load_settings(), factory=bare_app)
         return
-    with tempfile.TemporaryDirectory(prefix="slotq-bench-") as scratch:
-        port = free_port()
-        server = start_redis(port, Path(scratch) / "redis")
-        try:
-            url = f"redis://127.0.0.1:{port}/0"
-            in_process(url, args.jobs, Path(scratch))
-            over_http(url, args.jobs, args.processes, args.clients, Path(scratch))
-        finally:
-            server.terminate()
-            server.wait(10)
+    print("\n".join(report(args.jobs, args.processes, args.clients)))
 
 
 if __name__ == "__main__":

@@ -48,12 +48,13 @@ class NullPipeline:
 
     sections: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=100_000))
 
-    def generate(self, request: JobRequest, on_step: Callable[[int, int], None]) -> list[Image.Image]:
-        began = time.perf_counter()
-        for step in range(1, request.steps + 1):
-            on_step(step, request.steps)
+    def generate_batch(self, requests: list[JobRequest],
+                       on_step: Callable[[int, int], None]) -> list[list[Image.Image]]:
+        began, first = time.perf_counter(), requests[0]
+        for step in range(1, first.steps + 1):
+            on_step(step, first.steps)
         self.sections.append((began, time.perf_counter()))
-        return [Image.new("RGB", (request.width, request.height)) for _ in range(request.num_images)]
+        return [[Image.new("RGB", (r.width, r.height)) for _ in range(r.num_images)] for r in requests]
 
     def release_memory(self) -> None:
         """Nothing to release."""
@@ -190,6 +191,28 @@ def dispatch(settings: Settings, count: int, scratch: Path) -> list[str]:
     return lines
 
 
+def report(jobs: int = 60, size: int = 256, steps: int = 4, large_jobs: int = 12,
+           dispatch_jobs: int = 400) -> list[str]:
+    """Every table of this benchmark (a count of 0 skips its run), on a Redis of its own."""
+    with tempfile.TemporaryDirectory(prefix="slotq-bench-") as scratch:
+        port = free_port()
+        server = start_redis(port, Path(scratch) / "redis")
+        try:
+            settings = Settings(redis_url=f"redis://127.0.0.1:{port}/0", queue_name="bench",
+                                queue_capacity=100_000, cache_dir=Path(scratch) / "models",
+                                log_level="WARNING", max_steps=1000)
+            lines: list[str] = []
+            for count, side, denoise in ((jobs, size, steps), (large_jobs, 1024, 1)):
+                if count:
+                    lines += duty_cycle(settings, requests(count, side, denoise), Path(scratch)) + [""]
+            if dispatch_jobs:
+                lines += dispatch(settings, dispatch_jobs, Path(scratch))
+        finally:
+            server.terminate()
+            server.wait(10)
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=60, help="jobs of the duty-cycle run (0: skip it)")
@@ -204,23 +227,7 @@ def main() -> None:
     if args.serve:
         serve(args.serve, args.trace, args.null)
         return
-    with tempfile.TemporaryDirectory(prefix="slotq-bench-") as scratch:
-        port = free_port()
-        server = start_redis(port, Path(scratch) / "redis")
-        try:
-            settings = Settings(redis_url=f"redis://127.0.0.1:{port}/0", queue_name="bench",
-                                queue_capacity=100_000, cache_dir=Path(scratch) / "models",
-                                log_level="WARNING", max_steps=1000)
-            lines: list[str] = []
-            for count, size, steps in ((args.jobs, args.size, args.steps), (args.large_jobs, 1024, 1)):
-                if count:
-                    lines += duty_cycle(settings, requests(count, size, steps), Path(scratch)) + [""]
-            if args.dispatch_jobs:
-                lines += dispatch(settings, args.dispatch_jobs, Path(scratch))
-        finally:
-            server.terminate()
-            server.wait(10)
-    print("\n".join(lines))
+    print("\n".join(report(args.jobs, args.size, args.steps, args.large_jobs, args.dispatch_jobs)))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,238 @@
+"""Submit-to-result latency and images per second over HTTP, against the in-process loop.
+
+    python -m bench.end_to_end [--jobs 60] [--clients 8] [--size 256] [--steps 4]
+
+Starts its own ``redis-server``, one ``slotq api`` (2 gunicorn processes) and one ``slotq worker``.
+Each of ``--clients`` threads takes the next job of the burst (distinct seeds): it POSTs it, follows
+it with ``GET /v1/jobs/<id>?wait=30`` until it ends, GETs its first image, then takes the next one,
+so ``--clients`` jobs are outstanding at any time. Latency is POST sent to PNG bytes received.
+
+Baseline, in the same run: the same jobs through the pipeline and PNG encoding back to back in this
+process (``bench.gpu.in_process_loop``), whose images per second are the ceiling; its latencies are
+what each job would see there with as many jobs outstanding: from the end of the job ``--clients``
+places earlier (or from the loop's start) to the end of its own PNG encoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from redis import Redis
+from rq import Worker
+
+from bench.gpu import Sections, in_process_loop, requests
+from shared.jobs import JobStatus
+from shared.localredis import free_port, start_redis
+from shared.settings import Settings
+
+PNG = b"\x89PNG\r\n\x1a\n"
+WAIT_S = 30
+START_TIMEOUT_S = 180.0
+Body = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Service:
+    """A running slotq: the API's port and the processes to sample."""
+
+    port: int
+    api: subprocess.Popen[bytes]
+    worker: subprocess.Popen[bytes]
+    scratch: Path
+
+
+def bench_settings(scratch: Path, clients: int, redis_url: str = "redis://127.0.0.1:6379/0") -> Settings:
+    """The settings of every process of a run; threads enough for every client on one API process."""
+    return Settings(redis_url=redis_url, queue_name="bench", queue_capacity=100_000, drain_s=0,
+                    cache_dir=scratch / "models", log_level="WARNING", api_workers=2,
+                    api_threads=max(4, clients))
+
+
+def slotq_env(settings: Settings) -> dict[str, str]:
+    """The environment that gives a slotq process these settings, and nothing else of SLOTQ_*."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("SLOTQ_")}
+    env.update({f"SLOTQ_{name.upper()}": str(value)
+                for name, value in settings.model_dump(mode="json").items() if value is not None})
+    return env
+
+
+def spawn(args: list[str], settings: Settings, log: Path) -> subprocess.Popen[bytes]:
+    """Start ``slotq ARGS`` with its output in ``log``."""
+    with log.open("wb") as out:
+        return subprocess.Popen([sys.executable, "-m", "shared.cli", *args], env=slotq_env(settings),
+                                stdout=out, stderr=subprocess.STDOUT)
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL if it does not end within 30 s."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@contextmanager
+def running(scratch: Path, clients: int) -> Iterator[Service]:
+    """Redis, one ``slotq api`` and one ``slotq worker``, ready; all stopped on the way out."""
+    with ExitStack() as stack:
+        redis_port = free_port()
+        stack.callback(stop, start_redis(redis_port, scratch / "redis"))
+        settings = bench_settings(scratch, clients, f"redis://127.0.0.1:{redis_port}/0")
+        port = free_port()
+        api = spawn(["api", "--port", str(port)], settings, scratch / "api.log")
+        stack.callback(stop, api)
+        worker = spawn(["worker"], settings, scratch / "worker.log")
+        stack.callback(stop, worker)  # stopped first: the callbacks run last in, first out
+        service = Service(port, api, worker, scratch)
+        wait_ready(service, settings)
+        yield service
+
+
+def wait_ready(service: Service, settings: Settings) -> None:
+    """Until the API answers /readyz and the worker has registered (after loading the model)."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    with Redis.from_url(settings.redis_url) as connection:
+        while not (_ready(service.port) and
+                   any(w.pid == service.worker.pid for w in Worker.all(connection=connection))):
+            for name, process in (("api", service.api), ("worker", service.worker)):
+                if process.poll() is not None:
+                    log = (service.scratch / f"{name}.log").read_text(errors="replace")
+                    raise RuntimeError(f"slotq {name} exited during start-up:\n{log[-3000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"slotq did not get ready within {START_TIMEOUT_S:.0f}s")
+            time.sleep(0.1)
+
+
+def _ready(port: int) -> bool:
+    try:
+        return call(port, "GET", "/readyz")[0] == 200
+    except OSError:
+        return False
+
+
+def call(port: int, method: str, path: str, body: Body | None = None) -> tuple[int, bytes]:
+    """One request on a fresh connection, as an independent client makes it: status and body."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S + 30)
+    try:
+        headers = {"Content-Type": "application/json"} if body is not None else {}
+        connection.request(method, path, body=json.dumps(body) if body is not None else None, headers=headers)
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
+
+
+def follow(port: int, body: Body, deadline: float) -> float:
+    """POST one job, long-poll it until it ends, GET its first image: seconds from POST to PNG."""
+    began = time.perf_counter()
+    status, answer = call(port, "POST", "/v1/jobs", body)
+    if status != 202:
+        raise RuntimeError(f"POST /v1/jobs answered {status}: {answer[:300]!r}")
+    view = json.loads(answer)
+    while not JobStatus(view["status"]).is_terminal:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"job {view['id']} still {view['status']} at the deadline")
+        asked, before = time.monotonic(), view["status"]
+        status, answer = call(port, "GET", f"/v1/jobs/{view['id']}?wait={WAIT_S}")
+        if status != 200:
+            raise RuntimeError(f"GET /v1/jobs/{view['id']} answered {status}: {answer[:300]!r}")
+        view = json.loads(answer)
+        if view["status"] == before and time.monotonic() - asked < WAIT_S / 2:
+            time.sleep(0.05)  # an API without long polling answers at once: do not spin on it
+    if view["status"] != JobStatus.SUCCEEDED:
+        raise RuntimeError(f"job {view['id']} ended {view['status']}: {view.get('error')}")
+    status, image = call(port, "GET", f"/v1/jobs/{view['id']}/images/0")
+    if status != 200 or not image.startswith(PNG):
+        raise RuntimeError(f"image of job {view['id']}: {status} {image[:100]!r}")
+    return time.perf_counter() - began
+
+
+def bodies(count: int, size: int, steps: int, first_seed: int = 0) -> list[Body]:
+    """The JSON bodies of ``count`` jobs with distinct seeds."""
+    return [{**request.model_dump(mode="json", exclude_none=True), "seed": first_seed + index}
+            for index, request in enumerate(requests(count, size, steps))]
+
+
+def burst(port: int, batch: list[Body], clients: int, timeout: float = 1800.0) -> tuple[list[float], float]:
+    """Every job of ``batch`` from ``clients`` threads: each job's latency, and the wall time."""
+    deadline = time.monotonic() + timeout
+    began = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        latencies = list(pool.map(lambda body: follow(port, body, deadline), batch))
+    return latencies, time.perf_counter() - began
+
+
+def loop_latencies(sections: Sections, clients: int) -> tuple[list[float], float]:
+    """The loop's latencies with ``clients`` jobs outstanding, and its wall time."""
+    sections = sorted(sections)
+    done = [start for start, _ in sections[1:]] + [sections[-1][1]]  # the next job starts once encoded
+    sent = [sections[0][0]] * clients + done
+    return [end - sent[index] for index, end in enumerate(done)], done[-1] - sections[0][0]
+
+
+def percentiles(values: list[float]) -> tuple[float, float, float]:
+    """p50, p95 and p99, interpolated."""
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    cuts = statistics.quantiles(values, n=100, method="inclusive")
+    return cuts[49], cuts[94], cuts[98]
+
+
+def table(title: str, runs: dict[str, tuple[list[float], float]]) -> list[str]:
+    """One row per run: latency percentiles, images per second and its share of the first row's."""
+    baseline, baseline_wall = next(iter(runs.values()))
+    ceiling = len(baseline) / baseline_wall
+    lines = [title, f"{'':32}{'p50 s':>8}{'p95 s':>8}{'p99 s':>8}{'images/s':>10}{'% of loop':>11}"]
+    for name, (latencies, wall) in runs.items():
+        rate = len(latencies) / wall
+        p50, p95, p99 = percentiles(latencies)
+        lines.append(f"{name:32}{p50:>8.3f}{p95:>8.3f}{p99:>8.3f}{rate:>10.2f}{100 * rate / ceiling:>10.1f}%")
+    return lines
+
+
+def report(jobs: int = 60, clients: int = 8, size: int = 256, steps: int = 4) -> list[str]:
+    """Run the loop, then the service, on this machine; the table."""
+    with tempfile.TemporaryDirectory(prefix="slotq-bench-") as scratch:
+        loop = loop_latencies(in_process_loop(bench_settings(Path(scratch), clients),
+                                              requests(jobs, size, steps)), clients)
+        with running(Path(scratch), clients) as service:
+            burst(service.port, bodies(clients, 64, 1, first_seed=10**6), clients)  # warm every path
+            served = burst(service.port, bodies(jobs, size, steps), clients)
+    per_image = {name: 1000 * wall / len(latencies) for name, (latencies, wall) in
+                 (("loop", loop), ("service", served))}
+    return table(f"End to end over HTTP: tiny model, {size}x{size}, {steps} steps, {jobs} jobs, {clients} "
+                 "concurrent clients, 2 API processes, 1 worker; latency = POST sent -> PNG received",
+                 {"in-process loop (baseline)": loop, "slotq over HTTP": served}) + [
+        f"time per image: {per_image['service']:.1f} ms through the service, {per_image['loop']:.1f} ms "
+        f"in the loop ({per_image['service'] - per_image['loop']:+.1f} ms)"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=60)
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--size", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=4)
+    args = parser.parse_args()
+    print("\n".join(report(args.jobs, args.clients, args.size, args.steps)))
+
+
+if __name__ == "__main__":
+    main()
