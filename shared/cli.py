@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 from shared.settings import load_settings
+
+if TYPE_CHECKING:
+    from shared.client import Client
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,10 +39,14 @@ def _parser() -> argparse.ArgumentParser:
     submit = commands.add_parser("submit", help="submit a job to a running service")
     submit.add_argument("prompt")
     submit.add_argument("--url", default="http://127.0.0.1:8000", help="the service's base URL")
-    submit.add_argument("--wait", action="store_true", help="wait for the job to end")
+    submit.add_argument("--api-key", help="sent as `Authorization: Bearer KEY`")
+    submit.add_argument("--wait", action="store_true",
+                        help="wait for the job to end, showing its queue position and step progress")
     submit.add_argument("-o", "--output", help="save the first image here (implies --wait)")
+    submit.add_argument("--timeout", type=float, default=600.0, help="seconds to wait (default: 600)")
+    submit.add_argument("--priority", choices=["high", "normal", "low"])
     for name, kind in [("negative-prompt", str), ("width", int), ("height", int), ("steps", int),
-                       ("guidance-scale", float), ("seed", int), ("num-images", int)]:
+                       ("guidance-scale", float), ("seed", int), ("num-images", int), ("deadline-s", float)]:
         submit.add_argument(f"--{name}", type=kind)
     submit.set_defaults(run=_run_submit)
     return parser
@@ -68,39 +75,88 @@ def _run_dev(args: argparse.Namespace) -> int:
 def _run_submit(args: argparse.Namespace) -> int:
     from shared.client import APIError, Client
 
-    client = Client(args.url)
-    names = ["negative_prompt", "width", "height", "steps", "guidance_scale", "seed", "num_images"]
+    client = Client(args.url, api_key=args.api_key)
+    names = ["negative_prompt", "width", "height", "steps", "guidance_scale", "seed", "num_images",
+             "deadline_s", "priority"]
     params: dict[str, Any] = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     try:
         view = client.submit(args.prompt, **params)
-        print(f"{view['id']} queued at position {view['position']}", file=sys.stderr)
-        if not (args.wait or args.output):
-            print(view["id"])
-            return 0
-        view = client.wait(view["id"], on_update=_show_progress)
-        print(file=sys.stderr)
-        if view["status"] != "succeeded":
-            print(f"job {view['status']}: {view.get('error')}", file=sys.stderr)
-            return 1
-        if args.output:
-            with open(args.output, "wb") as file:
-                file.write(client.image_bytes(view["id"]))
-            print(f"saved {args.output}", file=sys.stderr)
-        print(view["id"])
+        print(view["id"], flush=True)  # first, so that a script has the id even if waiting fails
+        if args.wait or args.output:
+            return _follow(client, view, args.timeout, args.output)
         return 0
-    except APIError as exc:
+    except (APIError, TimeoutError) as exc:
         print(f"slotq: {exc}", file=sys.stderr)
         return 1
 
 
-def _show_progress(view: dict[str, Any]) -> None:
+def _follow(client: Client, view: dict[str, Any], timeout: float, output: str | None) -> int:
+    """Show the job's position, then its progress, until it ends; save its first image to ``output``."""
+    progress = Progress(sys.stderr)
+    progress.show(view)
+    try:
+        view = client.wait(view["id"], timeout=timeout, on_update=progress.show)
+    except KeyboardInterrupt:
+        progress.end()
+        print(f"slotq: stopped waiting; job {view['id']} goes on", file=sys.stderr)
+        return 130
+    finally:
+        progress.end()
+    if view["status"] != "succeeded":
+        print(f"slotq: job {view['status']}: {view.get('error')}", file=sys.stderr)
+        return 1
+    if output:
+        with open(output, "wb") as file:
+            file.write(client.image_bytes(view["id"]))
+        print(f"saved {output}", file=sys.stderr)
+    return 0
+
+
+class Progress:
+    """A job's queue position, then its step progress, on one line of a terminal or a line per change."""
+
+    def __init__(self, stream: TextIO, width: int = 10) -> None:
+        self.stream, self.width = stream, width
+        self.tty = stream.isatty()
+        self.last = ""
+
+    def show(self, view: dict[str, Any]) -> None:
+        """Show the view's state, unless it shows the same as the last one."""
+        line = progress_line(view, self.width)
+        if line == self.last:
+            return
+        if self.tty:  # rewrite the line; pad to wipe the end of a longer previous one
+            self.stream.write(f"\r{line:<{len(self.last)}}")
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+        self.last = line
+
+    def end(self) -> None:
+        """Finish the rewritten line, once."""
+        if self.tty and self.last:
+            self.stream.write("\n")
+            self.stream.flush()
+        self.last = ""
+
+
+def progress_line(view: dict[str, Any], width: int = 10) -> str:
+    """``queued: position 2, starts in ~12s``, ``running [#####.....] 5/10, ~3s left`` or the status."""
+    eta = view.get("eta_s") or {}
     if view["status"] == "queued":
-        line = f"queued, position {view['position']}"
-    elif view.get("progress"):
-        line = f"{view['status']}, step {view['progress']['step']}/{view['progress']['total']}"
-    else:
-        line = view["status"]
-    print(f"\r{line:<40}", end="", file=sys.stderr, flush=True)
+        line = f"queued: position {view.get('position')}"
+        return line + (f", starts in {_about(eta['start'])}" if eta.get("start") is not None else "")
+    progress = view.get("progress")
+    if view["status"] == "running" and progress and progress.get("total"):
+        step, total = progress["step"], progress["total"]
+        done = width * min(step, total) // total
+        line = f"running [{'#' * done}{'.' * (width - done)}] {step}/{total}"
+        return line + (f", {_about(eta['finish'])} left" if eta.get("finish") is not None else "")
+    return view["status"]
+
+
+def _about(seconds: float) -> str:
+    return "<1s" if seconds < 1 else f"~{seconds:.0f}s"
 
 
 if __name__ == "__main__":

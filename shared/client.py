@@ -1,88 +1,264 @@
-"""A small client of the slotq HTTP API, on the standard library only (no Flask, no torch)."""
+"""A client of the slotq HTTP API, on the standard library only (no Flask, redis, pydantic or torch).
+
+    from shared.client import Client, QueueFullError
+    client = Client("http://127.0.0.1:8000", api_key="key-web", retries=3)
+    view = client.wait(client.submit("a red fox", width=256, height=256, steps=8)["id"])
+    png = client.image_bytes(view["id"])
+
+Every error answer raises a subclass of ``APIError`` (``.status``, ``.code``, ``.message``,
+``.retry_after`` in seconds or None, ``.details``), chosen by the answer's ``code``, else by its status:
+
+    class                 codes                                                     status
+    InvalidRequestError   invalid_request, invalid_json, payload_too_large,         400, 405, 413, 415, 422
+                          unsupported_media_type, method_not_allowed
+    UnauthorizedError     unauthorized                                              401
+    ForbiddenError        priority_not_allowed                                      403
+    NotFoundError         not_found                                                 404
+    ConflictError         already_finished, not_ready, idempotency_conflict         409
+    GoneError             expired                                                   410
+    QueueFullError        queue_full, tenant_queue_full
+    RateLimitedError      rate_limited                                              429
+    UnavailableError      unavailable, draining, unreachable                        502, 503, 504
+    ServerError           internal_error                                            other 5xx
+
+``unreachable`` means no answer came at all (connection refused or reset, a timeout); it reads as
+status 503 so that one check covers both. Any other answer raises ``APIError`` itself.
+
+Retries: a refused submit (``QueueFullError``, ``RateLimitedError``, ``UnavailableError``) is sent
+again after its ``Retry-After``, or after an exponential backoff from 0.5 s where there is none, at
+most ``retries`` times and never pausing more than ``max_retry_wait`` at once. Every submit carries
+an ``Idempotency-Key`` (a new uuid4 per call unless given), so a retried POST that had landed
+answers the same job instead of queueing a second one. Reads are retried on ``UnavailableError``
+only, and a cancel only on a 503 answer: a cancel that got no answer may have landed, and sent
+again it would answer 409 for a job it canceled itself.
+"""
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Callable
 from typing import Any
 
 TERMINAL = {"succeeded", "failed", "canceled", "expired"}
 LONG_POLL_S = 30  # the service holds a ?wait request at most 60 s
+MAX_PREFER_WAIT_S = 60
+BACKOFF_S = 0.5
 
 
 class APIError(Exception):
     """An error answer from the service, with its stable code."""
 
-    def __init__(self, status: int, code: str, message: str, retry_after: int | None = None) -> None:
+    def __init__(self, status: int, code: str, message: str, retry_after: float | None = None,
+                 details: list[dict[str, Any]] | None = None) -> None:
         super().__init__(f"{status} {code}: {message}")
-        self.status, self.code, self.retry_after = status, code, retry_after
+        self.status, self.code, self.message = status, code, message
+        self.retry_after, self.details = retry_after, details
+
+
+class InvalidRequestError(APIError):
+    """The request itself is wrong (400, 405, 413, 415, 422); ``details`` says where for 422."""
+
+
+class UnauthorizedError(APIError):
+    """No valid API key was sent (401)."""
+
+
+class ForbiddenError(APIError):
+    """The key may not do this, e.g. use this priority (403)."""
+
+
+class NotFoundError(APIError):
+    """No such job or image, or another tenant's (404)."""
+
+
+class ConflictError(APIError):
+    """The job's state forbids this: already finished, no image yet, or a reused idempotency key (409)."""
+
+
+class GoneError(APIError):
+    """The job's record or images have expired (410)."""
+
+
+class QueueFullError(APIError):
+    """The line, or this tenant's share of it, is full (429); retry after ``retry_after``."""
+
+
+class RateLimitedError(APIError):
+    """The key is over its rate (429); retry after ``retry_after``."""
+
+
+class UnavailableError(APIError):
+    """The service cannot serve now: Redis down, shutting down, or no answer at all (503)."""
+
+
+class ServerError(APIError):
+    """The service failed on its side (500)."""
+
+
+ERRORS_BY_CODE: dict[str, type[APIError]] = {
+    **dict.fromkeys(["invalid_request", "invalid_json", "payload_too_large", "unsupported_media_type",
+                     "method_not_allowed"], InvalidRequestError),
+    "unauthorized": UnauthorizedError,
+    "priority_not_allowed": ForbiddenError,
+    "not_found": NotFoundError,
+    **dict.fromkeys(["already_finished", "not_ready", "idempotency_conflict"], ConflictError),
+    "expired": GoneError,
+    **dict.fromkeys(["queue_full", "tenant_queue_full"], QueueFullError),
+    "rate_limited": RateLimitedError,
+    **dict.fromkeys(["unavailable", "draining", "unreachable"], UnavailableError),
+    "internal_error": ServerError,
+}
+ERRORS_BY_STATUS: dict[int, type[APIError]] = {
+    **dict.fromkeys([400, 405, 413, 415, 422], InvalidRequestError),
+    401: UnauthorizedError, 403: ForbiddenError, 404: NotFoundError, 409: ConflictError,
+    410: GoneError, 429: RateLimitedError, **dict.fromkeys([502, 503, 504], UnavailableError),
+}
+
+
+def api_error(status: int, code: str, message: str, retry_after: float | None = None,
+              details: list[dict[str, Any]] | None = None) -> APIError:
+    """The typed error for an answer: by its code, else by its HTTP status."""
+    kind = ERRORS_BY_CODE.get(code) or ERRORS_BY_STATUS.get(status)
+    if kind is None:
+        kind = ServerError if status >= 500 else APIError
+    return kind(status, code, message, retry_after, details)
+
+
+def _submit_retryable(error: APIError) -> bool:
+    return isinstance(error, QueueFullError | RateLimitedError | UnavailableError)
+
+
+def _read_retryable(error: APIError) -> bool:
+    return isinstance(error, UnavailableError)
+
+
+def _cancel_retryable(error: APIError) -> bool:
+    return isinstance(error, UnavailableError) and error.code != "unreachable"
 
 
 class Client:
     """Submit jobs, follow them and fetch their images."""
 
-    def __init__(self, base_url: str = "http://127.0.0.1:8000", timeout: float = 10.0) -> None:
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", timeout: float = 10.0, *,
+                 api_key: str | None = None, retries: int = 3, max_retry_wait: float = 30.0,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
+        self.retries, self.max_retry_wait = retries, max_retry_wait
+        self.sleep = sleep  # every pause: retries and the polling of ``wait``
+        self.headers = {"Accept": "application/json", "User-Agent": "slotq-client"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
 
-    def submit(self, prompt: str, **params: Any) -> dict[str, Any]:
-        """Queue a job; returns its view."""
-        return json.loads(self._call("POST", "/v1/jobs", {"prompt": prompt, **params}))
+    def submit(self, prompt: str, *, wait: float | None = None, idempotency_key: str | None = None,
+               **params: Any) -> dict[str, Any]:
+        """Queue a job; returns its view, a finished one if it ended within ``wait`` seconds."""
+        headers = {"Idempotency-Key": idempotency_key or str(uuid.uuid4())}
+        timeout = None
+        if wait is not None and int(wait) >= 1:
+            held = min(MAX_PREFER_WAIT_S, int(wait))
+            headers["Prefer"] = f"wait={held}"
+            timeout = held + self.timeout
+        body = {"prompt": prompt, **params}
+        return json.loads(self._send("POST", "/v1/jobs", _submit_retryable, body, headers, timeout))
 
     def get(self, job_id: str, wait: float | None = None) -> dict[str, Any]:
         """A job's view; with ``wait``, once its status changes or that many seconds pass."""
         if wait is None:
-            return json.loads(self._call("GET", f"/v1/jobs/{job_id}"))
-        return json.loads(self._call("GET", f"/v1/jobs/{job_id}?wait={wait:g}", timeout=wait + self.timeout))
+            return json.loads(self._send("GET", f"/v1/jobs/{job_id}", _read_retryable))
+        return json.loads(self._send("GET", f"/v1/jobs/{job_id}?wait={wait:g}", _read_retryable,
+                                     timeout=wait + self.timeout))
 
     def cancel(self, job_id: str) -> dict[str, Any]:
-        """Cancel a job; returns its view."""
-        return json.loads(self._call("DELETE", f"/v1/jobs/{job_id}"))
+        """Cancel a job; returns its view (``canceled``, or still ``running`` while it stops)."""
+        return json.loads(self._send("DELETE", f"/v1/jobs/{job_id}", _cancel_retryable))
 
     def image_bytes(self, job_id: str, index: int = 0) -> bytes:
         """The PNG bytes of one finished image."""
-        return self._call("GET", f"/v1/jobs/{job_id}/images/{index}")
+        return self._send("GET", f"/v1/jobs/{job_id}/images/{index}", _read_retryable)
 
     def wait(self, job_id: str, timeout: float = 600.0, interval: float = 0.25,
              on_update: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
         """Follow the job until it ends or ``timeout`` passes; returns the last view.
 
         Without ``on_update`` it long-polls (one request per status change); with it, it polls every
-        ``interval`` seconds so that step progress shows as it happens.
+        ``interval`` seconds so that queue position and step progress show as they change.
         """
         deadline = time.monotonic() + timeout
+        status = None
         while True:
-            left = deadline - time.monotonic()
-            view = self.get(job_id, None if on_update else max(1, min(LONG_POLL_S, round(left))))
+            asked = time.monotonic()
+            hold = None if on_update else max(1, min(LONG_POLL_S, round(deadline - asked)))
+            view = self.get(job_id, hold)
             if on_update:
                 on_update(view)
             if view["status"] in TERMINAL:
                 return view
             if time.monotonic() > deadline:
                 raise TimeoutError(f"job {job_id} still {view['status']} after {timeout:.0f}s")
-            if on_update:
-                time.sleep(interval)
+            if hold is None:
+                self.sleep(interval)
+            elif view["status"] == status and time.monotonic() - asked < hold - 1:
+                # Answered early and unchanged: the server's waiting threads are all taken (see README).
+                self.sleep(1.0)
+            status = view["status"]
 
-    def _call(self, method: str, path: str, body: dict[str, Any] | None = None,
+    def _send(self, method: str, path: str, retryable: Callable[[APIError], bool],
+              body: dict[str, Any] | None = None, headers: dict[str, str] | None = None,
               timeout: float | None = None) -> bytes:
-        data = json.dumps(body).encode() if body is not None else None
-        headers = {"Content-Type": "application/json"} if body is not None else {}
-        req = urllib.request.Request(self.base_url + path, data=data, method=method, headers=headers)
+        """One call, sent again while its error is ``retryable`` and retries remain."""
+        attempt = 0
+        while True:
+            try:
+                return self._request(method, path, body, headers or {}, timeout or self.timeout)
+            except APIError as error:
+                if attempt >= self.retries or not retryable(error):
+                    raise
+                self.sleep(self._pause(error, attempt))
+                attempt += 1
+
+    def _pause(self, error: APIError, attempt: int) -> float:
+        wanted = error.retry_after if error.retry_after is not None else BACKOFF_S * 2 ** attempt
+        return min(self.max_retry_wait, max(0.0, wanted))
+
+    def _request(self, method: str, path: str, body: dict[str, Any] | None, headers: dict[str, str],
+                 timeout: float) -> bytes:
+        sent = {**self.headers, **headers}
+        data = None
+        if body is not None:
+            data = json.dumps(body).encode()
+            sent["Content-Type"] = "application/json"
+        request = urllib.request.Request(self.base_url + path, data=data, method=method, headers=sent)
         try:
-            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as response:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
                 return response.read()
         except urllib.error.HTTPError as exc:
-            raise _api_error(exc) from None
+            raise _answered_error(exc) from None
+        except (OSError, http.client.HTTPException) as exc:  # URLError, refused, reset, timed out
+            reason = getattr(exc, "reason", None) or exc
+            raise UnavailableError(503, "unreachable", f"no answer from {self.base_url}: {reason}") from exc
 
 
-def _api_error(exc: urllib.error.HTTPError) -> APIError:
-    retry_after = exc.headers.get("Retry-After")
+def _answered_error(exc: urllib.error.HTTPError) -> APIError:
+    """The typed error for an error answer, read from its JSON envelope where it has one."""
+    details = None
     try:
         error = json.loads(exc.read())["error"]
-        code, message = error["code"], error["message"]
-    except (ValueError, KeyError, TypeError):
-        code, message = "http_error", exc.reason
-    return APIError(exc.code, code, message, int(retry_after) if retry_after else None)
+        code, message, details = error["code"], error["message"], error.get("details")
+    except (ValueError, KeyError, TypeError, OSError, http.client.HTTPException):
+        code, message = "http_error", str(exc.reason)
+    return api_error(exc.code, code, message, _seconds(exc.headers.get("Retry-After")), details)
+
+
+def _seconds(value: str | None) -> float | None:
+    """``Retry-After`` as seconds; None when absent or an HTTP date (which slotq never sends)."""
+    try:
+        seconds = float(value) if value is not None else None
+    except ValueError:
+        return None
+    return int(seconds) if seconds is not None and seconds.is_integer() else seconds

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
@@ -93,3 +94,46 @@ def test_api_side_never_imports_the_gpu_stack() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                             check=False)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_progress_line_shows_position_then_a_step_bar() -> None:
+    from shared.cli import progress_line
+
+    assert progress_line({"status": "queued", "position": 2, "eta_s": None}) == "queued: position 2"
+    assert (progress_line({"status": "queued", "position": 0, "eta_s": {"start": 11.6, "finish": 20.2}})
+            == "queued: position 0, starts in ~12s")
+    assert progress_line({"status": "running", "progress": None}) == "running"
+    assert (progress_line({"status": "running", "progress": {"step": 5, "total": 10}, "eta_s": None})
+            == "running [#####.....] 5/10")
+    assert (progress_line({"status": "running", "progress": {"step": 8, "total": 8},
+                           "eta_s": {"start": 0, "finish": 0.4}}) == "running [##########] 8/8, <1s left")
+    assert progress_line({"status": "succeeded", "progress": {"step": 8, "total": 8}}) == "succeeded"
+
+
+class Stream(io.StringIO):
+    def __init__(self, tty: bool) -> None:
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_progress_rewrites_one_line_on_a_terminal_and_prints_a_line_per_change_elsewhere(tty: bool) -> None:
+    from shared.cli import Progress
+
+    stream = Stream(tty)
+    progress = Progress(stream)
+    views = [{"status": "queued", "position": 1}, {"status": "queued", "position": 1},
+             {"status": "queued", "position": 0}, {"status": "running", "progress": {"step": 1, "total": 2}},
+             {"status": "succeeded"}]
+    for view in views:
+        progress.show(view)
+    progress.end()
+    lines = ["queued: position 1", "queued: position 0", "running [#####.....] 1/2", "succeeded"]
+    if tty:
+        padded = [lines[0], lines[1], lines[2], f"{lines[3]:<{len(lines[2])}}"]
+        assert stream.getvalue() == "".join(f"\r{line}" for line in padded) + "\n"
+    else:
+        assert stream.getvalue() == "".join(f"{line}\n" for line in lines)
