@@ -139,3 +139,19 @@ def test_expired_record_answers_410_not_404(worker_settings: Settings, worker_cl
         assert response.status_code == 410
         assert response.get_json()["error"]["code"] == "expired"
     assert worker_client.get("/v1/jobs/never-issued").status_code == 404
+
+
+def test_rq_sees_the_worker_busy_then_idle(worker_client: FlaskClient, worker_settings: Settings) -> None:
+    from rq import Worker
+
+    connection = Redis.from_url(worker_settings.redis_url)
+
+    def state() -> str:
+        return next(worker.get_state() for worker in Worker.all(connection=connection))
+
+    job_id = post_job(worker_client, width=256, height=256, steps=30).get_json()["id"]
+    wait_for_status(worker_client, job_id, "running")
+    assert state() == "busy"
+    wait_for_status(worker_client, job_id, "succeeded")
+    wait_for(lambda: state() == "idle", what="RQ to see the worker idle")
+    connection.close()

@@ -19,7 +19,7 @@ from rq.queue import Queue
 from rq.serializers import JSONSerializer
 from rq.timeouts import JobTimeoutException
 from rq.utils import now as rq_now
-from rq.worker import SimpleWorker
+from rq.worker import SimpleWorker, WorkerStatus
 
 from shared import estimates, events, keys, records
 from shared import queue as jobs
@@ -98,6 +98,8 @@ class SlotWorker(SimpleWorker):
                     jobs.expire_due(self.queue, self.settings)
                 claimed = self.claims.claim(None if burst else CLAIM_TIMEOUT_S)
                 if claimed is None:
+                    if self.get_state() != WorkerStatus.IDLE:
+                        self.set_state(WorkerStatus.IDLE)  # for `rq info` and dashboards: nothing runs
                     if burst:
                         break
                     continue
