@@ -24,7 +24,7 @@ def sections(quick: bool) -> list[Section]:
     """The report's sections, with their sizes."""
     if quick:
         return [("GPU duty cycle and dispatch overhead",
-                 lambda: gpu.report(jobs=4, size=64, steps=1, large_jobs=0, dispatch_jobs=20)),
+                 lambda: gpu.report(jobs=4, size=64, steps=1, large_jobs=0, dispatch_jobs=20, rounds=1)),
                 ("Dynamic batching", lambda: batching.batching_lines(rounds=1, sizes=(64,))),
                 ("Admission", lambda: admission.report(jobs=40, processes=2, clients=4)),
                 ("End to end", lambda: end_to_end.report(jobs=8, clients=4, size=64, steps=1)),

@@ -1,6 +1,6 @@
 """Does the GPU stay busy? Duty cycle, idle gaps and dispatch overhead, each against its baselines.
 
-    python -m bench.gpu [--jobs 60] [--size 256] [--steps 4] [--dispatch-jobs 400]
+    python -m bench.gpu [--jobs 60] [--size 256] [--steps 4] [--dispatch-jobs 400] [--rounds 3]
 
 **Duty cycle.** A saturated queue of identical tiny-model jobs (all admitted before the worker
 starts). Each pipeline records when its GPU sections (denoise and decode) begin and end; the duty
@@ -11,6 +11,9 @@ idle times between consecutive sections. Run three ways, in this run:
 - a plain RQ ``SimpleWorker`` running ``worker.tasks.generate`` from RQ's own list (what a user
   would write first);
 - the slotq worker (``SlotWorker``, burst mode), from slotq's waiting line.
+
+The three take turns for ``--rounds`` rounds and each reports its median round, so a slow spell of
+this machine lands on all of them rather than on whichever ran during it.
 
 **Dispatch overhead.** The same workers with a pipeline that does no work (one blank image at once),
 so the time per job is what taking, starting and recording a job costs; against a bare Redis loop
@@ -47,6 +50,8 @@ class NullPipeline:
     """A pipeline that does no work: one blank image per request, at once."""
 
     sections: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=100_000))
+    busy_s: float = 0.0
+    device: str = "null"  # not a torch device: the worker's metrics name it and ask nothing more
 
     def generate_batch(self, requests: list[JobRequest],
                        on_step: Callable[[int, int], None]) -> list[list[Image.Image]]:
@@ -170,13 +175,29 @@ def duty_table(title: str, runs: dict[str, Figures]) -> list[str]:
     return lines
 
 
-def duty_cycle(settings: Settings, batch: list[JobRequest], scratch: Path) -> list[str]:
+def duty_cycle(settings: Settings, batch: list[JobRequest], scratch: Path, rounds: int = 3) -> list[str]:
+    """The three ways, interleaved for ``rounds`` rounds; each way's median round.
+
+    Interleaving spreads the machine's slow spells (other processes, thermal) over all three ways
+    instead of letting one of them draw the bad minute; the median drops the odd round out.
+    """
+    ways: dict[str, Callable[[], Sections]] = {
+        "in-process loop (ceiling)": lambda: in_process_loop(settings, batch),
+        "plain RQ SimpleWorker": lambda: through_worker("rq", settings, batch, scratch),
+        "slotq worker": lambda: through_worker("slotq", settings, batch, scratch)}
+    measured: dict[str, list[Figures]] = {name: [] for name in ways}
+    for _ in range(rounds):
+        for name, run in ways.items():
+            measured[name].append(Figures.of(run()))
+    runs = {name: median_round(figures) for name, figures in measured.items()}
     first = batch[0]
-    runs = {"in-process loop (ceiling)": Figures.of(in_process_loop(settings, batch)),
-            "plain RQ SimpleWorker": Figures.of(through_worker("rq", settings, batch, scratch)),
-            "slotq worker": Figures.of(through_worker("slotq", settings, batch, scratch))}
     return duty_table(f"GPU duty cycle: tiny model, {first.width}x{first.height}, {first.steps} steps, "
-                      f"{len(batch)} jobs, saturated queue", runs)
+                      f"{len(batch)} jobs, saturated queue, median of {rounds} interleaved rounds", runs)
+
+
+def median_round(rounds: list[Figures]) -> Figures:
+    """The round with the median throughput."""
+    return sorted(rounds, key=lambda figures: figures.per_second)[len(rounds) // 2]
 
 
 def dispatch(settings: Settings, count: int, scratch: Path) -> list[str]:
@@ -192,7 +213,7 @@ def dispatch(settings: Settings, count: int, scratch: Path) -> list[str]:
 
 
 def report(jobs: int = 60, size: int = 256, steps: int = 4, large_jobs: int = 12,
-           dispatch_jobs: int = 400) -> list[str]:
+           dispatch_jobs: int = 400, rounds: int = 3) -> list[str]:
     """Every table of this benchmark (a count of 0 skips its run), on a Redis of its own."""
     with tempfile.TemporaryDirectory(prefix="slotq-bench-") as scratch:
         port = free_port()
@@ -204,7 +225,8 @@ def report(jobs: int = 60, size: int = 256, steps: int = 4, large_jobs: int = 12
             lines: list[str] = []
             for count, side, denoise in ((jobs, size, steps), (large_jobs, 1024, 1)):
                 if count:
-                    lines += duty_cycle(settings, requests(count, side, denoise), Path(scratch)) + [""]
+                    batch = requests(count, side, denoise)
+                    lines += duty_cycle(settings, batch, Path(scratch), rounds) + [""]
             if dispatch_jobs:
                 lines += dispatch(settings, dispatch_jobs, Path(scratch))
         finally:
@@ -220,6 +242,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--large-jobs", type=int, default=12, help="jobs of the 1024x1024 run (0: skip it)")
     parser.add_argument("--dispatch-jobs", type=int, default=400)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the duty-cycle runs")
     parser.add_argument("--serve", choices=["slotq", "rq"], help=argparse.SUPPRESS)
     parser.add_argument("--trace", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--null", action="store_true", help=argparse.SUPPRESS)
@@ -227,7 +250,8 @@ def main() -> None:
     if args.serve:
         serve(args.serve, args.trace, args.null)
         return
-    print("\n".join(report(args.jobs, args.size, args.steps, args.large_jobs, args.dispatch_jobs)))
+    print("\n".join(report(args.jobs, args.size, args.steps, args.large_jobs, args.dispatch_jobs,
+                           args.rounds)))
 
 
 if __name__ == "__main__":
