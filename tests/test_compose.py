@@ -4,11 +4,16 @@ import functools
 import json
 import re
 import shlex
+import shutil
+import subprocess
+import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+
+from shared.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -16,6 +21,36 @@ NGINX_CONF = ROOT / "docker" / "nginx.conf"
 API_DOCKERFILE = ROOT / "docker" / "api.Dockerfile"
 WORKER_DOCKERFILE = ROOT / "docker" / "worker.Dockerfile"
 ENV_EXAMPLE = ROOT / ".env.example"
+PROMETHEUS_DIR = ROOT / "docker" / "prometheus"
+PROMETHEUS_CONF = PROMETHEUS_DIR / "prometheus.yml"
+GRAFANA_DIR = ROOT / "docker" / "grafana"
+METRICS_SOURCES = [ROOT / "api" / "metrics.py", ROOT / "worker" / "metrics.py"]
+
+DEFAULT_SERVICES = {"redis", "api", "proxy", "worker"}
+MONITORING_SERVICES = {"prometheus", "grafana", "rq-dashboard"}
+
+# What api/metrics.py and worker/metrics.py export, under the names Prometheus stores.
+_COUNTERS = ["slotq_admissions", "slotq_jobs_ended", "slotq_worker_jobs", "slotq_gpu_busy_seconds"]
+_HISTOGRAMS = [
+    "slotq_http_request_duration_seconds",
+    "slotq_job_queue_wait_seconds",
+    "slotq_gpu_section_seconds",
+    "slotq_job_duration_seconds",
+]
+_GAUGES = [
+    "slotq_queue_depth",
+    "slotq_queue_limit",
+    "slotq_worker_duty_cycle",
+    "slotq_worker_info",
+    "slotq_cuda_memory_allocated_bytes",
+    "slotq_cuda_memory_peak_bytes",
+    "slotq_cuda_memory_reserved_bytes",
+]
+EXPORTED_METRICS = frozenset(
+    [f"{name}_total" for name in _COUNTERS]
+    + [f"{name}_{suffix}" for name in _HISTOGRAMS for suffix in ("bucket", "sum", "count")]
+    + _GAUGES
+)
 
 # Default of SLOTQ_JOB_TIMEOUT_S: the longest a job may run.
 DEFAULT_JOB_TIMEOUT_S = 900
@@ -177,6 +212,94 @@ def _strings(node: object) -> list[str]:
     return [node] if isinstance(node, str) else []
 
 
+def _exposed_ports(service: dict[str, Any]) -> set[int]:
+    """Return the container ports a service offers to the compose network (`expose` and `ports`)."""
+    exposed = {int(str(port).split("/")[0]) for port in service.get("expose") or []}
+    return exposed | set(_port_targets(service))
+
+
+def _host_ips(service: dict[str, Any]) -> list[str]:
+    """Return the host address each published port of a service binds (empty: all addresses)."""
+    hosts = []
+    for port in service.get("ports") or []:
+        if isinstance(port, dict):
+            hosts.append(str(port.get("host_ip", "")))
+        else:
+            parts = str(port).split(":")
+            hosts.append(parts[0] if len(parts) == 3 else "")
+    return hosts
+
+
+@functools.cache
+def _prometheus() -> dict[str, Any]:
+    """Return docker/prometheus/prometheus.yml parsed as YAML."""
+    data = yaml.safe_load(PROMETHEUS_CONF.read_text())
+    assert isinstance(data, dict), "prometheus.yml is not a mapping"
+    return data
+
+
+def _scrape_targets() -> list[tuple[str, str, int]]:
+    """Return (job, host, port) for every static and DNS-discovered Prometheus scrape target."""
+    targets = []
+    for job in _prometheus().get("scrape_configs") or []:
+        for static in job.get("static_configs") or []:
+            for target in static.get("targets") or []:
+                host, _, port = target.rpartition(":")
+                targets.append((job["job_name"], host, int(port)))
+        for dns in job.get("dns_sd_configs") or []:
+            targets.extend((job["job_name"], name, int(dns["port"])) for name in dns["names"])
+    return targets
+
+
+def _alert_rules() -> list[dict[str, Any]]:
+    """Return every alerting rule of the rule files that prometheus.yml loads."""
+    rules = []
+    for name in _prometheus().get("rule_files") or []:
+        data = yaml.safe_load((PROMETHEUS_DIR / name).read_text())
+        rules.extend(rule for group in data["groups"] for rule in group["rules"] if "alert" in rule)
+    return rules
+
+
+def _dashboard_exprs() -> dict[str, list[str]]:
+    """Return the PromQL queries of each provisioned Grafana dashboard, by file name."""
+    exprs = {}
+    for path in sorted((GRAFANA_DIR / "dashboards").glob("*.json")):
+        panels = json.loads(path.read_text())["panels"]
+        exprs[path.name] = [target["expr"] for panel in panels for target in panel.get("targets", [])]
+    return exprs
+
+
+def _metric_names(promql: str) -> set[str]:
+    """Return the slotq metric names a PromQL expression reads (a loose parse, good for our names)."""
+    return set(re.findall(r"\bslotq_[a-z_]+", promql))
+
+
+def _mount_source(service: dict[str, Any], target: str) -> Path:
+    """Return the repo path bind-mounted at a container path, which must be read-only."""
+    found = [(source, ro) for source, mount_target, ro in _mounts(service) if mount_target == target]
+    assert found, f"nothing mounted at {target}: {_mounts(service)}"
+    source, read_only = found[0]
+    assert read_only, f"{source} is mounted read-write at {target}"
+    return (ROOT / source).resolve()
+
+
+def _docker_compose() -> list[str] | None:
+    """Return the Compose v2 command line (plugin or standalone), or None where there is none."""
+    for command in (["docker", "compose"], ["docker-compose"]):
+        if shutil.which(command[0]) is None:
+            continue
+        try:
+            version = subprocess.run(
+                [*command, "version", "--short"], capture_output=True, text=True, timeout=30
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        major = re.match(r"v?(\d+)\.", version.stdout.strip())
+        if version.returncode == 0 and major and int(major.group(1)) >= 2:
+            return command
+    return None
+
+
 def test_services_exist() -> None:
     """The stack defines redis, api, proxy and worker and no obsolete `version` key."""
     assert {"redis", "api", "proxy", "worker"} <= set(_compose()["services"])
@@ -241,7 +364,7 @@ def test_redis_url_points_at_redis_service(name: str) -> None:
     assert _environment(_service(name)).get("SLOTQ_REDIS_URL") == "redis://redis:6379/0"
 
 
-@pytest.mark.parametrize("name", ["redis", "api", "proxy", "worker"])
+@pytest.mark.parametrize("name", sorted(DEFAULT_SERVICES | MONITORING_SERVICES))
 def test_restarts_unless_stopped(name: str) -> None:
     """Every long-running service comes back after a crash or a host reboot."""
     assert _service(name).get("restart") == "unless-stopped"
@@ -390,7 +513,9 @@ def test_compose_references_existing_files() -> None:
     """Every Dockerfile and bind-mounted file named in the compose file exists."""
     for name, service in _compose()["services"].items():
         build = service.get("build")
-        if isinstance(build, dict):
+        if isinstance(build, dict) and "dockerfile_inline" in build:
+            assert (ROOT / build.get("context", ".")).is_dir(), f"{name}: build context missing"
+        elif isinstance(build, dict):
             path = ROOT / build.get("context", ".") / build.get("dockerfile", "Dockerfile")
             assert path.is_file(), f"{name}: {path} missing"
         for source, _, _ in _mounts(service):
@@ -416,3 +541,144 @@ def test_env_example_documents_compose_variables() -> None:
     )
     missing = sorted(names - documented)
     assert not missing, f"{ENV_EXAMPLE.name} does not document: {', '.join(missing)}"
+
+
+def test_monitoring_services_only_in_their_profile() -> None:
+    """Prometheus, Grafana and rq-dashboard run with --profile monitoring; the stack runs without."""
+    services = _compose()["services"]
+    assert MONITORING_SERVICES <= set(services)
+    for name in MONITORING_SERVICES:
+        assert services[name].get("profiles") == ["monitoring"], name
+    for name in DEFAULT_SERVICES:
+        assert not services[name].get("profiles"), f"{name} must start without a profile"
+        assert not set(_depends_on(services[name])) & MONITORING_SERVICES, f"{name} needs monitoring"
+
+
+@pytest.mark.parametrize("name", sorted(MONITORING_SERVICES))
+def test_monitoring_service_conventions(name: str) -> None:
+    """Each monitoring service logs like the rest, pins its image and publishes on loopback only."""
+    service = _service(name)
+    assert service.get("logging") == _compose()["x-logging"]
+    if "image" in service:
+        assert re.search(r":v?\d+\.\d+\.\d+$", service["image"]), f"unpinned image {service['image']}"
+    hosts = _host_ips(service)
+    assert hosts, f"{name} publishes no port"
+    assert set(hosts) == {"127.0.0.1"}, f"{name} is published beyond 127.0.0.1: {service['ports']}"
+
+
+def test_compose_config_is_valid() -> None:
+    """`docker compose config` accepts the file with and without the monitoring profile."""
+    command = _docker_compose()
+    if command is None:
+        pytest.skip("Docker Compose v2 is not installed here; the file is checked as YAML only")
+    for profile in ([], ["--profile", "monitoring"]):
+        result = subprocess.run(
+            [*command, *profile, "config", "-q"], cwd=ROOT, capture_output=True, text=True, timeout=60
+        )
+        assert result.returncode == 0, result.stderr
+    services = subprocess.run(
+        [*command, "config", "--services"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert set(services.stdout.split()) == DEFAULT_SERVICES
+
+
+def test_prometheus_mounts_its_config() -> None:
+    """Prometheus reads docker/prometheus read-only, and every rule file it names is there."""
+    prometheus = _service("prometheus")
+    assert _mount_source(prometheus, "/etc/prometheus") == PROMETHEUS_DIR.resolve()
+    assert "--config.file=/etc/prometheus/prometheus.yml" in prometheus["command"]
+    assert _prometheus()["global"]["scrape_interval"] == "15s"
+    for name in _prometheus().get("rule_files") or []:
+        assert (PROMETHEUS_DIR / name).is_file(), f"rule file {name} missing"
+
+
+def test_scrape_targets_are_compose_services() -> None:
+    """Every scrape target is a compose service and a port that service offers on the network."""
+    targets = _scrape_targets()
+    assert {job for job, _, _ in targets} >= {"slotq-api", "slotq-worker"}
+    for job, host, port in targets:
+        assert host in _compose()["services"], f"{job}: {host} is not a compose service"
+        assert port in _exposed_ports(_service(host)), f"{job}: {host} does not expose {port}"
+
+
+@pytest.mark.parametrize("job", ["slotq-api", "slotq-worker"])
+def test_scrapes_every_replica(job: str) -> None:
+    """API and worker are found by DNS (type A), so each replica of --scale is scraped."""
+    config = next(c for c in _prometheus()["scrape_configs"] if c["job_name"] == job)
+    assert not config.get("static_configs"), f"{job}: a static target reaches one replica only"
+    assert [dns.get("type") for dns in config["dns_sd_configs"]] == ["A"]
+
+
+def test_worker_serves_metrics_to_the_network() -> None:
+    """The worker binds its metrics port on all addresses and exposes it (default port 9101)."""
+    worker = _service("worker")
+    port = Settings.model_fields["worker_metrics_port"].default
+    assert _environment(worker).get("SLOTQ_WORKER_METRICS_HOST") == "0.0.0.0"
+    assert port in _exposed_ports(worker)
+    assert ("slotq-worker", "worker", port) in _scrape_targets()
+
+
+def test_exported_metrics_match_the_code() -> None:
+    """Every metric listed here as exported is named in api/metrics.py or worker/metrics.py."""
+    code = "\n".join(path.read_text() for path in METRICS_SOURCES)
+    for name in [*_COUNTERS, *_HISTOGRAMS, *_GAUGES]:
+        assert f'"{name}"' in code, f"{name} is not exported by the code"
+
+
+def test_alerts_and_dashboards_read_exported_metrics() -> None:
+    """The alert rules and the dashboard query only metrics that the API and the worker export."""
+    rules = _alert_rules()
+    assert rules, "no alert rules"
+    for rule in rules:
+        assert {"alert", "expr", "for"} <= set(rule), rule
+        assert _metric_names(rule["expr"]) <= EXPORTED_METRICS, rule["alert"]
+    dashboards = _dashboard_exprs()
+    assert dashboards, "no Grafana dashboard"
+    for name, exprs in dashboards.items():
+        names = {metric for expr in exprs for metric in _metric_names(expr)}
+        assert names, f"{name} queries no slotq metric"
+        assert names <= EXPORTED_METRICS, f"{name}: unknown {sorted(names - EXPORTED_METRICS)}"
+
+
+def test_promtool_accepts_config_and_rules() -> None:
+    """promtool validates prometheus.yml and passes the alert rules' unit tests."""
+    if shutil.which("promtool") is None:
+        pytest.skip("promtool is not installed here (Debian: apt-get install prometheus)")
+    for args in (["check", "config", "prometheus.yml"], ["test", "rules", "alerts.test.yml"]):
+        result = subprocess.run(
+            ["promtool", *args], cwd=PROMETHEUS_DIR, capture_output=True, text=True, timeout=60
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_grafana_provisioning() -> None:
+    """Grafana gets the repo's datasource and dashboards, and the datasource is Prometheus."""
+    grafana = _service("grafana")
+    provisioning = _mount_source(grafana, "/etc/grafana/provisioning")
+    assert provisioning == (GRAFANA_DIR / "provisioning").resolve()
+    providers = yaml.safe_load((provisioning / "dashboards" / "slotq.yml").read_text())["providers"]
+    for provider in providers:
+        assert _mount_source(grafana, provider["options"]["path"]).is_dir()
+    sources = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())["datasources"]
+    assert [source["url"] for source in sources] == ["http://prometheus:9090"]
+    assert 9090 in _exposed_ports(_service("prometheus"))
+    assert "prometheus" in _depends_on(grafana)
+    uids = {source["uid"] for source in sources}
+    for path in (GRAFANA_DIR / "dashboards").glob("*.json"):
+        for panel in json.loads(path.read_text())["panels"]:
+            assert panel["datasource"]["uid"] in uids, f"{path.name}: panel {panel['title']!r}"
+
+
+def test_rq_dashboard_reads_slotq_redis() -> None:
+    """rq-dashboard reads the api's Redis as JSON, with the RQ major version slotq runs."""
+    dashboard = _service("rq-dashboard")
+    env = _environment(dashboard)
+    assert env.get("RQ_DASHBOARD_REDIS_URL") == _environment(_service("api"))["SLOTQ_REDIS_URL"]
+    assert env.get("RQ_DASHBOARD_REDIS_URL", "").startswith("redis://redis:")
+    assert env.get("RQ_DASHBOARD_JSON") == "true", "slotq stores jobs as JSON; pickle cannot read them"
+    assert _depends_on(dashboard).get("redis", {}).get("condition") == "service_healthy"
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    rq = next(dep.split("#")[0].strip() for dep in dependencies if re.match(r"rq\b", dep))
+    inline = dashboard["build"]["dockerfile_inline"]
+    assert f'"{rq}"' in inline, f"the dashboard image must install {rq}"
+    assert re.search(r'"rq-dashboard==[\d.]+"', inline), "rq-dashboard is not pinned"
