@@ -6,10 +6,13 @@ import logging
 import threading
 
 import redis
-from flask import Flask, Response, jsonify
+from flask import Flask, Response, g, jsonify
 from werkzeug.exceptions import HTTPException
 
+from api import observability
 from api.longpoll import Waits
+from api.metrics import ApiMetrics
+from api.page import page
 from api.routes import bp
 from shared.errors import (
     MethodNotAllowedError,
@@ -35,7 +38,7 @@ HTTP_ERRORS: dict[int, type[ServiceError]] = {
 def create_app(settings: Settings | None = None) -> Flask:
     """Build the API for these settings (the environment's by default)."""
     settings = settings or get_settings()
-    app = Flask(__name__)
+    app = Flask(__name__, static_folder=None)  # the page's blueprint serves api/static/ at /ui/
     # "/v1/jobs/%2Fabc" must be an unknown id (404), not a redirect to another id's URL.
     app.url_map.merge_slashes = False
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
@@ -45,7 +48,9 @@ def create_app(settings: Settings | None = None) -> Flask:
     draining = app.extensions["slotq.draining"] = threading.Event()  # set by the server on SIGTERM
     app.extensions["slotq.waits"] = Waits.for_settings(queue.connection, settings, draining)
     app.extensions["slotq.keys"] = policies(settings)
+    observability.install(app, ApiMetrics(settings, queue))
     app.register_blueprint(bp)
+    app.register_blueprint(page)
     app.register_error_handler(ServiceError, error_response)
     app.register_error_handler(redis.ConnectionError, redis_unavailable)
     app.register_error_handler(redis.TimeoutError, redis_unavailable)
@@ -56,6 +61,7 @@ def create_app(settings: Settings | None = None) -> Flask:
 
 def error_response(error: ServiceError) -> tuple[Response, int]:
     """The JSON envelope for a service error, with ``Retry-After`` where it applies."""
+    g.error_code = error.code  # for the admission metrics
     response = jsonify(error.to_dict())
     if error.retry_after is not None:
         response.headers["Retry-After"] = str(error.retry_after)

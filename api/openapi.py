@@ -57,6 +57,10 @@ def error_codes() -> dict[int, list[str]]:
     return codes
 
 
+def _text(description: str, media_type: str) -> dict[str, Any]:
+    return {"description": description, "content": {media_type: {"schema": _STRING}}}
+
+
 @lru_cache(maxsize=8)
 def _document(max_side: int, max_steps: int) -> dict[str, Any]:
     """Build the document once per distinct set of limits."""
@@ -116,6 +120,14 @@ def _document(max_side: int, max_steps: int) -> dict[str, Any]:
                                      {"200": _json("Ready.", _status("ready"))}, (503,))},
         "/openapi.json": {"get": operation("openapi", "This document.",
                                            {"200": _json("OpenAPI 3.1.", {"type": "object"})}, ())},
+        "/metrics": {"get": operation("metrics", "Prometheus metrics of the API and the queue.",
+                                      {"200": _text("The metrics.", "text/plain")}, (503,))},
+        "/": {"get": operation("page", "The web page: a prompt form and the submitted job's progress.",
+                               {"200": _text("The page.", "text/html")}, ())},
+        "/ui/{filename}": {
+            "parameters": [_path("filename", _STRING, "A file of the page (app.js, style.css).")],
+            "get": operation("pageAsset", "A script or style sheet of the web page.",
+                             {"200": _text("The file.", "text/javascript")}, (404,))},
     }
     return {
         "openapi": "3.1.0",

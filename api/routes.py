@@ -63,8 +63,10 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
                                        max_steps=settings.max_steps)
     except ValidationError as exc:
         raise InvalidRequestError(details=_details(exc)) from None
-    admission = jobs.enqueue_job(_queue(), settings, job_request, _idempotency_key(), _tenant())
+    admission = jobs.enqueue_job(_queue(), settings, job_request, _idempotency_key(), _tenant(),
+                                 g.get("request_id"))
     headers = {"Location": f"/v1/jobs/{admission.job.id}"}
+    g.admission = "replayed" if admission.replayed else "admitted"
     wait = longpoll.preferred_wait(request.headers.getlist("Prefer"))
     if wait and _waits().hold(admission.job, wait, longpoll.finished):
         view = _current_view(jobs.fetch_job(_queue(), admission.job.id, _tenant()))
@@ -108,6 +110,14 @@ def queue_state() -> Response:
     return jsonify({"waiting": sum(counts.values()), "capacity": settings.queue_capacity,
                     "by_priority": counts,
                     "limits": {p: settings.waiting_limit(p) for p in PRIORITIES}})
+
+
+@bp.get("/metrics")
+def metrics() -> Response:
+    """Prometheus metrics of this API and of the queue."""
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    return Response(current_app.extensions["slotq.metrics"].exposition(), content_type=CONTENT_TYPE_LATEST)
 
 
 @bp.get("/openapi.json")

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import signal
+import tempfile
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from flask import Flask
 from gunicorn.app.base import BaseApplication
 
+from api import metrics
 from api.app import create_app
+from shared import logs
 from shared.settings import Settings, get_settings
 
 
@@ -55,14 +61,22 @@ def serve(host: str | None = None, port: int | None = None, settings: Settings |
           factory: Callable[[Settings], Flask] = create_app) -> None:
     """Run the API (or, for benchmarks, another app) until SIGTERM or SIGINT; requests in flight finish."""
     settings = settings or get_settings()
+    settings = settings.model_copy(update={"metrics_dir": _metrics_dir(settings)})
     options = {
         "bind": f"{host or settings.api_host}:{port or settings.api_port}",
         "workers": settings.api_workers,
         "threads": settings.api_threads,
         "worker_class": "gthread",
         "timeout": 30,
-        "accesslog": "-",
+        # No gunicorn access log: the app logs each request itself, with its request id.
+        "accesslog": None,
         "loglevel": settings.log_level.lower(),
+        # gunicorn's own messages go through the root handler too, in the same format.
+        "logconfig_dict": {"version": 1, "disable_existing_loggers": False,
+                           "loggers": {"gunicorn.error": {"handlers": [], "propagate": True}}},
+        "child_exit": lambda server, worker: metrics.process_exited(worker.pid),
+        # gunicorn sets up its logging when it starts; ours goes on top, before any worker forks.
+        "on_starting": lambda server: logs.configure(settings, "api"),
         # gunicorn 27 opens a control socket under ~/.gunicorn by default, which clashes when
         # several API processes share a machine; slotq does not use it.
         "control_socket_disable": True,
@@ -71,3 +85,13 @@ def serve(host: str | None = None, port: int | None = None, settings: Settings |
         "graceful_timeout": int(settings.drain_s) + 20,
     }
     APIServer(settings, options, factory).run()
+
+
+def _metrics_dir(settings: Settings) -> Path:
+    """Where the API's processes count their metrics: SLOTQ_METRICS_DIR, or a directory of this run."""
+    path = settings.metrics_dir
+    if path is None:
+        path = Path(tempfile.mkdtemp(prefix="slotq-metrics-"))
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+    metrics.use_multiprocess_dir(path)
+    return path

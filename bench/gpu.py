@@ -51,6 +51,7 @@ class NullPipeline:
 
     sections: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=100_000))
     busy_s: float = 0.0
+    running_since: float | None = None
     device: str = "null"  # not a torch device: the worker's metrics name it and ask nothing more
 
     def generate_batch(self, requests: list[JobRequest],

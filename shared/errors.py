@@ -34,6 +34,14 @@ class UnauthorizedError(ServiceError):
     status, code, message = 401, "unauthorized", "Send a valid API key as `Authorization: Bearer <key>`."
 
 
+class WebhooksDisabledError(ServiceError):
+    status, code, message = 400, "webhooks_disabled", "This service sends no webhooks; send none."
+
+
+class WebhookNotAllowedError(ServiceError):
+    status, code, message = 400, "webhook_not_allowed", "The webhook targets a local or private address."
+
+
 class PriorityNotAllowedError(ServiceError):
     status, code, message = 403, "priority_not_allowed", "This API key may not use this priority."
 
@@ -119,3 +127,11 @@ class WorkerFatalError(BaseException):
 
     A BaseException, like SystemExit, so that no job-level ``except Exception`` swallows it.
     """
+
+
+class WebhookRefusedError(Exception):
+    """A webhook delivery that must not be made: its host resolves to an address it may not reach."""
+
+
+class WebhookSignatureError(Exception):
+    """A webhook delivery whose signature or timestamp does not verify."""

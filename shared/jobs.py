@@ -6,6 +6,7 @@ import secrets
 from datetime import datetime
 from enum import StrEnum
 from typing import Any, Literal, get_args
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -14,6 +15,9 @@ MAX_IMAGES = 4  # per job
 
 Priority = Literal["high", "normal", "low"]
 PRIORITIES: tuple[Priority, ...] = get_args(Priority)  # the order a worker serves them in
+WebhookEvent = Literal["started", "completed"]  # completed: succeeded, failed, canceled or expired
+MAX_URL = 2048
+WEBHOOK_PATTERN = r"^[Hh][Tt][Tt][Pp][Ss]?://[A-Za-z0-9._~%!$&'()*+,;=:\[\]-]+([/?#][!-~]*)?$"
 
 
 class JobStatus(StrEnum):
@@ -48,6 +52,11 @@ class JobRequest(BaseModel):
     num_images: int = Field(1, ge=1, le=MAX_IMAGES)
     deadline_s: float | None = Field(None, gt=0, le=86_400, allow_inf_nan=False)
     priority: Priority = "normal"
+    # The pattern documents the URL's shape in the schema; the validator below checks the rest.
+    webhook: str | None = Field(None, min_length=1, max_length=MAX_URL, pattern=WEBHOOK_PATTERN,
+                                json_schema_extra={"format": "uri"})
+    webhook_events: list[WebhookEvent] = Field(default_factory=lambda: ["completed"], min_length=1,
+                                               max_length=2)
 
     @field_validator("width", "height")
     @classmethod
@@ -63,6 +72,31 @@ class JobRequest(BaseModel):
         max_steps = (info.context or {}).get("max_steps", 100)
         if value > max_steps:
             raise ValueError(f"must be at most {max_steps}")
+        return value
+
+    @field_validator("webhook")
+    @classmethod
+    def _webhook_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        try:
+            parts = urlsplit(value)
+            parts.port  # noqa: B018 (raises on a bad port)
+        except ValueError:
+            raise ValueError("must be an http or https URL") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("must be an http or https URL")
+        if parts.username is not None or parts.password is not None:
+            raise ValueError("must not carry credentials")
+        if not value.isascii() or any(char.isspace() or not char.isprintable() for char in value):
+            raise ValueError("must be ASCII without spaces or control characters (percent-encode them)")
+        return value
+
+    @field_validator("webhook_events")
+    @classmethod
+    def _events_once(cls, value: list[WebhookEvent]) -> list[WebhookEvent]:
+        if len(set(value)) != len(value):
+            raise ValueError("must not repeat an event")
         return value
 
     @property

@@ -72,3 +72,13 @@ def claims_key(worker: str) -> str:
 def alive_key(worker: str) -> str:
     """Exists while a worker's heartbeat is fresh."""
     return f"{PREFIX}:alive:{worker}"
+
+
+def ended_key(queue: str) -> str:
+    """Hash of final status to how many jobs of a queue reached it (the jobs-ended metric)."""
+    return f"{PREFIX}:ended:{queue}"
+
+
+def webhooks_key(queue: str) -> str:
+    """The outbox: sorted set of pending webhook deliveries by the time each is due."""
+    return f"{PREFIX}:webhooks:{queue}"

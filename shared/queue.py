@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -22,7 +23,7 @@ from rq.job import Job
 from rq.job import JobStatus as RQStatus
 from rq.serializers import JSONSerializer
 
-from shared import keys, waiting
+from shared import keys, logs, waiting, webhooks
 from shared.errors import (
     AlreadyFinishedError,
     IdempotencyConflictError,
@@ -39,15 +40,18 @@ from shared.records import end_job, job_status
 from shared.settings import Settings
 from shared.tenants import Tenant, job_cost
 from shared.waiting import LINE_LUA
+from shared.webhooks import COMPLETED_LUA
 
+log = logging.getLogger(__name__)
 IDEMPOTENCY_TTL_S = 24 * 3600
 RQ_TIME_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
 
 # Waiting jobs whose deadline has passed leave the line and end expired. Runs at the start of
 # every admission, so an expired job never holds a place that a new one asks for. Each expired id
-# is published on ``channel`` (shared/events.py), when one is given.
-EXPIRE_DUE_LUA = """
-local function expire_due(line, deadlines_key, job_prefix, ended_at, ttl, channel)
+# is published on ``channel`` (shared/events.py), when one is given, counted in ``ended`` and gets
+# its `completed` webhook in ``outbox`` when it asked for one.
+EXPIRE_DUE_LUA = COMPLETED_LUA + """
+local function expire_due(line, deadlines_key, job_prefix, ended_at, ttl, channel, outbox, ended)
   local now = redis_now()
   for _, id in ipairs(redis.call('ZRANGEBYSCORE', deadlines_key, '-inf', now)) do
     redis.call('ZREM', deadlines_key, id)
@@ -58,6 +62,8 @@ local function expire_due(line, deadlines_key, job_prefix, ended_at, ttl, channe
       redis.call('HSET', key, 'status', 'canceled', 'ended_at', ended_at, 'meta', cjson.encode(meta))
       redis.call('EXPIRE', key, ttl)
       if channel then redis.call('PUBLISH', channel, id) end
+      redis.call('HINCRBY', ended, 'expired', 1)
+      webhook_completed(outbox, key, id, now)
     end
   end
   return now
@@ -72,7 +78,7 @@ end
 ADMIT_SCRIPT = LINE_LUA + ESTIMATE_LUA + STARTS_IN_LUA + EXPIRE_DUE_LUA + """
 local p = cjson.decode(ARGV[1])
 local line, prefix = p.line, p.job_prefix
-local now = expire_due(line, KEYS[3], prefix, p.ended_at, p.record_ttl, p.channel)
+local now = expire_due(line, KEYS[3], prefix, p.ended_at, p.record_ttl, p.channel, p.outbox, p.ended)
 local function frees_in(index) return num(starts_in(line, prefix, KEYS[6], KEYS[7], now, index)) end
 if p.digest then
   local prior = redis.call('GET', KEYS[2])
@@ -118,7 +124,7 @@ return {position, own and num(start) or false, own and num(start + own) or false
 """
 
 EXPIRE_SCRIPT = LINE_LUA + ESTIMATE_LUA + EXPIRE_DUE_LUA + """
-return num(expire_due(KEYS[1], KEYS[2], ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]))
+return num(expire_due(KEYS[1], KEYS[2], ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5], ARGV[6]))
 """
 
 
@@ -159,8 +165,13 @@ def request_digest(request: JobRequest) -> str:
 
 
 def enqueue_job(queue: Queue, settings: Settings, request: JobRequest,
-                idempotency_key: str | None = None, tenant: Tenant | None = None) -> Admission:
-    """Admit one job atomically, replay an idempotent retry, or raise a typed refusal."""
+                idempotency_key: str | None = None, tenant: Tenant | None = None,
+                request_id: str | None = None) -> Admission:
+    """Admit one job atomically, replay an idempotent retry, or raise a typed refusal.
+
+    ``request_id`` (the HTTP request's X-Request-ID) is kept with the job, for its log lines.
+    """
+    webhooks.check_target(settings, request)
     digest = request_digest(request)
     if tenant is not None:
         request = tenant.prioritised(request)
@@ -171,7 +182,8 @@ def enqueue_job(queue: Queue, settings: Settings, request: JobRequest,
     job = queue.create_job(
         keys.TASK,
         kwargs={"request": request.with_seed().model_dump(mode="json")},
-        meta={"tenant": tenant.name} if tenant else {},
+        meta={key: value for key, value in (("tenant", tenant and tenant.name), ("request_id", request_id))
+              if value},
         timeout=settings.job_timeout_s,
         result_ttl=settings.record_ttl_s,
         failure_ttl=settings.failure_ttl_s,
@@ -187,16 +199,24 @@ def enqueue_job(queue: Queue, settings: Settings, request: JobRequest,
         "tenant": name, "cost": cost, "digest": digest if idem else None,
         "idempotency_ttl": IDEMPOTENCY_TTL_S, "deadline_s": request.deadline_s, "ended_at": _rq_now(),
         "record_ttl": settings.record_ttl_s, "issued_ttl": settings.issued_ttl_s,
-        "channel": keys.events_channel(queue.name), **limits,
+        "channel": keys.events_channel(queue.name), "outbox": keys.webhooks_key(queue.name),
+        "ended": keys.ended_key(queue.name), **limits,
     }
-    # RQ's fields, and which jobs this one may share a GPU execution with (see worker/batching.py).
+    # RQ's fields, which jobs this one may share a GPU execution with (see worker/batching.py), and
+    # whether its expiry in the line sends a webhook (the Lua cannot read the compressed request).
     fields = [item for pair in job.to_dict().items() for item in pair] + ["batch", request.batch_key]
+    if webhooks.wants(job.kwargs["request"], "completed"):
+        fields += ["webhook", "1"]
     answer = queue.connection.register_script(ADMIT_SCRIPT)(
         keys=[job.key, idem or job.key, keys.deadlines_key(queue.name), keys.issued_key(job.id),
               keys.bucket_key(queue.name, name), keys.model_key(queue.name), keys.running_key(queue.name)],
         # cjson reads JSON null as a truthy value: leave unset parameters out instead.
         args=[json.dumps({key: value for key, value in params.items() if value is not None}), *fields])
-    return _admission(queue, job, answer, digest, tenant)
+    admission = _admission(queue, job, answer, digest, tenant)
+    log.info("%s job %s: priority %s, %dx%d, %d steps, prompt %s",
+             "replayed" if admission.replayed else "admitted", admission.job.id, request.priority,
+             request.width, request.height, request.steps, logs.prompt_for_log(settings, request.prompt))
+    return admission
 
 
 def _admission(queue: Queue, job: Job, answer: list[Any], digest: str, tenant: Tenant | None) -> Admission:
@@ -233,7 +253,8 @@ def expire_due(queue: Queue, settings: Settings) -> float:
     script = queue.connection.register_script(EXPIRE_SCRIPT)
     now = script(keys=[keys.line_key(queue.name), keys.deadlines_key(queue.name)],
                  args=[Job.redis_job_namespace_prefix, _rq_now(), settings.record_ttl_s,
-                       keys.events_channel(queue.name)])
+                       keys.events_channel(queue.name), keys.webhooks_key(queue.name),
+                       keys.ended_key(queue.name)])
     return float(now)
 
 

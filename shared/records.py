@@ -10,7 +10,7 @@ from rq.job import Job
 from rq.job import JobStatus as RQStatus
 from rq.queue import Queue
 
-from shared import events, keys, waiting
+from shared import events, keys, waiting, webhooks
 from shared.errors import JobNotFoundError, NotReadyError, ResultExpiredError
 from shared.jobs import JobError, JobRequest, JobStatus, JobView, Progress
 from shared.settings import Settings
@@ -106,7 +106,8 @@ def cost_of(job: Job) -> float:
 def report_progress(jobs: list[Job], step: int, total: int) -> list[bool]:
     """Record step progress on jobs that run together (one round trip); whether each was canceled.
 
-    The report of step 0 comes once the jobs are marked running, so it also announces their start.
+    The report of step 0 comes once the jobs are marked running, so it also announces their start
+    (and queues the ``started`` webhooks).
     """
     with jobs[0].connection.pipeline(transaction=False) as pipe:
         for job in jobs:
@@ -115,9 +116,12 @@ def report_progress(jobs: list[Job], step: int, total: int) -> list[bool]:
             if step == 0:
                 events.announce(pipe, job.origin, job.id)
             pipe.exists(keys.cancel_key(job.id))
+        if step == 0:  # after the others' commands, since not every job adds one
+            for job in jobs:
+                webhooks.schedule(pipe, job.origin, job, "started")
         answers = pipe.execute()
     per_job = 3 if step == 0 else 2  # the EXISTS comes last of each job's commands
-    return [bool(answer) for answer in answers[per_job - 1::per_job]]
+    return [bool(answer) for answer in answers[per_job - 1:per_job * len(jobs):per_job]]
 
 
 def store_images(job: Job, settings: Settings, pngs: list[bytes]) -> None:
@@ -157,7 +161,20 @@ def end_job(job: Job, queue: Queue, settings: Settings, pipe: Pipeline, status: 
     _forget_executions(job, queue, pipe)
     failed = status is RQStatus.FAILED
     pipe.expire(job.key, settings.failure_ttl_s if failed else settings.record_ttl_s)
+    ended(pipe, queue.name, job)
     events.announce(pipe, queue.name, job.id)  # after the writes: a woken reader sees them
+
+
+def ended(pipe: Pipeline, queue_name: str, job: Job) -> None:
+    """Queue what follows a job's final status: its count by status, and its `completed` webhook."""
+    pipe.hincrby(keys.ended_key(queue_name), job_status(job).value, 1)
+    webhooks.schedule(pipe, queue_name, job, "completed")
+
+
+def ended_counts(queue: Queue) -> dict[str, int]:
+    """How many jobs of the queue reached each final status (since its Redis began)."""
+    counts = queue.connection.hgetall(keys.ended_key(queue.name))
+    return {status.decode(): int(count) for status, count in counts.items()}
 
 
 def _forget_executions(job: Job, queue: Queue, pipe: Pipeline) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import math
 import re
 from functools import lru_cache
@@ -83,12 +84,34 @@ class Settings(BaseSettings):
     api_workers: int = Field(2, ge=1, le=64)
     api_threads: int = Field(16, ge=1, le=256)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_format: Literal["text", "json"] = "text"
+    log_prompts: bool = False
+    metrics_dir: Path | None = None
+    worker_metrics_host: str = "127.0.0.1"
+    worker_metrics_port: int = Field(9101, ge=0, le=65535)
+
+    webhook_secret: str | None = Field(None, min_length=16)
+    webhook_allow: list[str] = []
+    webhook_timeout_s: float = Field(5.0, gt=0, le=60)
+    webhook_retry_s: float = Field(3600.0, ge=0, le=7 * 86_400)
 
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, value: str) -> str:
         if not value.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("must start with redis://, rediss:// or unix://")
+        return value
+
+    @field_validator("webhook_secret")
+    @classmethod
+    def _secret_decodes(cls, value: str | None) -> str | None:
+        if value is not None and value.startswith("whsec_"):
+            try:
+                key = base64.b64decode(value.removeprefix("whsec_") + "==", validate=True)
+            except ValueError:
+                raise ValueError("a whsec_ secret must be base64 after the prefix") from None
+            if len(key) < 24:
+                raise ValueError("a whsec_ secret must decode to at least 24 bytes")
         return value
 
     @field_validator("device")

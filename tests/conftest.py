@@ -218,7 +218,7 @@ def worker_settings(redis_url: str, model_cache: Path) -> Settings:
     # Database 1: the per-test flush of database 0 never touches the worker's queue.
     return Settings(redis_url=redis_url.removesuffix("/0") + "/1", queue_name="worker-tests",
                     queue_capacity=50, cache_dir=model_cache, max_steps=100, max_side=1024,
-                    drain_s=0)
+                    drain_s=0, worker_metrics_port=free_port())
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from datetime import UTC
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -21,7 +22,7 @@ from rq.timeouts import JobTimeoutException
 from rq.utils import now as rq_now
 from rq.worker import SimpleWorker, WorkerStatus
 
-from shared import estimates, events, keys, records
+from shared import estimates, events, keys, logs, records
 from shared import queue as jobs
 from shared.errors import JobCanceledError, JobInterruptedError, WorkerFatalError
 from shared.settings import Settings, get_settings
@@ -30,7 +31,9 @@ from worker import batching, lifecycle, tasks
 from worker.claims import Claims
 from worker.failures import classify, is_device_fatal
 from worker.finisher import Finisher
+from worker.metrics import WorkerMetrics
 from worker.pipeline import current_pipeline, load_pipeline, set_current_pipeline
+from worker.webhooks import Sender
 
 log = logging.getLogger(__name__)
 CLAIM_TIMEOUT_S = 1.0
@@ -67,10 +70,12 @@ class SlotWorker(SimpleWorker):
     """
 
     def __init__(self, queue: Queue, settings: Settings) -> None:
+        # RQ logs a job's description (its arguments: the prompt) unless told not to.
         super().__init__([queue], name=settings.worker_name, connection=queue.connection,
-                         serializer=JSONSerializer)
+                         serializer=JSONSerializer, log_job_description=settings.log_prompts)
         self.settings = settings
         self.claims = Claims(queue, settings, self.name)
+        self.metrics = WorkerMetrics(current_pipeline(), settings, self.name)
         self._ending: str | None = None
 
     def serve(self, burst: bool = False) -> int:
@@ -79,6 +84,10 @@ class SlotWorker(SimpleWorker):
         beating = threading.Event()
         heart = threading.Thread(target=self._beat, args=(beating,), name="heartbeat", daemon=True)
         heart.start()
+        # Webhooks go out from a thread of their own, off the GPU path; without a secret, none go out.
+        sender = Sender(self.queue, self.settings) if self.settings.webhook_secret else None
+        if sender:
+            sender.start()
         self.finisher = Finisher(self._finish)
         try:
             return self._loop(burst)
@@ -87,6 +96,8 @@ class SlotWorker(SimpleWorker):
             return EXIT_FATAL
         finally:
             self.finisher.close()  # the last job's end is recorded before this worker says it is gone
+            if sender:
+                sender.close()  # what it has not sent stays in the outbox for the next worker
             beating.set()
             self._unregister()
 
@@ -132,23 +143,39 @@ class SlotWorker(SimpleWorker):
                 records.begin_attempt(member.job, pipe)
             running = estimates.mark_running(pipe, self.queue.name, self.name, cost, batch[0].at)
             pipe.execute()
+        for member in members:
+            self._started(member.job, batch[0].at)
         started = time.perf_counter()
         try:
-            outcomes = self._render([member.job for member in members])
+            with logs.about_job(*_ids_of([member.job for member in members])):
+                outcomes = self._render([member.job for member in members])
         except Exception as exc:
             estimates.clear_running(self.connection, self.queue.name, self.name)
             outcomes = [exc] * len(members)
+        self.metrics.gpu_section.observe(time.perf_counter() - started)
         done = []
         for member, outcome in zip(members, outcomes, strict=True):
             if isinstance(outcome, Exception):
                 # RQ's own failure path: our handle_exception and handle_job_failure decide the ending.
-                self._finalize_failure(member.job, self.queue, member.execution,
-                                       (type(outcome), outcome, outcome.__traceback__))
-                self._settled(member.job.id)
+                with logs.about_job(member.job.id, member.job.meta.get("request_id")):
+                    self._finalize_failure(member.job, self.queue, member.execution,
+                                           (type(outcome), outcome, outcome.__traceback__))
+                    self._settled(member.job)
             else:
                 done.append((member, outcome))
         if done:
             self.finisher.submit(Handoff(done, running, cost, time.perf_counter() - started))
+
+    def _started(self, job: Job, at: float) -> None:
+        """Count and log a job's start (its record says it runs from now)."""
+        admitted = job.enqueued_at or job.created_at
+        self.metrics.queue_wait.observe(max(0.0, at - admitted.replace(tzinfo=UTC).timestamp()))
+        request = job.kwargs["request"]
+        prompt = logs.prompt_for_log(self.settings, str(request.get("prompt")))
+        with logs.about_job(job.id, job.meta.get("request_id")):
+            log.info("started: attempt %s, %sx%s, %s steps, %s image(s), prompt %s", job.meta.get("attempt"),
+                     request.get("width"), request.get("height"), request.get("steps"),
+                     request.get("num_images"), prompt)
 
     def _startable(self, claimed: Claimed) -> Job | None:
         """The claimed job, unless it must not start: then it is put back or ended here."""
@@ -181,32 +208,46 @@ class SlotWorker(SimpleWorker):
         """On the finisher thread: store each job's images, then record its end through RQ."""
         finished = False
         for member, rendered in handoff.done:
-            job = member.job
-            try:
-                result = tasks.finish(job, rendered)
-            except (RedisConnectionError, RedisTimeoutError) as exc:
-                # Nothing recorded: the claim stays, and the job runs again once Redis is back.
-                log.warning("could not store job %s (%s); it will run again", job.id, exc)
-                self.claims.unhold(job.id)
-                continue
-            except Exception:
-                self._finalize_failure(job, self.queue, member.execution, sys.exc_info())
-            else:
-                # RQ's own success path (the one its perform_job takes): result, registries, status.
-                self._finalize_success(job, self.queue, member.execution, result)
-                finished = True
-            self._settled(job.id)
+            with logs.about_job(member.job.id, member.job.meta.get("request_id")):
+                finished = self._finish_one(member, rendered) or finished
         if finished:
             estimates.job_done(self.connection, self.queue.name, self.name, handoff.running, handoff.cost,
                                handoff.seconds)
 
-    def _settled(self, job_id: str) -> None:
-        """The job's end is recorded: drop the claim and tell whoever waits on it."""
+    def _finish_one(self, member: Member, rendered: tasks.Rendered) -> bool:
+        """Store one job's images and record its end; whether it succeeded."""
+        job = member.job
+        try:
+            result = tasks.finish(job, rendered)
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            # Nothing recorded: the claim stays, and the job runs again once Redis is back.
+            log.warning("could not store job %s (%s); it will run again", job.id, exc)
+            self.claims.unhold(job.id)
+            return False
+        except Exception:
+            self._finalize_failure(job, self.queue, member.execution, sys.exc_info())
+            succeeded = False
+        else:
+            # RQ's own success path (the one its perform_job takes): result, registries, status.
+            self._finalize_success(job, self.queue, member.execution, result)
+            succeeded = True
+        self._settled(job)
+        return succeeded
+
+    def _settled(self, job: Job) -> None:
+        """The job's end is recorded: drop the claim, tell whoever waits on it, count and log it
+        (inside ``logs.about_job``, so the line names the job)."""
+        status = records.job_status(job)
         with self.connection.pipeline(transaction=False) as pipe:
-            pipe.lrem(self.claims.key, 1, job_id)
-            events.announce(pipe, self.queue.name, job_id)
+            pipe.lrem(self.claims.key, 1, job.id)
+            if status.is_terminal:  # not an interrupted job, which runs again
+                records.ended(pipe, self.queue.name, job)
+            events.announce(pipe, self.queue.name, job.id)
             pipe.execute()
-        self.claims.unhold(job_id)
+        self.claims.unhold(job.id)
+        seconds = (job.ended_at or rq_now()).timestamp() - (job.started_at or rq_now()).timestamp()
+        self.metrics.ended(status.value if status.is_terminal else "requeued", seconds)
+        log.info("%s in %.2f s", status.value if status.is_terminal else "put back", seconds)
 
     def _expire(self, job: Job) -> None:
         job.meta["expired"] = True
@@ -289,7 +330,7 @@ class SlotWorker(SimpleWorker):
 def run_worker(settings: Settings | None = None, *, burst: bool = False) -> int:
     """Load the model and serve jobs until told to stop; the exit code for the supervisor."""
     settings = settings or get_settings()
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(settings, "worker")
     lifecycle.install(settings.stop_timeout_s)
     try:
         set_current_pipeline(load_pipeline(settings))
@@ -298,4 +339,12 @@ def run_worker(settings: Settings | None = None, *, burst: bool = False) -> int:
         log.exception("could not load model %s", settings.model)
         return 1
     queue = jobs.job_queue(jobs.connect(settings, blocking=True), settings)
-    return SlotWorker(queue, settings).serve(burst=burst)
+    worker = SlotWorker(queue, settings)
+    worker.metrics.serve(settings)
+    return worker.serve(burst=burst)
+
+
+def _ids_of(jobs: list[Job]) -> tuple[str, str | None]:
+    """The ids a log line written while these jobs run is about (a batch: all of them)."""
+    requests = [str(job.meta["request_id"]) for job in jobs if job.meta.get("request_id")]
+    return ",".join(job.id for job in jobs), ",".join(requests) or None

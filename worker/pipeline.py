@@ -50,6 +50,8 @@ class ImagePipeline:
     # When each recent GPU section (denoising and decoding) began and ended, by time.perf_counter():
     # what the duty cycle is computed from.
     sections: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=10_000))
+    busy_s: float = 0.0  # the sum of every section, the warm-up's included
+    running_since: float | None = None  # when the section in progress began
 
     def generate(self, request: JobRequest, on_step: StepCallback) -> list[Image.Image]:
         """Run one request; ``on_step(step, total)`` runs after each denoising step and may raise."""
@@ -70,23 +72,28 @@ class ImagePipeline:
         generators = [torch.Generator("cpu").manual_seed(r.seed + index)  # type: ignore[operator]
                       for r in requests for index in range(r.num_images)]
         negatives = [r.negative_prompt or "" for r in requests]  # "" is what diffusers uses for none
-        began = time.perf_counter()
-        with torch.inference_mode():
-            output = self.pipe(
-                prompt=[r.prompt for r in requests],
-                negative_prompt=negatives if any(negatives) else None,
-                width=first.width,
-                height=first.height,
-                num_inference_steps=first.steps,
-                guidance_scale=first.guidance_scale,
-                num_images_per_prompt=first.num_images,
-                generator=generators,
-                output_type="pil",
-                callback_on_step_end=step_end,
-            )
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the section ends when the device is done, not at launch
-        self.sections.append((began, time.perf_counter()))
+        began = self.running_since = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                output = self.pipe(
+                    prompt=[r.prompt for r in requests],
+                    negative_prompt=negatives if any(negatives) else None,
+                    width=first.width,
+                    height=first.height,
+                    num_inference_steps=first.steps,
+                    guidance_scale=first.guidance_scale,
+                    num_images_per_prompt=first.num_images,
+                    generator=generators,
+                    output_type="pil",
+                    callback_on_step_end=step_end,
+                )
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the section ends when the device is done
+        finally:  # a canceled or failed execution held the device too
+            ended = time.perf_counter()
+            self.sections.append((began, ended))
+            self.busy_s += ended - began
+            self.running_since = None
         images, per_job = list(output.images), first.num_images
         return [images[index * per_job:(index + 1) * per_job] for index in range(len(requests))]
 

@@ -1,0 +1,92 @@
+"""Prometheus metrics of one worker, on a port of its own: job and GPU times, duty cycle, device memory."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+
+import torch
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from shared.settings import Settings
+from worker.pipeline import ImagePipeline
+
+log = logging.getLogger(__name__)
+DUTY_WINDOW_S = 60.0
+SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+WAIT_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 4 * 3600)
+
+
+class WorkerMetrics:
+    """What a worker counts while it runs jobs, in a registry of its own."""
+
+    def __init__(self, pipeline: ImagePipeline, settings: Settings, worker_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.queue_wait = Histogram("slotq_job_queue_wait_seconds", "Time from a job's admission to its "
+                                    "start.", buckets=WAIT_BUCKETS, registry=self.registry)
+        self.gpu_section = Histogram("slotq_gpu_section_seconds", "Time one GPU execution (denoising and "
+                                     "decoding, a batch counts once) held the slot.",
+                                     buckets=SECONDS_BUCKETS, registry=self.registry)
+        self.job_duration = Histogram("slotq_job_duration_seconds", "Time from a job's start to its end "
+                                      "being recorded (images stored).", buckets=SECONDS_BUCKETS,
+                                      registry=self.registry)
+        self.jobs = Counter("slotq_worker_jobs", "Jobs this worker ran, by how they ended.", ["status"],
+                            registry=self.registry)
+        self.registry.register(DeviceCollector(pipeline, settings, worker_name))
+
+    def ended(self, status: str, seconds: float) -> None:
+        """Count a job this worker ended (or put back) and how long it ran."""
+        self.jobs.labels(status).inc()
+        self.job_duration.observe(max(0.0, seconds))
+
+    def serve(self, settings: Settings) -> None:
+        """Answer scrapes on SLOTQ_WORKER_METRICS_PORT (0: not at all), from a thread of its own."""
+        if not settings.worker_metrics_port:
+            return
+        try:
+            start_http_server(settings.worker_metrics_port, settings.worker_metrics_host,
+                              registry=self.registry)
+        except OSError as exc:
+            # Metrics are not worth a worker: run without them rather than not at all.
+            log.warning("no metrics on %s:%d: %s", settings.worker_metrics_host, settings.worker_metrics_port,
+                        exc)
+
+
+class DeviceCollector(Collector):
+    """Read when scraped: the worker's device, its busy time and duty cycle, and CUDA memory."""
+
+    def __init__(self, pipeline: ImagePipeline, settings: Settings, worker_name: str) -> None:
+        self.pipeline, self.worker_name = pipeline, worker_name
+        self.model = settings.model
+        self.started = time.perf_counter()
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        device = self.pipeline.device
+        info = GaugeMetricFamily("slotq_worker_info", "The worker's name, model and device.",
+                                 labels=["worker", "model", "device"])
+        info.add_metric([self.worker_name, self.model, str(device)], 1)
+        yield info
+        yield CounterMetricFamily("slotq_gpu_busy_seconds", "Time the GPU section ran, in all.",
+                                  value=self.pipeline.busy_s)
+        yield GaugeMetricFamily("slotq_worker_duty_cycle", f"Share of the last {DUTY_WINDOW_S:.0f} s the "
+                                "GPU section ran.", value=self.duty_cycle())
+        if device.type == "cuda":
+            yield GaugeMetricFamily("slotq_cuda_memory_allocated_bytes", "Device memory held by tensors now.",
+                                    value=torch.cuda.memory_allocated(device))
+            yield GaugeMetricFamily("slotq_cuda_memory_peak_bytes", "The most device memory tensors have "
+                                    "held.", value=torch.cuda.max_memory_allocated(device))
+            yield GaugeMetricFamily("slotq_cuda_memory_reserved_bytes", "Device memory the caching allocator "
+                                    "holds.", value=torch.cuda.memory_reserved(device))
+
+    def duty_cycle(self) -> float:
+        """The share of the recent window (or of the time since start, when shorter) spent in GPU sections."""
+        now = time.perf_counter()
+        since = max(now - DUTY_WINDOW_S, self.started)
+        sections = list(self.pipeline.sections)
+        if (running := self.pipeline.running_since) is not None:  # a long job counts while it runs
+            sections.append((running, now))
+        busy = sum(min(end, now) - max(began, since) for began, end in sections if end > since)
+        return min(1.0, busy / (now - since)) if now > since else 0.0
