@@ -11,6 +11,7 @@ from api.routes import MAX_IDEMPOTENCY_KEY
 from shared import errors
 from shared.jobs import PRIORITIES, JobRequest, JobView
 from shared.settings import Settings
+from shared.workers import WorkerView
 
 REF = "#/components/schemas/{model}"
 JSON = "application/json"
@@ -36,6 +37,11 @@ QUEUE_SCHEMA: dict[str, Any] = {
     "properties": {"waiting": {"type": "integer", "minimum": 0},
                    "capacity": {"type": "integer", "minimum": 1},
                    "by_priority": _BY_CLASS, "limits": _BY_CLASS},
+}
+
+WORKERS_SCHEMA: dict[str, Any] = {
+    "type": "object", "required": ["workers"],
+    "properties": {"workers": {"type": "array", "items": {"$ref": REF.format(model="WorkerView")}}},
 }
 
 
@@ -114,6 +120,8 @@ def _document(max_side: int, max_steps: int) -> dict[str, Any]:
         },
         "/v1/queue": {"get": operation("getQueue", "How many jobs wait, by class, and each class's limit.",
                                        {"200": _json("The queue.", QUEUE_SCHEMA)}, (503,))},
+        "/v1/workers": {"get": operation("listWorkers", "The live workers, their device, state and job ids.",
+                                         {"200": _json("The workers.", WORKERS_SCHEMA)}, (503,))},
         "/healthz": {"get": operation("healthz", "The process is alive.",
                                       {"200": _json("Alive.", _status("ok"))}, ())},
         "/readyz": {"get": operation("readyz", "Redis answers and the process is not draining.",
@@ -143,7 +151,7 @@ def _document(max_side: int, max_steps: int) -> dict[str, Any]:
 def _model_schemas(max_side: int, max_steps: int) -> dict[str, Any]:
     """The models' JSON schemas, plus the limits their validators take from the settings."""
     schemas: dict[str, Any] = {}
-    for model in (JobRequest, JobView):
+    for model in (JobRequest, JobView, WorkerView):
         schema = model.model_json_schema(ref_template=REF)
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema

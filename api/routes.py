@@ -13,7 +13,7 @@ from rq.job import Job
 
 from api import longpoll
 from api.longpoll import Waits
-from shared import estimates, records, tenants
+from shared import estimates, records, tenants, workers
 from shared import queue as jobs
 from shared.errors import (
     DrainingError,
@@ -110,6 +110,13 @@ def queue_state() -> Response:
     return jsonify({"waiting": sum(counts.values()), "capacity": settings.queue_capacity,
                     "by_priority": counts,
                     "limits": {p: settings.waiting_limit(p) for p in PRIORITIES}})
+
+
+@bp.get("/v1/workers")
+def list_workers() -> Response:
+    """The live workers of this queue: host, device, state and the ids of the jobs they hold."""
+    views = workers.live_workers(_queue().connection, _settings().queue_name)
+    return jsonify({"workers": [view.model_dump(mode="json") for view in views]})
 
 
 @bp.get("/metrics")

@@ -18,7 +18,7 @@ from rq.job import Job
 from rq.job import JobStatus as RQStatus
 from rq.queue import Queue
 
-from shared import keys, records, waiting
+from shared import keys, records, waiting, workers
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -35,13 +35,18 @@ class Claims:
         self._recovered_at = 0.0
         # The claims this process is working on (one running, one being finished): never leftovers.
         self._held: set[str] = set()
+        self.identity: workers.WorkerIdentity | None = None
+
+    def describe(self, host: str | None, pid: int | None, device: str) -> None:
+        """Say where this worker runs; each heartbeat from now on carries it (GET /v1/workers)."""
+        self.identity = workers.WorkerIdentity(name=self.worker, queue=self.queue.name, host=host, pid=pid,
+                                               device=device, model=self.settings.model)
 
     def beat(self) -> None:
-        """Tell the others this worker lives."""
-        with self.connection.pipeline(transaction=False) as pipe:
-            pipe.set(keys.alive_key(self.worker), 1, px=int(self.settings.heartbeat_ttl_s * 1000))
-            pipe.sadd(keys.workers_key(self.queue.name), self.worker)
-            pipe.execute()
+        """Tell the others this worker lives, where it runs and which jobs it holds."""
+        if self.identity is None:
+            raise RuntimeError("describe() the worker before its first heartbeat")
+        workers.beat(self.connection, self.identity, self.settings.heartbeat_ttl_s)
 
     def claim(self, timeout: float | None) -> waiting.Claimed | None:
         """Move the next waiting job id into this worker's claims; None when there is none."""

@@ -316,6 +316,8 @@ class SlotWorker(SimpleWorker):
                 raise RuntimeError(f"a live worker is already named {self.name!r}")
             self.connection.delete(self.key)
         self.register_birth()
+        # The device the pipeline resolved, named as in slotq_worker_info ("cuda", "cuda:1", "cpu").
+        self.claims.describe(self.hostname, self.pid, str(current_pipeline().device))
         self.claims.beat()
         log.info("worker %s ready on %s", self.name, self.queue.name)
 

@@ -1,0 +1,82 @@
+"""Which workers live, where, and on which jobs: the heartbeat record a worker writes and the API reads.
+
+Each heartbeat rewrites the worker's ``alive`` key as one JSON record with the heartbeat's TTL, so
+the record and the liveness are one key: a record is listed exactly while the worker counts as
+alive for recovery. Its state and jobs are read from the worker's claims list by the same script,
+so the worker adds no write between GPU jobs for them; they lag by at most one heartbeat.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from redis import Redis
+
+from shared import keys
+
+# KEYS: alive key, claims list, workers set; ARGV: TTL in ms, the identity as JSON, the worker's name.
+# Redis's clock, not the worker's: workers on several hosts are compared on one clock. cjson writes
+# an empty Lua table as {}, so no job at all leaves `current_jobs` out rather than writing {}.
+BEAT_SCRIPT = """
+local record = cjson.decode(ARGV[2])
+local jobs = redis.call('LRANGE', KEYS[2], 0, -1)
+record['state'] = 'idle'
+if #jobs > 0 then
+  record['state'] = 'busy'
+  record['current_jobs'] = jobs
+end
+local clock = redis.call('TIME')
+record['last_beat_at'] = tonumber(clock[1]) + math.floor(tonumber(clock[2]) / 1000) / 1000
+redis.call('SET', KEYS[1], cjson.encode(record), 'PX', ARGV[1])
+redis.call('SADD', KEYS[3], ARGV[3])
+"""
+
+
+class WorkerIdentity(BaseModel):
+    """What a worker's heartbeat says that does not change while it lives."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    queue: str
+    host: str | None = Field(description="The worker's host name (in a container: the container's).")
+    pid: int | None
+    device: str = Field(description="The torch device the model is on, e.g. `cuda:1` or `cpu`.")
+    model: str
+
+
+class WorkerView(WorkerIdentity):
+    """A live worker as ``GET /v1/workers`` shows it: ids of the jobs it holds, never their contents."""
+
+    state: Literal["idle", "busy"] = Field(description="`busy` while the worker holds a job.")
+    current_jobs: list[str] = Field(default_factory=list,
+                                    description="The jobs it runs or is storing the images of.")
+    last_beat_at: datetime
+
+
+def beat(connection: Redis, identity: WorkerIdentity, ttl_s: float) -> None:
+    """Refresh a worker's liveness and its record in one round trip."""
+    name = identity.name
+    connection.register_script(BEAT_SCRIPT)(
+        keys=[keys.alive_key(name), keys.claims_key(name), keys.workers_key(identity.queue)],
+        args=[int(ttl_s * 1000), identity.model_dump_json(), name])
+
+
+def live_workers(connection: Redis, queue_name: str) -> list[WorkerView]:
+    """The workers of a queue whose heartbeat has not expired, by name."""
+    names = sorted(raw.decode() for raw in connection.smembers(keys.workers_key(queue_name)))
+    if not names:
+        return []
+    views = []
+    for raw in connection.mget([keys.alive_key(name) for name in names]):
+        if raw is None:
+            continue  # expired (a dead worker whose claims wait for recovery) or gone
+        try:
+            view = WorkerView.model_validate_json(raw)
+        except ValidationError:
+            continue  # a worker of an older version keeps only "1" there: alive, but it says no more
+        if view.queue == queue_name:  # a fixed name may be reused on another queue
+            views.append(view)
+    return views
