@@ -98,6 +98,17 @@ class UnavailableError(ServiceError):
     status, code, message = 503, "unavailable", "The queue is unreachable; retry shortly."
 
 
+class NotReplicatedError(ServiceError):
+    """Admitted on the master, but fewer replicas than SLOTQ_MIN_REPLICAS_ACK confirmed it in time.
+
+    The job exists and may still run; a retry with the same Idempotency-Key replays it (200 once
+    replicated) rather than creating a second one.
+    """
+
+    status, code = 503, "not_replicated"
+    message = "The job is not yet on enough replicas; retry with the same Idempotency-Key."
+
+
 class JobCanceledError(Exception):
     """Raised inside a running job when its cancellation has been requested."""
 

@@ -16,7 +16,9 @@ from typing import Any
 
 from redis import Redis
 from redis.backoff import NoBackoff
+from redis.connection import parse_url
 from redis.retry import Retry
+from redis.sentinel import Sentinel
 from rq import Queue
 from rq.exceptions import NoSuchJobError
 from rq.job import Job
@@ -29,6 +31,7 @@ from shared.errors import (
     IdempotencyConflictError,
     InvalidRequestError,
     JobNotFoundError,
+    NotReplicatedError,
     QueueFullError,
     RateLimitedError,
     ResultExpiredError,
@@ -139,17 +142,35 @@ class Admission:
 
 
 def connect(settings: Settings, *, blocking: bool = False) -> Redis:
-    """A Redis client that fails fast; ``blocking`` allows for a worker's blocking pop."""
+    """A Redis client that fails fast; ``blocking`` allows for a worker's blocking pop.
+
+    With SLOTQ_REDIS_SENTINELS the client asks the sentinels for the master before each new
+    connection, so after a failover it reaches the new master by itself (redis-py's
+    SentinelConnectionPool); SLOTQ_REDIS_URL then gives only the db, user, password and TLS.
+    """
     timeout = settings.redis_timeout_s
-    return Redis.from_url(
-        settings.redis_url,
-        socket_connect_timeout=timeout,
-        socket_timeout=timeout + 10 if blocking else timeout,
-        health_check_interval=30,
-        # One immediate retry: a pooled connection that died with a Redis restart is replaced
-        # transparently, while a Redis that is really down still answers within two timeouts.
-        retry=Retry(NoBackoff(), 1),
-    )
+    options: dict[str, Any] = {
+        "socket_connect_timeout": timeout,
+        "socket_timeout": timeout + 10 if blocking else timeout,
+        "health_check_interval": 30,
+        # One immediate retry: a pooled connection that died with a Redis restart (or with the
+        # old master) is replaced transparently, while a Redis that is really down still answers
+        # within two timeouts.
+        "retry": Retry(NoBackoff(), 1),
+    }
+    if not settings.redis_sentinels:
+        return Redis.from_url(settings.redis_url, **options)
+    # The URL's db, user, password and TLS options apply to the master; its host and port do not.
+    url = {key: value for key, value in parse_url(settings.redis_url).items()
+           if key not in ("host", "port", "connection_class")}
+    sentinel = Sentinel(
+        settings.sentinel_addresses,
+        # No retries on a sentinel: discovery moves on to the next one, and redis-py's default
+        # (three, with backoff) would hold a request for seconds behind one dead sentinel.
+        sentinel_kwargs={"socket_connect_timeout": timeout, "socket_timeout": timeout,
+                         "password": settings.redis_sentinel_password, "retry": Retry(NoBackoff(), 0)})
+    return sentinel.master_for(settings.redis_master, **options, **url,
+                               ssl=settings.redis_url.startswith("rediss://"))
 
 
 def job_queue(connection: Redis, settings: Settings) -> Queue:
@@ -168,6 +189,8 @@ def enqueue_job(queue: Queue, settings: Settings, request: JobRequest,
                 idempotency_key: str | None = None, tenant: Tenant | None = None,
                 request_id: str | None = None) -> Admission:
     """Admit one job atomically, replay an idempotent retry, or raise a typed refusal.
+
+    With SLOTQ_MIN_REPLICAS_ACK set, either answer stands only once that many replicas have the job.
 
     ``request_id`` (the HTTP request's X-Request-ID) is kept with the job, for its log lines.
     """
@@ -213,6 +236,8 @@ def enqueue_job(queue: Queue, settings: Settings, request: JobRequest,
         # cjson reads JSON null as a truthy value: leave unset parameters out instead.
         args=[json.dumps({key: value for key, value in params.items() if value is not None}), *fields])
     admission = _admission(queue, job, answer, digest, tenant)
+    if settings.min_replicas_ack:
+        _await_replicas(queue.connection, settings, admission.job.id, name)
     log.info("%s job %s: priority %s, %dx%d, %d steps, prompt %s",
              "replayed" if admission.replayed else "admitted", admission.job.id, request.priority,
              request.width, request.height, request.steps, logs.prompt_for_log(settings, request.prompt))
@@ -234,6 +259,28 @@ def _admission(queue: Queue, job: Job, answer: list[Any], digest: str, tenant: T
         job.meta["deadline_at"] = float(deadline)
     eta = (float(start), float(finish)) if start is not None else None
     return Admission(job, int(outcome), eta)
+
+
+def _await_replicas(connection: Redis, settings: Settings, job_id: str, tenant: str) -> None:
+    """Return once SLOTQ_MIN_REPLICAS_ACK replicas hold the job, or raise ``NotReplicatedError``.
+
+    WAIT covers only the writes of the connection it runs on. The pool may lend another one than
+    the script's, or a fresh one after a reconnect (WAIT would then have nothing to wait for), and
+    a replay writes nothing at all. So a marker write goes first, on the connection that WAITs:
+    the job's issued key, rewritten as it is. Replication is one ordered stream, so a replica
+    that has the marker has the job; and a master without the key does not have the job.
+    """
+    with connection.pipeline(transaction=False) as pipe:
+        # XX: no key where the job is missing (KEEPTTL would make one that never expires);
+        # GET: the old value, None when missing. A pipeline retried after a reconnect sends both
+        # again, on one connection.
+        pipe.set(keys.issued_key(job_id), tenant, xx=True, keepttl=True, get=True)
+        pipe.execute_command("WAIT", settings.min_replicas_ack, settings.replicas_ack_timeout_ms)
+        present, acked = pipe.execute()
+    if present is None or acked < settings.min_replicas_ack:
+        log.warning("job %s: %s", job_id, "not on the master" if present is None else
+                    f"{acked} of {settings.min_replicas_ack} replicas acknowledged it in time")
+        raise NotReplicatedError(retry_after=1)
 
 
 def _whole_seconds(seconds: bytes | None) -> int:

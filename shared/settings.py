@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import base64
+import json
 import math
 import re
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import (
     BaseModel,
@@ -18,11 +19,13 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from shared.jobs import MAX_IMAGES, Priority
 
 DEVICE_PATTERN = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+# host:port, the host a name, an IPv4 address or a bracketed IPv6 address.
+ADDRESS_PATTERN = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>[0-9]{1,5})$")
 
 
 class KeyPolicy(BaseModel):
@@ -47,6 +50,13 @@ class Settings(BaseSettings):
 
     redis_url: str = "redis://localhost:6379/0"
     redis_timeout_s: float = Field(1.0, gt=0, le=30)
+    # With sentinels, they name the master; redis_url then gives only the db, user, password and TLS.
+    # NoDecode: the validator reads the variable itself, as JSON or as a comma-separated list.
+    redis_sentinels: Annotated[list[str], NoDecode] = []
+    redis_master: str = Field("mymaster", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    redis_sentinel_password: str | None = None
+    min_replicas_ack: int = Field(0, ge=0, le=5)
+    replicas_ack_timeout_ms: int = Field(500, ge=1, le=10_000)
     queue_name: str = Field("slotq", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     queue_capacity: int = Field(100, ge=1, le=1_000_000)
     low_share: float = Field(0.5, gt=0, le=1)
@@ -102,6 +112,28 @@ class Settings(BaseSettings):
             raise ValueError("must start with redis://, rediss:// or unix://")
         return value
 
+    @field_validator("redis_sentinels", mode="before")
+    @classmethod
+    def _sentinel_list(cls, value: object) -> object:
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                try:
+                    return json.loads(text)
+                except ValueError:
+                    raise ValueError("must be a JSON list or comma-separated host:port entries") from None
+            return [entry.strip() for entry in text.split(",") if entry.strip()]
+        return value
+
+    @field_validator("redis_sentinels")
+    @classmethod
+    def _sentinel_addresses(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            match = ADDRESS_PATTERN.match(entry)
+            if not match or not 1 <= int(match["port"]) <= 65535:
+                raise ValueError(f"{entry!r} is not host:port")
+        return value
+
     @field_validator("webhook_secret")
     @classmethod
     def _secret_decodes(cls, value: str | None) -> str | None:
@@ -129,6 +161,16 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _replication_fits(self) -> Settings:
+        if self.redis_sentinels and self.redis_url.startswith("unix://"):
+            raise ValueError("SLOTQ_REDIS_URL: with SLOTQ_REDIS_SENTINELS it must be redis:// or rediss://")
+        # WAIT runs within one command's timeout: past it the socket gives up first, and the
+        # error would read "unavailable" instead of "not replicated".
+        if self.min_replicas_ack and self.replicas_ack_timeout_ms >= self.redis_timeout_s * 1000:
+            raise ValueError("SLOTQ_REPLICAS_ACK_TIMEOUT_MS must be below SLOTQ_REDIS_TIMEOUT_S")
+        return self
+
+    @model_validator(mode="after")
     def _keys_from_file(self) -> Settings:
         if self.api_keys is None and self.api_keys_file is not None:
             try:
@@ -145,6 +187,12 @@ class Settings(BaseSettings):
         share = {"low": self.low_share, "normal": 1.0, "high": 1 + self.high_reserve}[priority]
         # Rounded first so that 100 * 1.1 (110.00000000000001 in floats) gives 110 places, not 111.
         return max(1, math.ceil(round(self.queue_capacity * share, 6)))
+
+    @property
+    def sentinel_addresses(self) -> list[tuple[str, int]]:
+        """The sentinels as (host, port) pairs, IPv6 hosts without their brackets."""
+        matches = [ADDRESS_PATTERN.match(entry) for entry in self.redis_sentinels]
+        return [(m["host"].strip("[]"), int(m["port"])) for m in matches if m]
 
     @property
     def batch_pixels(self) -> int:

@@ -218,12 +218,21 @@ class SlotWorker(SimpleWorker):
         """Store one job's images and record its end; whether it succeeded."""
         job = member.job
         try:
-            result = tasks.finish(job, rendered)
+            return self._record_end(member, rendered)
         except (RedisConnectionError, RedisTimeoutError) as exc:
-            # Nothing recorded: the claim stays, and the job runs again once Redis is back.
-            log.warning("could not store job %s (%s); it will run again", job.id, exc)
+            # Its end not (fully) recorded: the claim stays and, no longer held, is recovered once
+            # Redis is back: the job runs again, or its claim is dropped if its end did land.
+            log.warning("could not store or record job %s (%s); it will run again", job.id, exc)
             self.claims.unhold(job.id)
             return False
+
+    def _record_end(self, member: Member, rendered: tasks.Rendered) -> bool:
+        """Store the images, then record the end through RQ's own paths; whether it succeeded."""
+        job = member.job
+        try:
+            result = tasks.finish(job, rendered)
+        except (RedisConnectionError, RedisTimeoutError):
+            raise  # not the job's failure: Redis is away, the job runs again (see _finish_one)
         except Exception:
             self._finalize_failure(job, self.queue, member.execution, sys.exc_info())
             succeeded = False
