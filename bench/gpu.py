@@ -138,17 +138,17 @@ def serve(kind: str, trace: Path, null: bool) -> None:
     from rq.serializers import JSONSerializer
 
     from shared.settings import get_settings
-    from worker.main import SlotWorker
+    from worker.main import SlotWorker, connect_worker
     from worker.pipeline import load_pipeline, set_current_pipeline
 
     logging.basicConfig(level=logging.WARNING)
     settings = get_settings()
     pipeline = NullPipeline() if null else load_pipeline(settings)
     set_current_pipeline(pipeline)  # type: ignore[arg-type]
-    connection = jobs.connect(settings, blocking=True)
     if kind == "slotq":
-        SlotWorker(jobs.job_queue(connection, settings), settings).serve(burst=True)
+        SlotWorker(jobs.job_queue(connect_worker(settings), settings), settings).serve(burst=True)
     else:
+        connection = jobs.connect(settings, blocking=True)
         queue = Queue(settings.queue_name, connection=connection, serializer=JSONSerializer)
         SimpleWorker([queue], connection=connection, serializer=JSONSerializer).work(burst=True)
     trace.write_text(json.dumps(list(pipeline.sections)))

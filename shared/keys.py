@@ -82,3 +82,8 @@ def ended_key(queue: str) -> str:
 def webhooks_key(queue: str) -> str:
     """The outbox: sorted set of pending webhook deliveries by the time each is due."""
     return f"{PREFIX}:webhooks:{queue}"
+
+
+def fence_key(job_id: str) -> str:
+    """The token of the attempt now allowed to write a job's record (see worker/fencing.py)."""
+    return f"{PREFIX}:fence:{job_id}"

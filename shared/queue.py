@@ -141,8 +141,9 @@ class Admission:
     replayed: bool = False
 
 
-def connect(settings: Settings, *, blocking: bool = False) -> Redis:
-    """A Redis client that fails fast; ``blocking`` allows for a worker's blocking pop.
+def connect(settings: Settings, *, blocking: bool = False, redis_class: type[Redis] = Redis) -> Redis:
+    """A Redis client that fails fast; ``blocking`` allows for a worker's blocking pop, and
+    ``redis_class`` names the client class (the worker's fences its writes).
 
     With SLOTQ_REDIS_SENTINELS the client asks the sentinels for the master before each new
     connection, so after a failover it reaches the new master by itself (redis-py's
@@ -159,7 +160,7 @@ def connect(settings: Settings, *, blocking: bool = False) -> Redis:
         "retry": Retry(NoBackoff(), 1),
     }
     if not settings.redis_sentinels:
-        return Redis.from_url(settings.redis_url, **options)
+        return redis_class.from_url(settings.redis_url, **options)
     # The URL's db, user, password and TLS options apply to the master; its host and port do not.
     url = {key: value for key, value in parse_url(settings.redis_url).items()
            if key not in ("host", "port", "connection_class")}
@@ -169,7 +170,7 @@ def connect(settings: Settings, *, blocking: bool = False) -> Redis:
         # (three, with backoff) would hold a request for seconds behind one dead sentinel.
         sentinel_kwargs={"socket_connect_timeout": timeout, "socket_timeout": timeout,
                          "password": settings.redis_sentinel_password, "retry": Retry(NoBackoff(), 0)})
-    return sentinel.master_for(settings.redis_master, **options, **url,
+    return sentinel.master_for(settings.redis_master, redis_class=redis_class, **options, **url,
                                ssl=settings.redis_url.startswith("rediss://"))
 
 

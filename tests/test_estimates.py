@@ -16,6 +16,7 @@ from tests.conftest import Process, post_job, start_worker, wait_for, wait_for_s
 pytestmark = pytest.mark.slow
 SMALL = {"width": 256, "height": 256, "steps": 4}  # 1 cost unit
 LARGE = {"width": 512, "height": 512, "steps": 16}  # 16 cost units
+LONGER = {"width": 512, "height": 512, "steps": 48}  # 48 units: seconds to run even on a quiet machine
 
 
 @pytest.fixture
@@ -53,7 +54,7 @@ def test_eta_of_queued_jobs_of_two_sizes(client: FlaskClient, trained: Process) 
 
 def test_retry_after_on_a_full_queue_comes_from_the_model(client: FlaskClient, settings: Settings,
                                                           trained: Process) -> None:
-    first = post_job(client, **LARGE).get_json()["id"]
+    first = post_job(client, **LONGER).get_json()["id"]
     wait_for(lambda: client.get(f"/v1/jobs/{first}").get_json()["status"] == "running",
              what="a large job to run")
     running = client.get(f"/v1/jobs/{first}").get_json()

@@ -4,7 +4,8 @@ A worker moves a job id from the waiting line into its own claims list in one sc
 is always in exactly one place: there is no gap between the pop and the registration. The
 worker keeps an ``alive`` key fresh while it lives; the claims of a worker whose key has
 expired are recovered by any other worker: each job runs again, up to SLOTQ_MAX_ATTEMPTS starts
-in all, then ends ``failed`` with ``worker_lost``.
+in all, then ends ``failed`` with ``worker_lost``. Recovering a claim also revokes the attempt's
+fence, so a worker presumed dead that comes back cannot write to the job again (worker/fencing.py).
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from rq.queue import Queue
 
 from shared import keys, records, waiting, workers
 from shared.settings import Settings
+from worker import fencing
 
 log = logging.getLogger(__name__)
 RECOVER_EVERY_S = 1.0
+FENCE_MARGIN_S = 600  # a fence outlives the job timeout by this much: time to store the images
 
 
 class Claims:
@@ -63,6 +66,16 @@ class Claims:
         claimed = waiting.claim_compatible(self.connection, self.queue.name, self.key, like, count, window)
         self._held.update(member.job_id for member in claimed)
         return claimed
+
+    def fence(self, job_ids: list[str]) -> list[fencing.Fence | None]:
+        """Start an attempt at each claimed job: its fence, or None where the claim was recovered
+        meanwhile (this worker was presumed dead): such a job is no longer this worker's to run."""
+        fences = fencing.acquire(self.connection, self.key, job_ids,
+                                 self.settings.job_timeout_s + FENCE_MARGIN_S)
+        for job_id, fence in zip(job_ids, fences, strict=True):
+            if fence is None:
+                self.unhold(job_id)
+        return fences
 
     def wait_for_work(self, timeout: float) -> None:
         """Block until a job may have arrived, or the timeout passes."""
@@ -123,6 +136,7 @@ class Claims:
                 job = self._fetch(job_id)
                 pipe.multi()
                 pipe.lrem(claims_key, 1, job_id)
+                fencing.revoke(pipe, job_id)  # whoever ran it may not write to it any more
                 outcome = self._settle(job, pipe) if job is not None else "missing"
                 pipe.execute()
             except WatchError:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from datetime import UTC
 from typing import Any
 
+from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -30,6 +31,7 @@ from shared.waiting import Claimed
 from worker import batching, lifecycle, tasks
 from worker.claims import Claims
 from worker.failures import classify, is_device_fatal
+from worker.fencing import Fence, FencedRedis, StaleAttemptError, holding
 from worker.finisher import Finisher
 from worker.metrics import WorkerMetrics
 from worker.pipeline import current_pipeline, load_pipeline, set_current_pipeline
@@ -43,10 +45,11 @@ EXIT_FATAL = 3
 
 @dataclass(frozen=True)
 class Member:
-    """One job of a GPU execution, with RQ's record of this run of it."""
+    """One job of a GPU execution, with RQ's record of this run of it and the attempt's fence."""
 
     job: Job
     execution: Execution
+    fence: Fence
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,8 @@ class SlotWorker(SimpleWorker):
     """
 
     def __init__(self, queue: Queue, settings: Settings) -> None:
+        if not isinstance(queue.connection, FencedRedis):
+            raise TypeError("a worker writes through a FencedRedis connection: see connect_worker()")
         # RQ logs a job's description (its arguments: the prompt) unless told not to.
         super().__init__([queue], name=settings.worker_name, connection=queue.connection,
                          serializer=JSONSerializer, log_job_description=settings.log_prompts)
@@ -133,21 +138,18 @@ class SlotWorker(SimpleWorker):
         return self.queues[0]
 
     def _run(self, batch: list[Claimed]) -> None:
-        """Run claimed jobs as one GPU execution (a single job unless batching is on)."""
-        members = [Member(job, self.prepare_execution(job)) for job in map(self._startable, batch) if job]
+        """Run claimed jobs as one GPU execution (a single job unless batching is on).
+
+        From its fence on, each job's writes are fenced with it: the main thread's under the
+        fences of the whole batch, the ending of each under its own (see worker/fencing.py).
+        """
+        members, running, cost = self._begin(batch)
         if not members:
             return
-        cost = sum(records.cost_of(member.job) for member in members)
-        with self.connection.pipeline(transaction=False) as pipe:
-            for member in members:
-                records.begin_attempt(member.job, pipe)
-            running = estimates.mark_running(pipe, self.queue.name, self.name, cost, batch[0].at)
-            pipe.execute()
-        for member in members:
-            self._started(member.job, batch[0].at)
+        fences = [member.fence for member in members]
         started = time.perf_counter()
         try:
-            with logs.about_job(*_ids_of([member.job for member in members])):
+            with holding(*fences), logs.about_job(*_ids_of([member.job for member in members])):
                 outcomes = self._render([member.job for member in members])
         except Exception as exc:
             estimates.clear_running(self.connection, self.queue.name, self.name)
@@ -155,16 +157,56 @@ class SlotWorker(SimpleWorker):
         self.metrics.gpu_section.observe(time.perf_counter() - started)
         done = []
         for member, outcome in zip(members, outcomes, strict=True):
-            if isinstance(outcome, Exception):
-                # RQ's own failure path: our handle_exception and handle_job_failure decide the ending.
-                with logs.about_job(member.job.id, member.job.meta.get("request_id")):
+            if not isinstance(outcome, Exception):
+                done.append((member, outcome))
+                continue
+            # RQ's own failure path: our handle_exception and handle_job_failure decide the ending.
+            with holding(member.fence), logs.about_job(member.job.id, member.job.meta.get("request_id")):
+                try:
+                    if isinstance(outcome, StaleAttemptError):
+                        raise outcome
                     self._finalize_failure(member.job, self.queue, member.execution,
                                            (type(outcome), outcome, outcome.__traceback__))
-                    self._settled(member.job)
-            else:
-                done.append((member, outcome))
+                    self._settled(member)
+                except StaleAttemptError as exc:
+                    self._superseded(member.job.id, exc)
         if done:
             self.finisher.submit(Handoff(done, running, cost, time.perf_counter() - started))
+
+    def _begin(self, batch: list[Claimed]) -> tuple[list[Member], str, float]:
+        """Fence each claimed job, drop those that must not start, and mark the others running:
+        the members, the worker's running entry and their cost."""
+        members = []
+        fences = self.claims.fence([claimed.job_id for claimed in batch])
+        for claimed, fence in zip(batch, fences, strict=True):
+            if fence is None:
+                log.warning("job %s: claim recovered by another worker meanwhile; not starting it",
+                            claimed.job_id)
+                continue
+            try:
+                with holding(fence):
+                    job = self._startable(claimed)
+                    if job is not None:
+                        members.append(Member(job, self.prepare_execution(job), fence))
+            except StaleAttemptError as exc:
+                self._superseded(claimed.job_id, exc)
+        if not members:
+            return [], "", 0.0
+        cost = sum(records.cost_of(member.job) for member in members)
+        try:
+            with holding(*(member.fence for member in members)), \
+                    self.connection.pipeline(transaction=False) as pipe:
+                for member in members:
+                    records.begin_attempt(member.job, pipe)
+                running = estimates.mark_running(pipe, self.queue.name, self.name, cost, batch[0].at)
+                pipe.execute()
+        except StaleAttemptError as exc:
+            for member in members:
+                self._superseded(member.job.id, exc)
+            return [], "", 0.0
+        for member in members:
+            self._started(member.job, batch[0].at)
+        return members, running, cost
 
     def _started(self, job: Job, at: float) -> None:
         """Count and log a job's start (its record says it runs from now)."""
@@ -208,7 +250,7 @@ class SlotWorker(SimpleWorker):
         """On the finisher thread: store each job's images, then record its end through RQ."""
         finished = False
         for member, rendered in handoff.done:
-            with logs.about_job(member.job.id, member.job.meta.get("request_id")):
+            with holding(member.fence), logs.about_job(member.job.id, member.job.meta.get("request_id")):
                 finished = self._finish_one(member, rendered) or finished
         if finished:
             estimates.job_done(self.connection, self.queue.name, self.name, handoff.running, handoff.cost,
@@ -225,14 +267,17 @@ class SlotWorker(SimpleWorker):
             log.warning("could not store or record job %s (%s); it will run again", job.id, exc)
             self.claims.unhold(job.id)
             return False
+        except StaleAttemptError as exc:
+            self._superseded(job.id, exc)
+            return False
 
     def _record_end(self, member: Member, rendered: tasks.Rendered) -> bool:
         """Store the images, then record the end through RQ's own paths; whether it succeeded."""
         job = member.job
         try:
             result = tasks.finish(job, rendered)
-        except (RedisConnectionError, RedisTimeoutError):
-            raise  # not the job's failure: Redis is away, the job runs again (see _finish_one)
+        except (RedisConnectionError, RedisTimeoutError, StaleAttemptError):
+            raise  # not the job's failure: Redis is away or the job is another attempt's now
         except Exception:
             self._finalize_failure(job, self.queue, member.execution, sys.exc_info())
             succeeded = False
@@ -240,23 +285,32 @@ class SlotWorker(SimpleWorker):
             # RQ's own success path (the one its perform_job takes): result, registries, status.
             self._finalize_success(job, self.queue, member.execution, result)
             succeeded = True
-        self._settled(job)
+        self._settled(member)
         return succeeded
 
-    def _settled(self, job: Job) -> None:
-        """The job's end is recorded: drop the claim, tell whoever waits on it, count and log it
-        (inside ``logs.about_job``, so the line names the job)."""
+    def _settled(self, member: Member) -> None:
+        """The job's end is recorded: drop the claim and the attempt's fence, tell whoever waits
+        on it, count and log it (inside ``logs.about_job``, so the line names the job)."""
+        job = member.job
         status = records.job_status(job)
         with self.connection.pipeline(transaction=False) as pipe:
             pipe.lrem(self.claims.key, 1, job.id)
             if status.is_terminal:  # not an interrupted job, which runs again
                 records.ended(pipe, self.queue.name, job)
             events.announce(pipe, self.queue.name, job.id)
+            pipe.delete(member.fence.key)  # the attempt is over: the last write it makes
             pipe.execute()
         self.claims.unhold(job.id)
         seconds = (job.ended_at or rq_now()).timestamp() - (job.started_at or rq_now()).timestamp()
         self.metrics.ended(status.value if status.is_terminal else "requeued", seconds)
         log.info("%s in %.2f s", status.value if status.is_terminal else "put back", seconds)
+
+    def _superseded(self, job_id: str, error: StaleAttemptError) -> None:
+        """This worker lost the job to a newer attempt (it was presumed dead): drop it, write nothing."""
+        self.claims.unhold(job_id)
+        self.metrics.jobs.labels("superseded").inc()
+        log.warning("job %s: dropped, %s (this worker was cut off long enough to be presumed dead)",
+                    job_id, error)
 
     def _expire(self, job: Job) -> None:
         job.meta["expired"] = True
@@ -349,10 +403,14 @@ def run_worker(settings: Settings | None = None, *, burst: bool = False) -> int:
         # Worker-fatal: exit non-zero so the supervisor restarts us rather than failing every job.
         log.exception("could not load model %s", settings.model)
         return 1
-    queue = jobs.job_queue(jobs.connect(settings, blocking=True), settings)
-    worker = SlotWorker(queue, settings)
+    worker = SlotWorker(jobs.job_queue(connect_worker(settings), settings), settings)
     worker.metrics.serve(settings)
     return worker.serve(burst=burst)
+
+
+def connect_worker(settings: Settings) -> Redis:
+    """The worker's Redis client: blocking pops allowed, and writes fenced by attempt."""
+    return jobs.connect(settings, blocking=True, redis_class=FencedRedis)
 
 
 def _ids_of(jobs: list[Job]) -> tuple[str, str | None]:

@@ -1,0 +1,151 @@
+"""Fencing: a worker presumed dead that comes back cannot write to a job another attempt now runs."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from flask.testing import FlaskClient
+from redis import Redis
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from shared import keys
+from shared.settings import Settings
+from tests.conftest import Process, post_job, start_worker, wait_for, wait_for_status
+from worker import fencing
+from worker.fencing import FencedRedis, StaleAttemptError, holding
+
+CLAIMS = "slotq:claims:test-worker"
+
+
+@pytest.fixture
+def fenced(settings: Settings) -> Iterator[FencedRedis]:
+    connection = FencedRedis.from_url(settings.redis_url)
+    yield connection
+    connection.close()
+
+
+def test_only_the_holder_of_a_claim_gets_a_fence(fenced: FencedRedis) -> None:
+    fenced.rpush(CLAIMS, "held")
+    held, other = fencing.acquire(fenced, CLAIMS, ["held", "not-held"], ttl_s=60)
+    assert held is not None and held.job_id == "held"
+    assert other is None
+    assert fenced.get(keys.fence_key("held")).decode() == held.token
+    assert 0 < fenced.ttl(keys.fence_key("held")) <= 60
+
+
+def test_writes_under_a_current_fence_go_through(fenced: FencedRedis) -> None:
+    fenced.rpush(CLAIMS, "job")
+    (fence,) = fencing.acquire(fenced, CLAIMS, ["job"], ttl_s=60)
+    assert fence is not None
+    with holding(fence):
+        fenced.hset("record", "status", "started")  # a single write
+        with fenced.pipeline(transaction=False) as pipe:  # a pipeline, made a transaction
+            pipe.hset("record", "progress", "1")
+            pipe.exists(keys.cancel_key("job"))
+            assert pipe.execute() == [1, 0]
+        assert fenced.hgetall("record") == {b"status": b"started", b"progress": b"1"}
+
+
+def test_a_revoked_fence_refuses_every_write_and_writes_nothing(fenced: FencedRedis, redis: Redis) -> None:
+    fenced.rpush(CLAIMS, "job")
+    (fence,) = fencing.acquire(fenced, CLAIMS, ["job"], ttl_s=60)
+    assert fence is not None
+    with redis.pipeline() as pipe:  # another worker recovers the claim
+        pipe.lrem(CLAIMS, 1, "job")
+        fencing.revoke(pipe, "job")
+        pipe.execute()
+    with holding(fence):
+        with pytest.raises(StaleAttemptError):
+            fenced.hset("record", "status", "finished")
+        with pytest.raises(StaleAttemptError), fenced.pipeline() as pipe:
+            pipe.hset("record", "status", "finished")
+            pipe.publish("events", "job")
+            pipe.execute()
+        assert fenced.hgetall("record") == {}  # reads still pass
+    fenced.hset("record", "status", "unfenced")  # outside ``holding`` the client is a plain one
+    assert redis.hget("record", "status") == b"unfenced"
+    assert fencing.acquire(fenced, CLAIMS, ["job"], ttl_s=60) == [None]  # nor can it start again
+
+
+def test_a_fence_taken_over_between_check_and_exec_writes_nothing(fenced: FencedRedis, redis: Redis) -> None:
+    fenced.rpush(CLAIMS, "job")
+    (fence,) = fencing.acquire(fenced, CLAIMS, ["job"], ttl_s=60)
+    assert fence is not None
+    with holding(fence), fenced.pipeline() as pipe:
+        # RQ's own way (handle_job_success): WATCH its key, read, MULTI, write, EXEC.
+        pipe.watch("dependents")
+        redis.set(keys.fence_key("job"), "newer-attempt")  # taken over after the check
+        pipe.multi()
+        pipe.hset("record", "status", "finished")
+        with pytest.raises(Exception) as raised:
+            pipe.execute()
+        assert raised.type.__name__ == "WatchError"  # the caller's retry then meets the fence:
+        with pytest.raises(StaleAttemptError):
+            pipe.watch("dependents")
+    assert redis.hgetall("record") == {}
+
+
+@pytest.fixture
+def workers(settings: Settings, tmp_path: Path) -> Iterator[Callable[..., Process]]:
+    started: list[Process] = []
+
+    def start(name: str) -> Process:
+        process = start_worker(settings, tmp_path / f"{name}.log", worker_name=name)
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        if process.popen.poll() is None:
+            process.popen.send_signal(signal.SIGCONT)
+        process.stop()
+
+
+@pytest.mark.slow
+def test_a_paused_worker_that_comes_back_cannot_touch_the_new_attempt(
+        client: FlaskClient, redis: Redis, settings: Settings, workers: Callable[..., Process]) -> None:
+    """A worker frozen mid-job (SIGSTOP: a long pause, as a partition looks from Redis) is presumed
+    dead; its job runs again on the other worker. Thawed while the new attempt runs, the old one
+    must write nothing: not its progress, not its images, not its end."""
+    pool = {name: workers(name) for name in ("fence-a", "fence-b")}
+    job_id = post_job(client, width=512, height=512, steps=60).get_json()["id"]
+
+    def holder(attempt: int) -> str | None:
+        current = client.get(f"/v1/jobs/{job_id}").get_json()
+        if current["attempt"] != attempt or (current["progress"] or {}).get("step", 0) < 2:
+            return None
+        return next((name for name in pool if redis.lpos(keys.claims_key(name), job_id) is not None), None)
+
+    first = wait_for(lambda: holder(1), timeout=120, what="the first attempt to take two steps")
+    zombie, survivor = pool[first], pool[next(name for name in pool if name != first)]
+    zombie.popen.send_signal(signal.SIGSTOP)
+    second = wait_for(lambda: holder(2), timeout=60, what="the job to run again on the other worker")
+    assert second != first
+
+    steps: list[int] = []
+
+    def zombie_is_done() -> bool:
+        """Its attempt ended one way or the other: dropped (fenced off) or recorded (not fenced)."""
+        steps.append(client.get(f"/v1/jobs/{job_id}").get_json()["progress"]["step"])
+        return any(job_id in line and ("dropped" in line or "succeeded in" in line)
+                   for line in zombie.output().splitlines())
+
+    zombie.popen.send_signal(signal.SIGCONT)
+    wait_for(zombie_is_done, timeout=120, what="the thawed worker to end its attempt")
+    done = wait_for_status(client, job_id, "succeeded", timeout=120)
+
+    assert done["attempt"] == 2
+    assert steps == sorted(steps), "the stale attempt moved the progress of the new one"
+    job = Job.fetch(job_id, connection=redis, serializer=JSONSerializer)
+    assert job.worker_name == second
+    assert len(job.results()) == 1  # one end recorded, by the new attempt
+    assert redis.hget(keys.ended_key(settings.queue_name), "succeeded") == b"1"
+    assert "newer attempt took over" in zombie.output()
+    # The thawed worker lives on and takes new work.
+    small = post_job(client, width=64, height=64, steps=1).get_json()["id"]
+    assert wait_for_status(client, small, "succeeded")["attempt"] == 1
+    assert zombie.popen.poll() is None and survivor.popen.poll() is None

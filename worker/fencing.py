@@ -1,0 +1,158 @@
+"""Fencing: a worker that lost its claim on a job can no longer write to that job's record.
+
+A worker cut off from Redis (a partition, a long pause) keeps running; meanwhile its heartbeat
+lapses and another worker recovers and reruns its jobs. When the first one comes back, its stale
+attempt must not touch the new attempt's status, progress or result. So each attempt holds a
+token: starting an attempt sets the job's fence key to a fresh token, in one script that also
+checks that the worker still holds the claim; recovering a claim deletes the key.
+
+While a thread works on an attempt (``with holding(fence):``), every write it makes through a
+:class:`FencedRedis` connection, RQ's own bookkeeping included, runs as a transaction that
+WATCHes the fence key and checks the token first (WATCH, GET, MULTI … EXEC): if the token
+changed, nothing is written and :class:`StaleAttemptError` is raised. Reads pass through.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+from redis import Redis, WatchError
+from redis.client import Pipeline
+
+from shared import keys
+
+
+class StaleAttemptError(Exception):
+    """The attempt was superseded: another worker recovered the job, so this one must drop it."""
+
+
+@dataclass(frozen=True)
+class Fence:
+    """The token of one attempt at one job."""
+
+    job_id: str
+    token: str
+
+    @property
+    def key(self) -> str:
+        return keys.fence_key(self.job_id)
+
+
+# KEYS: the worker's claims list, the job's fence key; ARGV: job id, token, TTL in seconds.
+# The token is set only while the claim is this worker's: a claim recovered by another worker
+# cannot be started again by the one that lost it.
+ACQUIRE_SCRIPT = """
+if not redis.call('LPOS', KEYS[1], ARGV[1]) then return 0 end
+redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[3])
+return 1
+"""
+
+# Commands that never write: they run as they are, without the fence's round trips.
+READS = frozenset({
+    "DBSIZE", "ECHO", "EXISTS", "GET", "HEXISTS", "HGET", "HGETALL", "HKEYS", "HLEN", "HMGET", "HSCAN",
+    "HVALS", "INFO", "LINDEX", "LLEN", "LPOS", "LRANGE", "MGET", "PING", "PTTL", "SCAN", "SCARD",
+    "SCRIPT", "SISMEMBER", "SMEMBERS", "SMISMEMBER", "SSCAN", "STRLEN", "TIME", "TTL", "TYPE", "XLEN",
+    "XRANGE", "XREVRANGE", "ZCARD", "ZCOUNT", "ZMSCORE", "ZRANGE", "ZRANGEBYSCORE", "ZRANK",
+    "ZREVRANGE", "ZREVRANGEBYSCORE", "ZSCAN", "ZSCORE",
+})
+
+_held: ContextVar[tuple[Fence, ...]] = ContextVar("slotq_fences", default=())
+
+
+def acquire(connection: Redis, claims_key: str, job_ids: list[str], ttl_s: int) -> list[Fence | None]:
+    """Start an attempt at each job: its fence, or None where this worker no longer holds the claim."""
+    fences = [Fence(job_id, secrets.token_hex(8)) for job_id in job_ids]
+    script = connection.register_script(ACQUIRE_SCRIPT)
+    with connection.pipeline(transaction=False) as pipe:
+        for fence in fences:
+            script(keys=[claims_key, fence.key], args=[fence.job_id, fence.token, ttl_s], client=pipe)
+        granted = pipe.execute()
+    return [fence if ok else None for fence, ok in zip(fences, granted, strict=True)]
+
+
+def revoke(pipe: Pipeline, job_id: str) -> None:
+    """Queue the write that ends every attempt at a job: the next write of any of them is refused."""
+    pipe.delete(keys.fence_key(job_id))
+
+
+@contextmanager
+def holding(*fences: Fence) -> Iterator[None]:
+    """Fence this thread's writes with these attempts' tokens (replacing any outer ones)."""
+    reset = _held.set(fences)
+    try:
+        yield
+    finally:
+        _held.reset(reset)
+
+
+class FencedPipeline(Pipeline):
+    """A transaction that writes only if the fences held by this thread are still current."""
+
+    def __init__(self, *args: Any, fences: tuple[Fence, ...], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.transaction = True  # the check and the writes must be one transaction
+        self.fences = fences
+        self._checked = False
+
+    def watch(self, *names: Any) -> Any:
+        """WATCH these keys and the fence keys, then check the tokens."""
+        answer = super().watch(*names, *(fence.key for fence in self.fences))
+        self._check()
+        return answer
+
+    def multi(self) -> None:
+        if not self.watching:
+            self.watch()
+        super().multi()
+
+    def execute(self, raise_on_error: bool = True) -> list[Any]:
+        if not self.command_stack:
+            return super().execute(raise_on_error)
+        own_watch = not self.watching
+        if own_watch:
+            self.watch()
+        try:
+            return super().execute(raise_on_error)
+        except WatchError:
+            if own_watch:  # only the fence was watched: it changed since the check
+                raise StaleAttemptError("a newer attempt took over this job") from None
+            raise  # the caller's own WATCH: it retries, and its next watch() checks the fence
+
+    def reset(self) -> None:
+        super().reset()
+        self._checked = False
+
+    def _check(self) -> None:
+        if self._checked:
+            return
+        current = self.immediate_execute_command("MGET", *(fence.key for fence in self.fences))
+        tokens = [value.decode() if isinstance(value, bytes) else value for value in current]
+        if tokens != [fence.token for fence in self.fences]:
+            self.reset()
+            stale = [fence.job_id for fence, token in zip(self.fences, tokens, strict=True)
+                     if token != fence.token]
+            raise StaleAttemptError(f"a newer attempt took over job(s) {', '.join(stale)}")
+        self._checked = True
+
+
+class FencedRedis(Redis):
+    """The worker's Redis client: under :func:`holding`, its writes are fenced; otherwise plain."""
+
+    def pipeline(self, transaction: bool = True, shard_hint: Any = None) -> Pipeline:
+        fences = _held.get()
+        if not fences:
+            return super().pipeline(transaction, shard_hint)
+        return FencedPipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint,
+                              fences=fences)
+
+    def execute_command(self, *args: Any, **options: Any) -> Any:
+        if not _held.get() or str(args[0]).split()[0].upper() in READS:
+            return super().execute_command(*args, **options)
+        with self.pipeline() as pipe:  # one write alone, fenced like any other
+            pipe.execute_command(*args, **options)
+            return pipe.execute()[0]
