@@ -10,6 +10,7 @@ from pathlib import Path
 
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 
 def redis_server_binary() -> str:
@@ -32,11 +33,11 @@ def free_port() -> int:
 
 
 def is_reachable(url: str, timeout: float = 1.0) -> bool:
-    """Whether a Redis server answers PING at this URL."""
-    client = Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
+    """Whether a Redis server answers PING at this URL within the timeout (one try, no retry)."""
+    client = Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout, retry=None)
     try:
         return bool(client.ping())
-    except (RedisConnectionError, OSError):
+    except (RedisConnectionError, RedisTimeoutError, OSError):
         return False
     finally:
         client.close()
