@@ -15,7 +15,7 @@ from rq.serializers import JSONSerializer
 from shared import keys
 from shared.settings import Settings
 from tests.conftest import Process, post_job, start_worker, wait_for, wait_for_status
-from worker import fencing
+from worker import fencing, progress
 from worker.fencing import FencedRedis, StaleAttemptError, holding
 
 CLAIMS = "slotq:claims:test-worker"
@@ -87,6 +87,24 @@ def test_a_fence_taken_over_between_check_and_exec_writes_nothing(fenced: Fenced
         with pytest.raises(StaleAttemptError):
             pipe.watch("dependents")
     assert redis.hgetall("record") == {}
+
+
+def test_step_progress_checks_the_fence_in_its_own_script(fenced: FencedRedis, redis: Redis) -> None:
+    job = Job.create("worker.tasks.generate", kwargs={"request": {}}, connection=fenced,
+                     serializer=JSONSerializer)
+    job.save()
+    fenced.rpush(CLAIMS, job.id)
+    (fence,) = fencing.acquire(fenced, CLAIMS, [job.id], ttl_s=60)
+    assert fence is not None
+    redis.set(keys.cancel_key(job.id), 1)
+    with holding(fence):
+        assert progress.report([job], 1, 4) == [True]  # written, and the cancel seen
+    assert Job.fetch(job.id, connection=redis, serializer=JSONSerializer).meta["progress"] == {
+        "step": 1, "total": 4}
+    redis.set(keys.fence_key(job.id), "newer-attempt")
+    with holding(fence), pytest.raises(StaleAttemptError):
+        progress.report([job], 2, 4)
+    assert Job.fetch(job.id, connection=redis, serializer=JSONSerializer).meta["progress"]["step"] == 1
 
 
 @pytest.fixture

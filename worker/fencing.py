@@ -75,6 +75,11 @@ def acquire(connection: Redis, claims_key: str, job_ids: list[str], ttl_s: int) 
     return [fence if ok else None for fence, ok in zip(fences, granted, strict=True)]
 
 
+def held() -> tuple[Fence, ...]:
+    """The fences this thread's writes are held to now (none outside ``holding``)."""
+    return _held.get()
+
+
 def revoke(pipe: Pipeline, job_id: str) -> None:
     """Queue the write that ends every attempt at a job: the next write of any of them is refused."""
     pipe.delete(keys.fence_key(job_id))

@@ -21,7 +21,7 @@ from shared import records
 from shared.errors import JobCanceledError, JobFailedError, JobInterruptedError
 from shared.jobs import JobRequest, validate_request
 from shared.settings import get_settings
-from worker import lifecycle
+from worker import lifecycle, progress
 from worker.pipeline import current_pipeline, encode_png
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ def check_in(jobs: list[Job], step: int, total: int) -> list[int]:
     if lifecycle.interrupting.is_set():
         raise JobInterruptedError()
     try:
-        canceled = records.report_progress(jobs, step, total)
+        canceled = progress.report(jobs, step, total)
     except RedisError as exc:
         # Progress is best effort: the images are still worth making while Redis restarts.
         log.warning("could not report progress of %d job(s): %s", len(jobs), exc)
