@@ -1,6 +1,6 @@
 """Does the GPU stay busy? Duty cycle, idle gaps and dispatch overhead, each against its baselines.
 
-    python -m bench.gpu [--jobs 60] [--size 256] [--steps 4] [--dispatch-jobs 400] [--rounds 3]
+    python -m bench.gpu [--jobs 60] [--size 256] [--steps 4] [--dispatch-jobs 400] [--rounds 5]
 
 **Duty cycle.** A saturated queue of identical tiny-model jobs (all admitted before the worker
 starts). Each pipeline records when its GPU sections (denoise and decode) begin and end; the duty
@@ -176,7 +176,7 @@ def duty_table(title: str, runs: dict[str, Figures]) -> list[str]:
     return lines
 
 
-def duty_cycle(settings: Settings, batch: list[JobRequest], scratch: Path, rounds: int = 3) -> list[str]:
+def duty_cycle(settings: Settings, batch: list[JobRequest], scratch: Path, rounds: int = 5) -> list[str]:
     """The three ways, interleaved for ``rounds`` rounds; each way's median round.
 
     Interleaving spreads the machine's slow spells (other processes, thermal) over all three ways
@@ -214,7 +214,7 @@ def dispatch(settings: Settings, count: int, scratch: Path) -> list[str]:
 
 
 def report(jobs: int = 60, size: int = 256, steps: int = 4, large_jobs: int = 12,
-           dispatch_jobs: int = 400, rounds: int = 3) -> list[str]:
+           dispatch_jobs: int = 400, rounds: int = 5) -> list[str]:
     """Every table of this benchmark (a count of 0 skips its run), on a Redis of its own."""
     with tempfile.TemporaryDirectory(prefix="slotq-bench-") as scratch:
         port = free_port()
@@ -243,7 +243,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--large-jobs", type=int, default=12, help="jobs of the 1024x1024 run (0: skip it)")
     parser.add_argument("--dispatch-jobs", type=int, default=400)
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the duty-cycle runs")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the duty-cycle runs")
     parser.add_argument("--serve", choices=["slotq", "rq"], help=argparse.SUPPRESS)
     parser.add_argument("--trace", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--null", action="store_true", help=argparse.SUPPRESS)

@@ -8,8 +8,9 @@ checks that the worker still holds the claim; recovering a claim deletes the key
 
 While a thread works on an attempt (``with holding(fence):``), every write it makes through a
 :class:`FencedRedis` connection, RQ's own bookkeeping included, runs as a transaction that
-WATCHes the fence key and checks the token first (WATCH, GET, MULTI … EXEC): if the token
-changed, nothing is written and :class:`StaleAttemptError` is raised. Reads pass through.
+WATCHes the fence key and checks the token first (WATCH and GET in one round trip, then
+MULTI … EXEC): if the token changed, nothing is written and :class:`StaleAttemptError` is raised.
+Reads pass through.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 from redis import Redis, WatchError
 from redis.client import Pipeline
+from redis.exceptions import RedisError
 
 from shared import keys
 
@@ -102,13 +104,31 @@ class FencedPipeline(Pipeline):
         super().__init__(*args, **kwargs)
         self.transaction = True  # the check and the writes must be one transaction
         self.fences = fences
-        self._checked = False
 
-    def watch(self, *names: Any) -> Any:
-        """WATCH these keys and the fence keys, then check the tokens."""
-        answer = super().watch(*names, *(fence.key for fence in self.fences))
-        self._check()
-        return answer
+    def watch(self, *names: Any) -> bool:
+        """WATCH these keys and the fence keys and check the tokens, in one round trip."""
+        if self.explicit_transaction:
+            raise RedisError("Cannot issue a WATCH after a MULTI")
+        fence_keys = [fence.key for fence in self.fences]
+        connection = self.connection or self.connection_pool.get_connection()
+        self.connection = connection
+
+        def watch_and_read() -> list[Any]:
+            connection.send_packed_command(connection.pack_commands([("WATCH", *names, *fence_keys),
+                                                                     ("MGET", *fence_keys)]))
+            self.parse_response(connection, "WATCH")
+            return list(self.parse_response(connection, "MGET"))
+
+        # Nothing is watched before this succeeds, so a dead pooled connection may be replaced.
+        current = connection.retry.call_with_retry(watch_and_read, lambda error: connection.disconnect())
+        self.watching = True
+        tokens = [value.decode() if isinstance(value, bytes) else value for value in current]
+        stale = [fence.job_id for fence, token in zip(self.fences, tokens, strict=True)
+                 if token != fence.token]
+        if stale:
+            self.reset()
+            raise StaleAttemptError(f"a newer attempt took over job(s) {', '.join(stale)}")
+        return True
 
     def multi(self) -> None:
         if not self.watching:
@@ -127,22 +147,6 @@ class FencedPipeline(Pipeline):
             if own_watch:  # only the fence was watched: it changed since the check
                 raise StaleAttemptError("a newer attempt took over this job") from None
             raise  # the caller's own WATCH: it retries, and its next watch() checks the fence
-
-    def reset(self) -> None:
-        super().reset()
-        self._checked = False
-
-    def _check(self) -> None:
-        if self._checked:
-            return
-        current = self.immediate_execute_command("MGET", *(fence.key for fence in self.fences))
-        tokens = [value.decode() if isinstance(value, bytes) else value for value in current]
-        if tokens != [fence.token for fence in self.fences]:
-            self.reset()
-            stale = [fence.job_id for fence, token in zip(self.fences, tokens, strict=True)
-                     if token != fence.token]
-            raise StaleAttemptError(f"a newer attempt took over job(s) {', '.join(stale)}")
-        self._checked = True
 
 
 class FencedRedis(Redis):
