@@ -71,11 +71,11 @@ def test_retry_after_on_a_full_queue_comes_from_the_model(client: FlaskClient, s
 
 def test_retry_after_for_a_low_job_counts_the_jobs_that_must_leave_first(
         client: FlaskClient, settings: Settings, trained: Process) -> None:
-    first = post_job(client, **LARGE).get_json()["id"]
+    first = post_job(client, **LONGER).get_json()["id"]
     wait_for(lambda: client.get(f"/v1/jobs/{first}").get_json()["status"] == "running",
              what="a large job to run")
     for _ in range(settings.queue_capacity):
-        assert post_job(client, **LARGE).status_code == 202
+        assert post_job(client, **LONGER).status_code == 202
     refused = post_job(client, priority="low", **SMALL)
     asked = time.monotonic()
     assert refused.status_code == 429 and refused.get_json()["error"]["code"] == "queue_full"

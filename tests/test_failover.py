@@ -191,6 +191,29 @@ def get_view(url: str, job_id: str) -> dict[str, Any] | None:
         raise
 
 
+def wait_all_ended(url: str, job_ids: list[str], timeout: float) -> tuple[Counter[str], list[str]]:
+    """Follow jobs until each has ended; how many ended in each status, and the ids the API lost."""
+    pending, ended, lost = list(job_ids), Counter[str](), []
+
+    def all_ended() -> bool:
+        while pending:  # in order of admission, roughly the order the worker takes them
+            view = get_view(url, pending[0])
+            if view is None:
+                lost.append(pending.pop(0))
+            elif view["status"] in ("succeeded", "failed", "canceled", "expired"):
+                ended[view["status"]] += 1
+                pending.pop(0)
+            else:
+                return False
+        return True
+
+    try:
+        wait_for(all_ended, timeout, what=f"the {len(job_ids)} acknowledged jobs to end")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; stuck: {get_view(url, pending[0])}") from None
+    return ended, lost
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_failover_loses_no_acknowledged_job(group: Group, start_api: Any, model_cache: Path,
@@ -226,24 +249,7 @@ def test_failover_loses_no_acknowledged_job(group: Group, start_api: Any, model_
         failover_s = min(after_kill()) - killed_at
         assert group.master_port() != group.master.port
 
-        pending, ended, lost = list(burst.acked), Counter[str](), []
-
-        def all_ended() -> bool:
-            while pending:  # in order of admission, roughly the order the worker takes them
-                view = get_view(api.url, pending[0])
-                if view is None:
-                    lost.append(pending.pop(0))
-                elif view["status"] in ("succeeded", "failed", "canceled", "expired"):
-                    ended[view["status"]] += 1
-                    pending.pop(0)
-                else:
-                    return False
-            return True
-
-        try:
-            wait_for(all_ended, timeout=90, what=f"the {len(burst.acked)} acknowledged jobs to end")
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}; stuck: {get_view(api.url, pending[0])}") from None
+        ended, lost = wait_all_ended(api.url, list(burst.acked), timeout=90)
         starts = Counter(job_id for job_id, _ in STARTED.findall(worker.output()))
         twice = sorted(job_id for job_id, runs in starts.items() if runs > 1 and job_id in burst.acked)
         print(f"\nfailover: {failover_s:.2f} s from SIGKILL to the first 202 of a job first sent after it; "

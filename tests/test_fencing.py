@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -123,6 +123,43 @@ def workers(settings: Settings, tmp_path: Path) -> Iterator[Callable[..., Proces
         process.stop()
 
 
+def holder(client: FlaskClient, redis: Redis, job_id: str, names: Iterable[str], attempt: int) -> str | None:
+    """The worker running this attempt of the job, once it has taken two steps."""
+    current = client.get(f"/v1/jobs/{job_id}").get_json()
+    if current["attempt"] != attempt or (current["progress"] or {}).get("step", 0) < 2:
+        return None
+    return next((name for name in names if redis.lpos(keys.claims_key(name), job_id) is not None), None)
+
+
+def await_old_attempt(client: FlaskClient, job_id: str, old: Process) -> list[int]:
+    """Wait until the old attempt's worker says how that attempt ended; the steps clients saw meanwhile.
+
+    It ends one way or another: fenced off ("dropped"), unable to store its images, or, were it not
+    fenced, recorded as the job's end ("succeeded in").
+    """
+    steps: list[int] = []
+    ends = ("dropped", "could not store", "succeeded in")
+
+    def ended() -> bool:
+        steps.append(client.get(f"/v1/jobs/{job_id}").get_json()["progress"]["step"])
+        return any(job_id in line and any(end in line for end in ends) for line in old.output().splitlines())
+
+    wait_for(ended, timeout=120, what="the old attempt's worker to end it")
+    return steps
+
+
+def assert_only_the_new_attempt_counts(client: FlaskClient, redis: Redis, settings: Settings, job_id: str,
+                                       new_worker: str, steps: list[int]) -> None:
+    """The job ends as its second attempt made it, and the first changed nothing clients see."""
+    done = wait_for_status(client, job_id, "succeeded", timeout=120)
+    assert done["attempt"] == 2
+    assert steps == sorted(steps), "the stale attempt moved the progress of the new one"
+    job = Job.fetch(job_id, connection=redis, serializer=JSONSerializer)
+    assert job.worker_name == new_worker
+    assert len(job.results()) == 1  # one end recorded, by the new attempt
+    assert redis.hget(keys.ended_key(settings.queue_name), "succeeded") == b"1"
+
+
 @pytest.mark.slow
 def test_a_paused_worker_that_comes_back_cannot_touch_the_new_attempt(
         client: FlaskClient, redis: Redis, settings: Settings, workers: Callable[..., Process]) -> None:
@@ -131,37 +168,17 @@ def test_a_paused_worker_that_comes_back_cannot_touch_the_new_attempt(
     must write nothing: not its progress, not its images, not its end."""
     pool = {name: workers(name) for name in ("fence-a", "fence-b")}
     job_id = post_job(client, width=512, height=512, steps=60).get_json()["id"]
-
-    def holder(attempt: int) -> str | None:
-        current = client.get(f"/v1/jobs/{job_id}").get_json()
-        if current["attempt"] != attempt or (current["progress"] or {}).get("step", 0) < 2:
-            return None
-        return next((name for name in pool if redis.lpos(keys.claims_key(name), job_id) is not None), None)
-
-    first = wait_for(lambda: holder(1), timeout=120, what="the first attempt to take two steps")
+    first = wait_for(lambda: holder(client, redis, job_id, pool, 1), timeout=120,
+                     what="the first attempt to take two steps")
     zombie, survivor = pool[first], pool[next(name for name in pool if name != first)]
     zombie.popen.send_signal(signal.SIGSTOP)
-    second = wait_for(lambda: holder(2), timeout=60, what="the job to run again on the other worker")
+    second = wait_for(lambda: holder(client, redis, job_id, pool, 2), timeout=60,
+                      what="the job to run again on the other worker")
     assert second != first
 
-    steps: list[int] = []
-
-    def zombie_is_done() -> bool:
-        """Its attempt ended one way or the other: dropped (fenced off) or recorded (not fenced)."""
-        steps.append(client.get(f"/v1/jobs/{job_id}").get_json()["progress"]["step"])
-        return any(job_id in line and ("dropped" in line or "succeeded in" in line)
-                   for line in zombie.output().splitlines())
-
     zombie.popen.send_signal(signal.SIGCONT)
-    wait_for(zombie_is_done, timeout=120, what="the thawed worker to end its attempt")
-    done = wait_for_status(client, job_id, "succeeded", timeout=120)
-
-    assert done["attempt"] == 2
-    assert steps == sorted(steps), "the stale attempt moved the progress of the new one"
-    job = Job.fetch(job_id, connection=redis, serializer=JSONSerializer)
-    assert job.worker_name == second
-    assert len(job.results()) == 1  # one end recorded, by the new attempt
-    assert redis.hget(keys.ended_key(settings.queue_name), "succeeded") == b"1"
+    steps = await_old_attempt(client, job_id, zombie)
+    assert_only_the_new_attempt_counts(client, redis, settings, job_id, second, steps)
     assert "newer attempt took over" in zombie.output()
     # The thawed worker lives on and takes new work.
     small = post_job(client, width=64, height=64, steps=1).get_json()["id"]

@@ -39,10 +39,8 @@ from tests.netns import (
     wait_api,
     wait_workers,
 )
-from tests.test_failover import MASTER, SMALL, Burst, get_view
+from tests.test_failover import MASTER, SMALL, Burst, get_view, wait_all_ended
 from tests.test_metrics import scrape, total, value
-
-TERMINAL = ("succeeded", "failed", "canceled", "expired")
 
 
 @pytest.fixture
@@ -199,29 +197,6 @@ class Group:
         with client(self.sentinels[-1]) as connection:
             host, port = connection.sentinel_get_master_addr_by_name(MASTER)
         return f"{host}:{port}"
-
-
-def wait_all_ended(url: str, job_ids: list[str], timeout: float) -> tuple[Counter[str], list[str]]:
-    """Follow jobs until each has ended; how many ended in each status, and the ids the API lost."""
-    pending, ended, lost = list(job_ids), Counter[str](), []
-
-    def all_ended() -> bool:
-        while pending:  # in order of admission, roughly the order the worker takes them
-            view = get_view(url, pending[0])
-            if view is None:
-                lost.append(pending.pop(0))
-            elif view["status"] in TERMINAL:
-                ended[view["status"]] += 1
-                pending.pop(0)
-            else:
-                return False
-        return True
-
-    try:
-        wait_for(all_ended, timeout, what=f"the {len(job_ids)} acknowledged jobs to end")
-    except AssertionError as exc:
-        raise AssertionError(f"{exc}; stuck: {get_view(url, pending[0])}") from None
-    return ended, lost
 
 
 @pytest.mark.slow
