@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ import pytest
 from flask.testing import FlaskClient
 
 from shared.settings import Settings
-from tests.conftest import DEADLINE_S, Process
+from tests.conftest import DEADLINE_S, Process, wait_for
 
 if TYPE_CHECKING:
     from playwright.sync_api import Browser, Page
@@ -59,8 +60,9 @@ def browser() -> Iterator[Browser]:
     """One headless Chromium for the module."""
     if MISSING:  # only with SLOTQ_REQUIRE_BROWSER=1: the tests are skipped otherwise
         pytest.fail(f"SLOTQ_REQUIRE_BROWSER=1 but {MISSING}")
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import expect, sync_playwright
 
+    expect.set_options(timeout=DEADLINE_MS)  # its own default is 5 s, short on a loaded machine
     with sync_playwright() as playwright:
         chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True)
         yield chromium
@@ -165,19 +167,33 @@ def test_prompt_to_image(tab: Tab, start_api: Callable[..., Process], worker_set
 
 
 @needs_browser
-@pytest.mark.usefixtures("worker")
-def test_cancel_a_running_job(tab: Tab, start_api: Callable[..., Process], worker_settings: Settings) -> None:
+def test_cancel_a_running_job(tab: Tab, start_api: Callable[..., Process], worker: Process,
+                              worker_settings: Settings) -> None:
     from playwright.sync_api import expect
 
     api = start_api(worker_settings)
     page = tab.page
     page.goto(api.url + "/")
-    fill_form(page, "a long one", width=512, height=512, steps=60)  # the session worker's most steps
+    fill_form(page, "a long one", width=1024, height=1024, steps=60)  # the session worker's most
     page.click("#submit")
+    expect(page.locator("#job-id")).not_to_be_empty()
+    job_id = page.text_content("#job-id")
 
-    expect(page.locator("#status")).to_have_text("running")
-    expect(page.locator("#cancel")).to_be_enabled()
-    page.click("#cancel")
+    # However fast this machine runs the job, the page must get to see it running: once it has
+    # taken a step, the worker is held still until the cancel has been asked for.
+    wait_for(lambda: (job_of(api, page)["progress"] or {}).get("step"), what="the job's first step")
+    worker.popen.send_signal(signal.SIGSTOP)
+    try:
+        assert job_of(api, page)["status"] == "running", "the job ended before the worker was held"
+        expect(page.locator("#status")).to_have_text("running")
+        expect(page.locator("#cancel")).to_be_enabled()
+        with page.expect_response(lambda response: response.request.method == "DELETE") as answer:
+            page.click("#cancel")
+        assert answer.value.status == 202  # asked of the running job; it stops at its next step
+        expect(page.locator("#cancel")).to_be_disabled()
+    finally:
+        worker.popen.send_signal(signal.SIGCONT)
+
     expect(page.locator("#status")).to_have_text("canceled")
     expect(page.locator("#cancel")).to_be_disabled()
     expect(page.locator("#position")).to_have_text("–")
@@ -185,7 +201,8 @@ def test_cancel_a_running_job(tab: Tab, start_api: Callable[..., Process], worke
     screenshot(page, "page-canceled.png")
 
     job = job_of(api, page)
-    assert job["status"] == "canceled" and job["started_at"] is not None
+    assert job["id"] == job_id and job["status"] == "canceled" and job["started_at"] is not None
+    assert job["progress"]["step"] < 60
     assert tab.errors == []
 
 
