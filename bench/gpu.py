@@ -97,7 +97,8 @@ def requests(count: int, size: int, steps: int) -> list[JobRequest]:
 
 def in_process_loop(settings: Settings, batch: list[JobRequest]) -> Sections:
     """The ceiling: the pipeline and PNG encoding back to back, nothing else."""
-    from worker.pipeline import encode_png, load_pipeline
+    from worker.finishing import encode_png
+    from worker.pipeline import load_pipeline
 
     pipeline = load_pipeline(settings)
     pipeline.sections.clear()  # not the warm-up

@@ -67,7 +67,8 @@ def loop_samples(settings: Settings, jobs: int, first: int) -> list[Sample]:
 def run_loop(jobs: int, first: int) -> None:
     """In the fresh process of ``loop_samples``: run the loop and print its samples as JSON."""
     from shared.settings import load_settings
-    from worker.pipeline import encode_png, load_pipeline
+    from worker.finishing import encode_png
+    from worker.pipeline import load_pipeline
 
     pipeline = load_pipeline(load_settings())
     samples = [memory("self")]

@@ -121,6 +121,50 @@ def test_stop_timeout_interrupts_and_requeues(client: FlaskClient, workers: Call
     assert view(client, running)["status"] == "queued"
 
 
+def finishing_process(worker_pid: int) -> int | None:
+    """The pid of the worker's finishing process (a ``spawn`` child; not RQ's resource tracker)."""
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            command = (entry / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue  # not a process, or one that just ended
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        if parent == worker_pid and b"spawn_main" in command:
+            return int(entry.name)
+    return None
+
+
+def loads_torch(pid: int) -> bool:
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_the_finishing_process_runs_without_torch_and_a_crash_of_it_loses_no_job(
+        client: FlaskClient, workers: Callable[..., Process]) -> None:
+    worker = workers()
+    finishing = wait_for(lambda: finishing_process(worker.popen.pid), what="the finishing process")
+    # Its GIL is its own only if it never loads torch: the worker does, and the check can tell.
+    assert loads_torch(worker.popen.pid) and not loads_torch(finishing)
+
+    # Held still, it cannot answer: the worker finishes one more GPU section and waits with that
+    # job's images, while the job handed over stays running at its last step.
+    os.kill(finishing, signal.SIGSTOP)
+    ids = [post_job(client, width=64, height=64, steps=2, seed=seed).get_json()["id"] for seed in range(4)]
+    for job_id in ids[:2]:
+        wait_for(lambda job_id=job_id: view(client, job_id)["progress"] == {"step": 2, "total": 2},
+                 what=f"job {job_id} to take its last step")
+    assert [view(client, job_id)["status"] for job_id in ids] == ["running", "running", "queued", "queued"]
+    os.kill(finishing, signal.SIGKILL)
+
+    ended = [wait_for_status(client, job_id, "succeeded", "failed", "canceled") for job_id in ids]
+    assert [job["status"] for job in ended] == ["succeeded"] * 4
+    assert [job["attempt"] for job in ended] == [2, 1, 1, 1]  # the lost one ran again, once
+    assert "its finishing was lost" in worker.output()
+    replacement = wait_for(lambda: finishing_process(worker.popen.pid), what="a new finishing process")
+    assert replacement != finishing and worker.popen.poll() is None
+    assert post_job(client, width=64, height=64, steps=1).status_code == 202
+
+
 def test_out_of_memory_fails_the_job_and_the_worker_goes_on(client: FlaskClient,
                                                            workers: Callable[..., Process]) -> None:
     worker = workers(fault_injection=True)

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from redis import Redis, WatchError
@@ -27,6 +28,8 @@ from redis.client import Pipeline
 from redis.exceptions import RedisError
 
 from shared import keys
+from shared import queue as jobs
+from shared.settings import Settings
 
 
 class StaleAttemptError(Exception):
@@ -152,6 +155,11 @@ class FencedPipeline(Pipeline):
 class FencedRedis(Redis):
     """The worker's Redis client: under :func:`holding`, its writes are fenced; otherwise plain."""
 
+    @cached_property
+    def unfenced(self) -> Redis:
+        """A plain client on the same connections, for a script that checks the fence itself."""
+        return Redis(connection_pool=self.connection_pool)
+
     def pipeline(self, transaction: bool = True, shard_hint: Any = None) -> Pipeline:
         fences = _held.get()
         if not fences:
@@ -165,3 +173,8 @@ class FencedRedis(Redis):
         with self.pipeline() as pipe:  # one write alone, fenced like any other
             pipe.execute_command(*args, **options)
             return pipe.execute()[0]
+
+
+def connect_worker(settings: Settings) -> Redis:
+    """The worker's Redis client: blocking pops allowed, and writes fenced by attempt."""
+    return jobs.connect(settings, blocking=True, redis_class=FencedRedis)

@@ -1,55 +1,120 @@
-"""Finishing jobs off the GPU: a thread that encodes, stores and records while the next job runs.
+"""The worker's side of its finishing process: hand each execution's images over, act on the answer.
 
 The worker's main thread holds the GPU only for the pipeline call, then hands the images here and
-takes the next job at once. A hand-off waits until the previous job is finished, so at most two
-jobs' images are in memory (one being finished, one being made) and a slow finish slows the GPU
-down instead of piling work up. A job stays in its
-worker's claims until it is finished here, so a crash at any moment leaves it recoverable.
+takes the next job at once. A hand-off waits until the previous one is answered, so at most two
+executions' images are in flight (one being finished, one being made) and a slow finish slows the
+GPU down instead of piling work up. A job stays in its worker's claims until its end is recorded,
+so a crash of either process at any moment leaves it recoverable; a finishing process that dies
+is replaced, and the jobs it held are let go for recovery to settle.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
+import multiprocessing
 import threading
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from typing import Generic, TypeVar
 
+from shared.settings import Settings
+from worker import finishing
+from worker.finishing import Batch, Ended
+
 log = logging.getLogger(__name__)
-Item = TypeVar("Item")
+Handoff = TypeVar("Handoff")
+STOP_TIMEOUT_S = 30.0
 
 
-class Finisher(Generic[Item]):
-    """One thread that runs ``finish`` on each item handed to it, in order."""
+class Finisher(Generic[Handoff]):
+    """One finishing process, fed one batch at a time; a thread reads its answers.
 
-    def __init__(self, finish: Callable[[Item], None]) -> None:
-        self._finish = finish
-        self._items: queue.Queue[Item | None] = queue.Queue()
-        self._free = threading.Semaphore(1)  # held from a hand-off until that item is finished
-        self._thread = threading.Thread(target=self._run, name="finisher", daemon=True)
-        self._thread.start()
+    ``on_ended(handoff, ended)`` runs on that thread with each batch's answer; ``on_lost(handoff)``
+    when the process died before answering.
+    """
 
-    def submit(self, item: Item) -> None:
-        """Hand one item over; blocks while the previous one is still being finished."""
+    def __init__(self, settings: Settings, worker_name: str, on_ended: Callable[[Handoff, list[Ended]], None],
+                 on_lost: Callable[[Handoff], None]) -> None:
+        self._settings, self._worker_name = settings, worker_name
+        self._on_ended, self._on_lost = on_ended, on_lost
+        self._free = threading.Semaphore(1)  # held from a hand-off until its answer is handled
+        self._pending: Handoff | None = None
+        self._lock = threading.Lock()  # between the pending batch and the process it went to
+        self._closing = False
+        self._start()
+        self._reader = threading.Thread(target=self._read, name="finisher", daemon=True)
+        self._reader.start()
+
+    def submit(self, handoff: Handoff, batch: Batch) -> None:
+        """Hand one batch over; blocks while the previous one is still being finished."""
         self._free.acquire()
-        self._items.put(item)
-
-    def wait(self) -> None:
-        """Return once every item handed over is finished."""
-        self._items.join()
+        with self._lock:
+            self._pending, connection = handoff, self._connection
+        try:
+            connection.send(batch)
+        except OSError:  # the process died meanwhile; unless its reader let go of the batch already
+            self._lose(handoff)
 
     def close(self) -> None:
-        """Finish what was handed over, then stop the thread."""
-        self._items.put(None)
-        self._thread.join()
+        """Let the last batch finish, then stop the process and the reader."""
+        self._free.acquire()
+        self._closing = True
+        try:
+            self._connection.send(None)
+        except OSError:
+            pass
+        self._process.join(STOP_TIMEOUT_S)
+        if self._process.is_alive():
+            log.warning("the finishing process did not stop in %.0f s; killing it", STOP_TIMEOUT_S)
+            self._process.kill()
+        self._reader.join()
 
-    def _run(self) -> None:
-        while (item := self._items.get()) is not None:
+    def _start(self) -> None:
+        # spawn, not fork: the parent may hold a CUDA context, which does not survive a fork.
+        context = multiprocessing.get_context("spawn")
+        self._connection, theirs = context.Pipe()
+        self._process = context.Process(target=finishing.serve, name="slotq-finisher", daemon=True,
+                                        args=(theirs, self._settings, self._worker_name))
+        self._process.start()
+        theirs.close()  # so that its death reads as end of file here
+
+    def _read(self) -> None:
+        while True:
+            connection: Connection = self._connection
             try:
-                self._finish(item)
-            except BaseException:  # a failed finish must not stop the next one
-                log.exception("finishing a job failed")
+                ended = connection.recv()
+            except (EOFError, OSError):
+                connection.close()
+                if self._closing:
+                    return
+                self._replace()
+                continue
+            with self._lock:
+                handoff, self._pending = self._pending, None
+            try:
+                self._on_ended(handoff, ended)  # type: ignore[arg-type]
+            except BaseException:  # a fault here must not stop the next batch's answer
+                log.exception("handling the end of finished jobs failed")
             finally:
-                self._items.task_done()
                 self._free.release()
-        self._items.task_done()
+
+    def _replace(self) -> None:
+        """The process died: start another, and let go of the batch it held."""
+        self._process.join()
+        log.error("the finishing process died (exit code %s); starting another", self._process.exitcode)
+        with self._lock:
+            handoff = self._pending
+            self._start()
+        if handoff is not None:
+            self._lose(handoff)
+
+    def _lose(self, handoff: Handoff) -> None:
+        """A batch will never be answered: its jobs are let go (once), and the next may come."""
+        with self._lock:
+            if self._pending is not handoff:
+                return  # the other thread let go of it
+            self._pending = None
+        try:
+            self._on_lost(handoff)
+        finally:
+            self._free.release()

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from dataclasses import dataclass
 from datetime import UTC
 from typing import Any
 
-from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -18,21 +16,22 @@ from rq.executions import Execution
 from rq.job import Job
 from rq.job import JobStatus as RQStatus
 from rq.queue import Queue
-from rq.serializers import JSONSerializer
 from rq.timeouts import JobTimeoutException
 from rq.utils import now as rq_now
-from rq.worker import SimpleWorker, WorkerStatus
+from rq.worker import WorkerStatus
 
-from shared import estimates, events, keys, logs, records
+from shared import estimates, keys, logs, records
 from shared import queue as jobs
 from shared.errors import JobCanceledError, JobInterruptedError, WorkerFatalError
+from shared.jobs import JobStatus
 from shared.settings import Settings, get_settings
 from shared.waiting import Claimed
 from worker import batching, lifecycle, tasks
 from worker.claims import Claims
 from worker.failures import classify, is_device_fatal
-from worker.fencing import Fence, FencedRedis, StaleAttemptError, holding
+from worker.fencing import Fence, StaleAttemptError, connect_worker, holding
 from worker.finisher import Finisher
+from worker.finishing import Batch, Ended, FencedWorker, Work, run_seconds
 from worker.metrics import WorkerMetrics
 from worker.pipeline import current_pipeline, load_pipeline, set_current_pipeline
 from worker.webhooks import Sender
@@ -52,33 +51,18 @@ class Member:
     fence: Fence
 
 
-@dataclass(frozen=True)
-class Handoff:
-    """Jobs whose GPU section is done, with their images, on their way to the finisher thread."""
-
-    done: list[tuple[Member, tasks.Rendered]]
-    running: str  # the worker's running entry for this execution
-    cost: float
-    seconds: float  # how long the execution held the slot: the drain rate Retry-After and ETAs need
-
-
-class SlotWorker(SimpleWorker):
+class SlotWorker(FencedWorker):
     """An RQ worker that runs jobs in its own process, so the model stays loaded on the device.
 
     No fork per job: CUDA does not survive fork, and reloading weights per job would waste the GPU.
     The GPU gate is narrow: the main thread runs only the GPU section of each job (and the few
-    Redis calls that start it), and a finisher thread encodes, stores and records each job's end
-    through RQ while the next one runs. This class also owns the loop around it: claims that
-    survive a crash, a heartbeat, reconnection to Redis, and the stop signals.
+    Redis calls that start it), and a finishing process encodes, stores and records each job's
+    end through RQ while the next one runs (worker/finishing.py). This class also owns the loop
+    around it: claims that survive a crash, a heartbeat, reconnection to Redis, and the stop signals.
     """
 
     def __init__(self, queue: Queue, settings: Settings) -> None:
-        if not isinstance(queue.connection, FencedRedis):
-            raise TypeError("a worker writes through a FencedRedis connection: see connect_worker()")
-        # RQ logs a job's description (its arguments: the prompt) unless told not to.
-        super().__init__([queue], name=settings.worker_name, connection=queue.connection,
-                         serializer=JSONSerializer, log_job_description=settings.log_prompts)
-        self.settings = settings
+        super().__init__(queue, settings, settings.worker_name)
         self.claims = Claims(queue, settings, self.name)
         self.metrics = WorkerMetrics(current_pipeline(), settings, self.name)
         self._ending: str | None = None
@@ -93,7 +77,8 @@ class SlotWorker(SimpleWorker):
         sender = Sender(self.queue, self.settings) if self.settings.webhook_secret else None
         if sender:
             sender.start()
-        self.finisher = Finisher(self._finish)
+        self.finisher: Finisher[list[Member]] = Finisher(self.settings, self.name, self._finished,
+                                                         self._lost)
         try:
             return self._loop(burst)
         except WorkerFatalError as exc:
@@ -133,10 +118,6 @@ class SlotWorker(SimpleWorker):
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
         return 0
 
-    @property
-    def queue(self) -> Queue:
-        return self.queues[0]
-
     def _run(self, batch: list[Claimed]) -> None:
         """Run claimed jobs as one GPU execution (a single job unless batching is on).
 
@@ -157,21 +138,15 @@ class SlotWorker(SimpleWorker):
         self.metrics.gpu_section.observe(time.perf_counter() - started)
         done = []
         for member, outcome in zip(members, outcomes, strict=True):
-            if not isinstance(outcome, Exception):
+            if isinstance(outcome, Exception):
+                self._fail(member, outcome)
+            else:
                 done.append((member, outcome))
-                continue
-            # RQ's own failure path: our handle_exception and handle_job_failure decide the ending.
-            with holding(member.fence), logs.about_job(member.job.id, member.job.meta.get("request_id")):
-                try:
-                    if isinstance(outcome, StaleAttemptError):
-                        raise outcome
-                    self._finalize_failure(member.job, self.queue, member.execution,
-                                           (type(outcome), outcome, outcome.__traceback__))
-                    self._settled(member)
-                except StaleAttemptError as exc:
-                    self._superseded(member.job.id, exc)
         if done:
-            self.finisher.submit(Handoff(done, running, cost, time.perf_counter() - started))
+            works = [Work.of(member.job, member.execution, member.fence, rendered)
+                     for member, rendered in done]
+            seconds = time.perf_counter() - started  # the drain rate Retry-After and ETAs need
+            self.finisher.submit([member for member, _ in done], Batch(works, running, cost, seconds))
 
     def _begin(self, batch: list[Claimed]) -> tuple[list[Member], str, float]:
         """Fence each claimed job, drop those that must not start, and mark the others running:
@@ -246,62 +221,50 @@ class SlotWorker(SimpleWorker):
         with self.death_penalty_class(timeout, JobTimeoutException, job_id=jobs[0].id):
             return tasks.render(jobs)
 
-    def _finish(self, handoff: Handoff) -> None:
-        """On the finisher thread: store each job's images, then record its end through RQ."""
-        finished = False
-        for member, rendered in handoff.done:
-            with holding(member.fence), logs.about_job(member.job.id, member.job.meta.get("request_id")):
-                finished = self._finish_one(member, rendered) or finished
-        if finished:
-            estimates.job_done(self.connection, self.queue.name, self.name, handoff.running, handoff.cost,
-                               handoff.seconds)
+    def _finished(self, members: list[Member], ended: list[Ended]) -> None:
+        """On the finisher's reader thread: the finishing process's answer for one execution."""
+        for member, end in zip(members, ended, strict=True):
+            job = member.job
+            with logs.about_job(job.id, job.meta.get("request_id")):
+                if end.outcome == "superseded":
+                    self._superseded(job.id, StaleAttemptError(end.error))
+                elif end.outcome == "unrecorded":
+                    # Its end not (fully) recorded: the claim stays and, no longer held, is recovered
+                    # once Redis is back: the job runs again, or its claim is dropped if its end landed.
+                    log.warning("could not store or record job %s (%s); it will run again", job.id, end.error)
+                    self.claims.unhold(job.id)
+                elif end.outcome == "unfinished":
+                    self._fail(member, RuntimeError(f"could not encode or store the images: {end.error}"))
+                else:
+                    self._ended(job, JobStatus(end.outcome), end.seconds)
 
-    def _finish_one(self, member: Member, rendered: tasks.Rendered) -> bool:
-        """Store one job's images and record its end; whether it succeeded."""
-        job = member.job
-        try:
-            return self._record_end(member, rendered)
-        except (RedisConnectionError, RedisTimeoutError) as exc:
-            # Its end not (fully) recorded: the claim stays and, no longer held, is recovered once
-            # Redis is back: the job runs again, or its claim is dropped if its end did land.
-            log.warning("could not store or record job %s (%s); it will run again", job.id, exc)
-            self.claims.unhold(job.id)
-            return False
-        except StaleAttemptError as exc:
-            self._superseded(job.id, exc)
-            return False
+    def _lost(self, members: list[Member]) -> None:
+        """The finishing process died holding these jobs: recovery runs them again or drops their
+        claims, whichever their records call for."""
+        for member in members:
+            log.warning("job %s: its finishing was lost; it is left for recovery", member.job.id)
+            self.claims.unhold(member.job.id)
 
-    def _record_end(self, member: Member, rendered: tasks.Rendered) -> bool:
-        """Store the images, then record the end through RQ's own paths; whether it succeeded."""
-        job = member.job
-        try:
-            result = tasks.finish(job, rendered)
-        except (RedisConnectionError, RedisTimeoutError, StaleAttemptError):
-            raise  # not the job's failure: Redis is away or the job is another attempt's now
-        except Exception:
-            self._finalize_failure(job, self.queue, member.execution, sys.exc_info())
-            succeeded = False
-        else:
-            # RQ's own success path (the one its perform_job takes): result, registries, status.
-            self._finalize_success(job, self.queue, member.execution, result)
-            succeeded = True
-        self._settled(member)
-        return succeeded
+    def _fail(self, member: Member, error: Exception) -> None:
+        """Record a job's failure through RQ's own failure path (our handle_exception and
+        handle_job_failure decide the ending)."""
+        with holding(member.fence), logs.about_job(member.job.id, member.job.meta.get("request_id")):
+            try:
+                if isinstance(error, StaleAttemptError):
+                    raise error
+                self._finalize_failure(member.job, self.queue, member.execution,
+                                       (type(error), error, error.__traceback__))
+                self._settled(member)
+            except StaleAttemptError as exc:
+                self._superseded(member.job.id, exc)
 
     def _settled(self, member: Member) -> None:
-        """The job's end is recorded: drop the claim and the attempt's fence, tell whoever waits
-        on it, count and log it (inside ``logs.about_job``, so the line names the job)."""
-        job = member.job
-        status = records.job_status(job)
-        with self.connection.pipeline(transaction=False) as pipe:
-            pipe.lrem(self.claims.key, 1, job.id)
-            if status.is_terminal:  # not an interrupted job, which runs again
-                records.ended(pipe, self.queue.name, job)
-            events.announce(pipe, self.queue.name, job.id)
-            pipe.delete(member.fence.key)  # the attempt is over: the last write it makes
-            pipe.execute()
+        """The job's end is recorded: settle it in Redis, then count and log it."""
+        self._ended(member.job, self.settle(member.job, member.fence), run_seconds(member.job))
+
+    def _ended(self, job: Job, status: JobStatus, seconds: float) -> None:
+        """Let go of an ended job, count and log it (inside ``logs.about_job``, so the line names it)."""
         self.claims.unhold(job.id)
-        seconds = (job.ended_at or rq_now()).timestamp() - (job.started_at or rq_now()).timestamp()
         self.metrics.ended(status.value if status.is_terminal else "requeued", seconds)
         log.info("%s in %.2f s", status.value if status.is_terminal else "put back", seconds)
 
@@ -320,13 +283,6 @@ class SlotWorker(SimpleWorker):
             pipe.lrem(self.claims.key, 1, job.id)
             pipe.execute()
         self.claims.unhold(job.id)
-
-    def handle_execution_ended(self, job: Job, queue: Queue, heartbeat_ttl: int) -> None:
-        """RQ's own, but its two writes in one transaction: each is fenced, and a fence costs a round trip."""
-        job.ended_at = rq_now()
-        with self.connection.pipeline() as pipe:
-            job.heartbeat(rq_now(), heartbeat_ttl, pipeline=pipe)
-            pipe.execute()
 
     def handle_exception(self, job: Job, *exc_info: Any) -> None:
         """Record why a job ended; decide whether it failed, was canceled or goes back to the queue."""
@@ -413,11 +369,6 @@ def run_worker(settings: Settings | None = None, *, burst: bool = False) -> int:
     worker = SlotWorker(jobs.job_queue(connect_worker(settings), settings), settings)
     worker.metrics.serve(settings)
     return worker.serve(burst=burst)
-
-
-def connect_worker(settings: Settings) -> Redis:
-    """The worker's Redis client: blocking pops allowed, and writes fenced by attempt."""
-    return jobs.connect(settings, blocking=True, redis_class=FencedRedis)
 
 
 def _ids_of(jobs: list[Job]) -> tuple[str, str | None]:

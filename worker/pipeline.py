@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import io
-import json
 import logging
 import time
 from collections import deque
@@ -15,7 +13,6 @@ import torch
 from diffusers import DiffusionPipeline
 from diffusers.utils import logging as diffusers_logging
 from PIL import Image
-from PIL.PngImagePlugin import PngInfo
 
 from shared.jobs import JobRequest
 from shared.settings import Settings
@@ -119,15 +116,6 @@ def load_pipeline(settings: Settings) -> ImagePipeline:
     warm_up = JobRequest(prompt="warm-up", width=64, height=64, steps=1, seed=0)
     loaded.generate(warm_up, on_step=lambda step, total: None)
     return loaded
-
-
-def encode_png(image: Image.Image, request: JobRequest) -> bytes:
-    """PNG bytes with the request in a text chunk, so a saved file says how it was made."""
-    info = PngInfo()
-    info.add_text("parameters", json.dumps(request.model_dump(mode="json"), sort_keys=True))
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG", pnginfo=info)
-    return buffer.getvalue()
 
 
 _current: ImagePipeline | None = None

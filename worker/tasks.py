@@ -1,8 +1,8 @@
 """The RQ task the API enqueues by name: one text-to-image job, in two stages.
 
-``render`` is the GPU section (denoise and decode); ``finish`` encodes and stores the PNGs. The
-slotq worker runs them on two threads so that finishing one job overlaps the next one's GPU
-section; ``generate`` runs both in turn, for any plain RQ worker.
+``render`` is the GPU section (denoise and decode); ``worker.finishing.store_result`` encodes and
+stores the PNGs. The slotq worker runs the second in its finishing process, so that finishing one
+job overlaps the next one's GPU section; ``generate`` runs both in turn, for any plain RQ worker.
 """
 
 from __future__ import annotations
@@ -11,23 +11,21 @@ import logging
 from typing import Any
 
 import torch
-from PIL import Image
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 from rq import get_current_job
 from rq.job import Job
 
-from shared import records
 from shared.errors import JobCanceledError, JobFailedError, JobInterruptedError
 from shared.jobs import JobRequest, validate_request
 from shared.settings import get_settings
 from worker import lifecycle, progress
-from worker.pipeline import current_pipeline, encode_png
+from worker.finishing import Rendered, store_result
+from worker.pipeline import current_pipeline
 
 log = logging.getLogger(__name__)
 
 
-Rendered = tuple[JobRequest, list[Image.Image]]
 Outcome = Rendered | Exception  # a member of a batch either has its images or the error that ended it
 
 
@@ -38,7 +36,7 @@ def generate(request: dict[str, Any]) -> dict[str, Any]:
     (outcome,) = render([job])
     if isinstance(outcome, Exception):
         raise outcome
-    return finish(job, outcome)
+    return store_result(job, get_settings(), outcome)
 
 
 def render(jobs: list[Job]) -> list[Outcome]:
@@ -82,14 +80,6 @@ def _validated(job: Job) -> Outcome:
     except (ValidationError, KeyError) as exc:
         return JobFailedError("invalid_request", f"the stored request is invalid: {exc}")
     return request, []
-
-
-def finish(job: Job, rendered: Rendered) -> dict[str, Any]:
-    """Off the GPU: encode the images as PNG and store them for the result TTL; the job's result."""
-    job_request, images = rendered
-    pngs = [encode_png(image, job_request) for image in images]
-    records.store_images(job, get_settings(), pngs)
-    return {"images": len(pngs), "seed": job_request.seed}
 
 
 def check_in(jobs: list[Job], step: int, total: int) -> list[int]:
