@@ -13,7 +13,8 @@ idle times between consecutive sections. Run three ways, in this run:
 - the slotq worker (``SlotWorker``, burst mode), from slotq's waiting line.
 
 The three take turns for ``--rounds`` rounds and each reports its median round, so a slow spell of
-this machine lands on all of them rather than on whichever ran during it.
+this machine lands on all of them rather than on whichever ran during it. A way's share of the
+loop is the median of its per-round shares, each against the loop's run of the same round.
 
 **Dispatch overhead.** The same workers with a pipeline that does no work (one blank image at once),
 so the time per job is what taking, starting and recording a job costs; against a bare Redis loop
@@ -43,6 +44,7 @@ from shared.localredis import free_port, start_redis
 from shared.settings import Settings
 
 Sections = list[tuple[float, float]]
+LOOP = "in-process loop (ceiling)"
 
 
 @dataclass
@@ -167,34 +169,41 @@ def bare_loop(settings: Settings, count: int) -> float:
     return (time.perf_counter() - began) / count
 
 
-def duty_table(title: str, runs: dict[str, Figures]) -> list[str]:
-    ceiling = runs["in-process loop (ceiling)"].per_second
+def duty_table(title: str, measured: dict[str, list[Figures]]) -> list[str]:
+    """Each way's median round, and its share of the loop: the median of its rounds' shares, each
+    against the loop's run of the same round (a slow spell of the machine hits both)."""
+    loops = measured[LOOP]
     lines = [title, f"{'':30}{'jobs/s':>8}{'% of loop':>11}{'duty':>8}{'gap p50 ms':>12}{'gap p99 ms':>12}"]
-    for name, figures in runs.items():
-        lines.append(f"{name:30}{figures.per_second:>8.2f}{100 * figures.per_second / ceiling:>10.1f}%"
+    shares: dict[str, list[float]] = {}
+    for name, rounds in measured.items():
+        shares[name] = sorted(100 * run.per_second / loop.per_second for run, loop in zip(rounds, loops,
+                                                                                         strict=True))
+        figures = median_round(rounds)
+        lines.append(f"{name:30}{figures.per_second:>8.2f}{shares[name][len(rounds) // 2]:>10.1f}%"
                      f"{100 * figures.busy / figures.wall:>7.1f}%{figures.gap_ms(0.5):>12.2f}"
                      f"{figures.gap_ms(0.99):>12.2f}")
+    for name in list(measured)[1:]:
+        lines.append(f"% of loop by round, {name}: " + " ".join(f"{share:.1f}" for share in shares[name]))
     return lines
 
 
 def duty_cycle(settings: Settings, batch: list[JobRequest], scratch: Path, rounds: int = 5) -> list[str]:
-    """The three ways, interleaved for ``rounds`` rounds; each way's median round.
+    """The three ways, interleaved for ``rounds`` rounds.
 
     Interleaving spreads the machine's slow spells (other processes, thermal) over all three ways
     instead of letting one of them draw the bad minute; the median drops the odd round out.
     """
     ways: dict[str, Callable[[], Sections]] = {
-        "in-process loop (ceiling)": lambda: in_process_loop(settings, batch),
+        LOOP: lambda: in_process_loop(settings, batch),
         "plain RQ SimpleWorker": lambda: through_worker("rq", settings, batch, scratch),
         "slotq worker": lambda: through_worker("slotq", settings, batch, scratch)}
     measured: dict[str, list[Figures]] = {name: [] for name in ways}
     for _ in range(rounds):
         for name, run in ways.items():
             measured[name].append(Figures.of(run()))
-    runs = {name: median_round(figures) for name, figures in measured.items()}
     first = batch[0]
     return duty_table(f"GPU duty cycle: tiny model, {first.width}x{first.height}, {first.steps} steps, "
-                      f"{len(batch)} jobs, saturated queue, median of {rounds} interleaved rounds", runs)
+                      f"{len(batch)} jobs, saturated queue, {rounds} interleaved rounds", measured)
 
 
 def median_round(rounds: list[Figures]) -> Figures:

@@ -11,6 +11,7 @@ from redis import Redis
 
 from shared.settings import Settings
 from tests.conftest import post_job, wait_for, wait_for_status
+from worker import progress
 
 
 def run_job(client: FlaskClient, **body: object) -> dict:
@@ -155,3 +156,16 @@ def test_rq_sees_the_worker_busy_then_idle(worker_client: FlaskClient, worker_se
     wait_for_status(worker_client, job_id, "succeeded")
     wait_for(lambda: state() == "idle", what="RQ to see the worker idle")
     connection.close()
+
+
+def test_progress_cadence_reports_the_first_and_last_step_and_once_per_interval() -> None:
+    now = [0.0]
+    cadence = progress.Cadence(0.1, clock=lambda: now[0])
+    reported = []
+    for step, at in enumerate([0.0, 0.03, 0.06, 0.09, 0.12, 0.15, 0.25, 0.26]):
+        now[0] = at
+        if cadence.due(step, 7):
+            reported.append(step)
+    assert reported == [0, 4, 6, 7]  # 0.12 and 0.25 come 0.1 or more after the last report; 7 is the last
+    every = progress.Cadence(0.0, clock=lambda: 1.0)  # SLOTQ_PROGRESS_INTERVAL_MS=0
+    assert all(every.due(step, 5) for step in range(6))

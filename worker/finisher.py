@@ -17,12 +17,14 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Generic, TypeVar
 
+from shared.errors import WorkerFatalError
 from shared.settings import Settings
 from worker import finishing
 from worker.finishing import Batch, Ended
 
 log = logging.getLogger(__name__)
 Handoff = TypeVar("Handoff")
+START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
 
 
@@ -41,6 +43,7 @@ class Finisher(Generic[Handoff]):
         self._pending: Handoff | None = None
         self._lock = threading.Lock()  # between the pending batch and the process it went to
         self._closing = False
+        self._broken = ""  # why no finishing process could be started again
         self._start()
         self._reader = threading.Thread(target=self._read, name="finisher", daemon=True)
         self._reader.start()
@@ -48,6 +51,9 @@ class Finisher(Generic[Handoff]):
     def submit(self, handoff: Handoff, batch: Batch) -> None:
         """Hand one batch over; blocks while the previous one is still being finished."""
         self._free.acquire()
+        if self._broken:
+            self._free.release()
+            raise WorkerFatalError(f"no finishing process: {self._broken}")
         with self._lock:
             self._pending, connection = handoff, self._connection
         try:
@@ -77,6 +83,16 @@ class Finisher(Generic[Handoff]):
                                         args=(theirs, self._settings, self._worker_name))
         self._process.start()
         theirs.close()  # so that its death reads as end of file here
+        # Ready before the worker takes a job, so that no GPU section waits on its start-up.
+        if not self._connection.poll(START_TIMEOUT_S):
+            self._process.kill()
+            raise RuntimeError(f"the finishing process did not start within {START_TIMEOUT_S:.0f} s")
+        try:
+            if self._connection.recv() != finishing.READY:
+                raise RuntimeError("the finishing process said something else than that it is ready")
+        except EOFError:
+            self._process.join()
+            raise RuntimeError(f"the finishing process exited at start ({self._process.exitcode})") from None
 
     def _read(self) -> None:
         while True:
@@ -85,9 +101,8 @@ class Finisher(Generic[Handoff]):
                 ended = connection.recv()
             except (EOFError, OSError):
                 connection.close()
-                if self._closing:
+                if self._closing or not self._replace():
                     return
-                self._replace()
                 continue
             with self._lock:
                 handoff, self._pending = self._pending, None
@@ -98,15 +113,20 @@ class Finisher(Generic[Handoff]):
             finally:
                 self._free.release()
 
-    def _replace(self) -> None:
-        """The process died: start another, and let go of the batch it held."""
+    def _replace(self) -> bool:
+        """The process died: start another, and let go of the batch it held; whether one runs."""
         self._process.join()
         log.error("the finishing process died (exit code %s); starting another", self._process.exitcode)
         with self._lock:
             handoff = self._pending
-            self._start()
+            try:
+                self._start()
+            except RuntimeError as exc:  # the worker stops at its next hand-off, to be restarted
+                log.critical("could not replace the finishing process: %s", exc)
+                self._broken = str(exc)
         if handoff is not None:
             self._lose(handoff)
+        return not self._broken
 
     def _lose(self, handoff: Handoff) -> None:
         """A batch will never be answered: its jobs are let go (once), and the next may come."""

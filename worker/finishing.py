@@ -41,6 +41,7 @@ from worker.fencing import Fence, FencedRedis, StaleAttemptError, connect_worker
 log = logging.getLogger(__name__)
 
 Rendered = tuple[JobRequest, list[Image.Image]]
+READY = "ready"  # the finishing process's first message, once it can take work
 REDIS_ENCODING = Encoder("utf-8", "strict", decode_responses=False)  # values as HSET would store them
 
 
@@ -199,6 +200,7 @@ def serve(connection: Connection, settings: Settings, worker_name: str) -> None:
     signal.signal(signal.SIGTERM, _stop_when_idle)
     logs.configure(settings, "finisher")
     finishing = Finishing(jobs.job_queue(connect_worker(settings), settings), settings, worker_name)
+    connection.send(READY)
     while not _stop_requested:
         try:
             batch = connection.recv()

@@ -69,6 +69,8 @@ class SlotWorker(FencedWorker):
 
     def serve(self, burst: bool = False) -> int:
         """Take and run jobs until told to stop; the process's exit code."""
+        self.finisher: Finisher[list[Member]] = Finisher(self.settings, self.name, self._finished,
+                                                         self._lost)
         self._register()
         beating = threading.Event()
         heart = threading.Thread(target=self._beat, args=(beating,), name="heartbeat", daemon=True)
@@ -77,8 +79,6 @@ class SlotWorker(FencedWorker):
         sender = Sender(self.queue, self.settings) if self.settings.webhook_secret else None
         if sender:
             sender.start()
-        self.finisher: Finisher[list[Member]] = Finisher(self.settings, self.name, self._finished,
-                                                         self._lost)
         try:
             return self._loop(burst)
         except WorkerFatalError as exc:

@@ -8,10 +8,31 @@ canceled, rather than the two round trips of a watched transaction.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 from rq.job import Job
 
 from shared import keys, records
 from worker.fencing import FencedRedis, StaleAttemptError, held
+
+
+class Cadence:
+    """Which steps to report: the first and the last always, any other once ``interval_s`` has
+    passed since the last report (as tqdm's ``mininterval``). A report is a round trip inside the
+    GPU section, and it is also when a cancel is seen."""
+
+    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval_s, self.clock = interval_s, clock
+        self.last: float | None = None
+
+    def due(self, step: int, total: int) -> bool:
+        now = self.clock()
+        if step in (0, total) or self.last is None or now - self.last >= self.interval_s:
+            self.last = now
+            return True
+        return False
+
 
 # For each job n of the batch, KEYS[3n-2..3n]: its hash, its cancel key, its fence key; ARGV[2n-1..2n]:
 # its meta as JSON, its attempt's token ('' when the writer holds no fence: a plain RQ worker).

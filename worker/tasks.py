@@ -51,10 +51,11 @@ def render(jobs: list[Job]) -> list[Outcome]:
         return outcomes  # type: ignore[return-value]
     requests = [outcomes[index][0] for index in members]  # type: ignore[index]
     live = list(members)
-    faults = get_settings().fault_injection
+    settings = get_settings()
+    faults, cadence = settings.fault_injection, progress.Cadence(settings.progress_interval_ms / 1000)
 
     def on_step(step: int, total: int) -> None:
-        for index in check_in([jobs[index] for index in live], step, total):
+        for index in check_in([jobs[index] for index in live], step, total, cadence):
             outcomes[live[index]] = JobCanceledError()
         live[:] = [index for index in live if not isinstance(outcomes[index], JobCanceledError)]
         if not live:
@@ -82,11 +83,13 @@ def _validated(job: Job) -> Outcome:
     return request, []
 
 
-def check_in(jobs: list[Job], step: int, total: int) -> list[int]:
-    """Report progress; the indexes of the jobs canceled by their clients. Raises when the worker
-    must stop now."""
+def check_in(jobs: list[Job], step: int, total: int, cadence: progress.Cadence) -> list[int]:
+    """Report progress when due; the indexes of the jobs canceled by their clients. Raises when
+    the worker must stop now."""
     if lifecycle.interrupting.is_set():
         raise JobInterruptedError()
+    if not cadence.due(step, total):
+        return []
     try:
         canceled = progress.report(jobs, step, total)
     except RedisError as exc:
