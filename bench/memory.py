@@ -4,9 +4,10 @@
 
 Runs ``--jobs`` small jobs (tiny model, 64x64, 1 step) over HTTP through the same service as
 ``bench.end_to_end`` (its own Redis, one ``slotq api`` with 2 gunicorn processes, one ``slotq
-worker``) and reads VmRSS from ``/proc/<pid>/status`` for the worker and each gunicorn process
-(the master's children) when ready, after the first ``--first`` jobs and after all of them. The
-growth between the last two samples shows whether memory stays flat; the peak is VmHWM.
+worker``) and reads VmRSS from ``/proc/<pid>/status`` for the worker, its finishing process and
+each gunicorn process (the master's children) when ready, after the first ``--first`` jobs and
+after all of them. The growth between the last two samples shows whether memory stays flat; the
+peak is VmHWM.
 
 Baseline, in the same run: the same jobs through the pipeline and PNG encoding in a loop, in a
 fresh Python process sampled the same way: what the model and its libraries do to memory alone.
@@ -48,9 +49,15 @@ def children(pid: int) -> list[int]:
     return sorted(found)
 
 
+def finishing_process(worker: int) -> int:
+    """The worker's finishing process (a ``spawn`` child, not multiprocessing's resource tracker)."""
+    return next(pid for pid in children(worker) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes())
+
+
 def sample(worker: int, api: int) -> Sample:
-    """The memory of the worker and of every API process now."""
-    processes = {"slotq worker": worker} | {f"api process (pid {pid})": pid for pid in children(api)}
+    """The memory of the worker, its finishing process and every API process now."""
+    processes = {"slotq worker": worker, "slotq finishing process": finishing_process(worker)}
+    processes |= {f"api process (pid {pid})": pid for pid in children(api)}
     return {name: memory(pid) for name, pid in processes.items()}
 
 

@@ -23,7 +23,7 @@ ROWS = {
     "Admission": ["bare LPUSH (baseline)", "bare Flask + LPUSH (baseline)", "POST /v1/jobs admitted (202)",
                   "POST /v1/jobs refused (429)", "POST /v1/jobs admitted", "POST /v1/jobs refused"],
     "End to end": ["in-process loop (baseline)", "slotq over HTTP"],
-    "Memory": ["in-process loop (baseline)", "slotq worker", "api process"],
+    "Memory": ["in-process loop (baseline)", "slotq worker", "slotq finishing process", "api process"],
 }
 
 
