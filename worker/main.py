@@ -145,6 +145,8 @@ class SlotWorker(FencedWorker):
         if done:
             works = [Work.of(member.job, member.execution, member.fence, rendered)
                      for member, rendered in done]
+            for member, _ in done:  # RQ's cleanup of the execution runs in the finishing process
+                self.executions.pop(member.execution.id, None)
             seconds = time.perf_counter() - started  # the drain rate Retry-After and ETAs need
             self.finisher.submit([member for member, _ in done], Batch(works, running, cost, seconds))
 
