@@ -5,14 +5,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from datetime import UTC
-from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from rq.executions import Execution
 from rq.job import Job
 from rq.job import JobStatus as RQStatus
 from rq.queue import Queue
@@ -22,16 +19,15 @@ from rq.worker import WorkerStatus
 
 from shared import estimates, keys, logs, records
 from shared import queue as jobs
-from shared.errors import JobCanceledError, JobInterruptedError, WorkerFatalError
-from shared.jobs import JobStatus
+from shared.errors import WorkerFatalError
 from shared.settings import Settings, get_settings
 from shared.waiting import Claimed
 from worker import batching, lifecycle, tasks
 from worker.claims import Claims
-from worker.failures import classify, is_device_fatal
-from worker.fencing import Fence, StaleAttemptError, connect_worker, holding
+from worker.endings import JobEndings, Member
+from worker.fencing import StaleAttemptError, connect_worker, holding
 from worker.finisher import Finisher
-from worker.finishing import Batch, Ended, FencedWorker, Work, run_seconds
+from worker.finishing import Batch, Work
 from worker.metrics import WorkerMetrics
 from worker.pipeline import current_pipeline, load_pipeline, set_current_pipeline
 from worker.webhooks import Sender
@@ -42,30 +38,21 @@ MAX_BACKOFF_S = 15.0
 EXIT_FATAL = 3
 
 
-@dataclass(frozen=True)
-class Member:
-    """One job of a GPU execution, with RQ's record of this run of it and the attempt's fence."""
-
-    job: Job
-    execution: Execution
-    fence: Fence
-
-
-class SlotWorker(FencedWorker):
+class SlotWorker(JobEndings):
     """An RQ worker that runs jobs in its own process, so the model stays loaded on the device.
 
     No fork per job: CUDA does not survive fork, and reloading weights per job would waste the GPU.
     The GPU gate is narrow: the main thread runs only the GPU section of each job (and the few
     Redis calls that start it), and a finishing process encodes, stores and records each job's
-    end through RQ while the next one runs (worker/finishing.py). This class also owns the loop
-    around it: claims that survive a crash, a heartbeat, reconnection to Redis, and the stop signals.
+    end through RQ while the next one runs (worker/finishing.py); worker/endings.py handles how
+    each run ends. This class owns the loop around it: claims that survive a crash, a heartbeat,
+    reconnection to Redis, and the stop signals.
     """
 
     def __init__(self, queue: Queue, settings: Settings) -> None:
         super().__init__(queue, settings, settings.worker_name)
         self.claims = Claims(queue, settings, self.name)
         self.metrics = WorkerMetrics(current_pipeline(), settings, self.name)
-        self._ending: str | None = None
 
     def serve(self, burst: bool = False) -> int:
         """Take and run jobs until told to stop; the process's exit code."""
@@ -223,60 +210,6 @@ class SlotWorker(FencedWorker):
         with self.death_penalty_class(timeout, JobTimeoutException, job_id=jobs[0].id):
             return tasks.render(jobs)
 
-    def _finished(self, members: list[Member], ended: list[Ended]) -> None:
-        """On the finisher's reader thread: the finishing process's answer for one execution."""
-        for member, end in zip(members, ended, strict=True):
-            job = member.job
-            with logs.about_job(job.id, job.meta.get("request_id")):
-                if end.outcome == "superseded":
-                    self._superseded(job.id, StaleAttemptError(end.error))
-                elif end.outcome == "unrecorded":
-                    # Its end not (fully) recorded: the claim stays and, no longer held, is recovered
-                    # once Redis is back: the job runs again, or its claim is dropped if its end landed.
-                    log.warning("could not store or record job %s (%s); it will run again", job.id, end.error)
-                    self.claims.unhold(job.id)
-                elif end.outcome == "unfinished":
-                    self._fail(member, RuntimeError(f"could not encode or store the images: {end.error}"))
-                else:
-                    self._ended(job, JobStatus(end.outcome), end.seconds)
-
-    def _lost(self, members: list[Member]) -> None:
-        """The finishing process died holding these jobs: recovery runs them again or drops their
-        claims, whichever their records call for."""
-        for member in members:
-            log.warning("job %s: its finishing was lost; it is left for recovery", member.job.id)
-            self.claims.unhold(member.job.id)
-
-    def _fail(self, member: Member, error: Exception) -> None:
-        """Record a job's failure through RQ's own failure path (our handle_exception and
-        handle_job_failure decide the ending)."""
-        with holding(member.fence), logs.about_job(member.job.id, member.job.meta.get("request_id")):
-            try:
-                if isinstance(error, StaleAttemptError):
-                    raise error
-                self._finalize_failure(member.job, self.queue, member.execution,
-                                       (type(error), error, error.__traceback__))
-                self._settled(member)
-            except StaleAttemptError as exc:
-                self._superseded(member.job.id, exc)
-
-    def _settled(self, member: Member) -> None:
-        """The job's end is recorded: settle it in Redis, then count and log it."""
-        self._ended(member.job, self.settle(member.job, member.fence), run_seconds(member.job))
-
-    def _ended(self, job: Job, status: JobStatus, seconds: float) -> None:
-        """Let go of an ended job, count and log it (inside ``logs.about_job``, so the line names it)."""
-        self.claims.unhold(job.id)
-        self.metrics.ended(status.value if status.is_terminal else "requeued", seconds)
-        log.info("%s in %.2f s", status.value if status.is_terminal else "put back", seconds)
-
-    def _superseded(self, job_id: str, error: StaleAttemptError) -> None:
-        """This worker lost the job to a newer attempt (it was presumed dead): drop it, write nothing."""
-        self.claims.unhold(job_id)
-        self.metrics.jobs.labels("superseded").inc()
-        log.warning("job %s: dropped, %s (this worker was cut off long enough to be presumed dead)",
-                    job_id, error)
-
     def _expire(self, job: Job) -> None:
         job.meta["expired"] = True
         with self.connection.pipeline() as pipe:
@@ -285,43 +218,6 @@ class SlotWorker(FencedWorker):
             pipe.lrem(self.claims.key, 1, job.id)
             pipe.execute()
         self.claims.unhold(job.id)
-
-    def handle_exception(self, job: Job, *exc_info: Any) -> None:
-        """Record why a job ended; decide whether it failed, was canceled or goes back to the queue."""
-        error = exc_info[1]
-        if isinstance(error, JobCanceledError):
-            self._ending = "canceled"
-            return
-        if isinstance(error, JobInterruptedError):
-            self._ending = "interrupted"
-            return
-        if is_device_fatal(error):
-            # Leave the claim in place: the next worker retries the job as after a crash.
-            raise WorkerFatalError(str(error))
-        code, message = classify(error)
-        if code == "out_of_memory":
-            current_pipeline().release_memory()
-        job.meta["error"] = {"code": code, "message": message}
-        records.save_meta(job)
-        super().handle_exception(job, *exc_info)
-
-    def handle_job_failure(self, job: Job, queue: Queue, started_job_registry: Any = None,
-                           exc_string: str = "", execution: Any = None) -> None:
-        """RQ marks a raised job failed; a canceled one is marked stopped, an interrupted one requeued."""
-        ending, self._ending = self._ending, None
-        if ending == "canceled":
-            # RQ's own stop-job command marks a job this way: STOPPED, never retried.
-            self._stopped_job_id = job.id
-        elif ending == "interrupted":
-            job.meta["interrupted"] = int(job.meta.get("interrupted", 0)) + 1
-            with self.connection.pipeline() as pipe:
-                self.cleanup_execution(job, pipeline=pipe, execution=execution)
-                records.requeue_at_front(job, queue, pipe)
-                pipe.lrem(self.claims.key, 1, job.id)
-                pipe.execute()
-            log.info("job %s interrupted and put back at the head of its class", job.id)
-            return
-        super().handle_job_failure(job, queue, started_job_registry, exc_string, execution)
 
     def _beat(self, done: threading.Event) -> None:
         interval = self.settings.heartbeat_ttl_s / 4
