@@ -14,7 +14,7 @@ from api.longpoll import Waits
 from api.metrics import ApiMetrics
 from api.page import page
 from api.routes import bp
-from shared.errors import (
+from shared.contract.errors import (
     MethodNotAllowedError,
     NotFoundError,
     PayloadTooLargeError,
@@ -22,9 +22,9 @@ from shared.errors import (
     UnauthorizedError,
     UnavailableError,
 )
-from shared.queue import connect, job_queue
-from shared.settings import Settings, get_settings
-from shared.tenants import policies
+from shared.contract.settings import Settings, get_settings
+from shared.contract.tenants import policies
+from shared.store.connection import connect, job_queue
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Long polling: requests that wait for a job's status to change, and the one thread that wakes them.
 
 A waiting request holds one gunicorn thread and sleeps on a ``threading.Event`` of its own. One
-listener thread per process subscribes to the queue's events channel (``shared/events.py``) and
+listener thread per process subscribes to the queue's events channel (``shared/store/events.py``) and
 sets the events of the requests waiting on each announced job id, which then read the job again.
 Delivery over pub/sub is at most once, so a waiter also reads the status on its own every
 ``RECHECK_S``: an announcement only makes it answer sooner. The listener starts on the first
@@ -24,10 +24,11 @@ from redis.client import PubSub
 from redis.exceptions import RedisError
 from rq.job import Job
 
-from shared import keys, records
-from shared.errors import InvalidRequestError
-from shared.jobs import JobStatus
-from shared.settings import Settings
+from shared.contract import keys
+from shared.contract.errors import InvalidRequestError
+from shared.contract.jobs import JobStatus
+from shared.contract.settings import Settings
+from shared.store import records
 
 log = logging.getLogger(__name__)
 

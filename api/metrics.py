@@ -17,10 +17,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from rq import Queue
 
-from shared import queue as jobs
-from shared import records
-from shared.jobs import PRIORITIES
-from shared.settings import Settings
+from shared.contract.jobs import PRIORITIES
+from shared.contract.settings import Settings
+from shared.store import endings, waiting
 
 # Refusals of a malformed request, counted as one outcome: the client must fix the request.
 INVALID_CODES = frozenset({"invalid_request", "invalid_json", "unsupported_media_type", "payload_too_large"})
@@ -89,13 +88,13 @@ class ServiceCollector(Collector):
                                   labels=["priority"])
         limit = GaugeMetricFamily("slotq_queue_limit", "Jobs that may wait before a class is refused.",
                                   labels=["priority"])
-        for priority, count in jobs.waiting_counts(self.queue, self.settings).items():
+        for priority, count in waiting.waiting_counts(self.queue, self.settings).items():
             depth.add_metric([priority], count)
         for priority in PRIORITIES:
             limit.add_metric([priority], self.settings.waiting_limit(priority))
         ended = CounterMetricFamily("slotq_jobs_ended", "Jobs that reached a final status, by status.",
                                     labels=["status"])
-        for status, count in records.ended_counts(self.queue).items():
+        for status, count in endings.ended_counts(self.queue).items():
             ended.add_metric([status], count)
         yield from (depth, limit, ended)
 

@@ -8,7 +8,7 @@ import time
 from flask import Flask, Response, current_app, g, request
 
 from api.metrics import ApiMetrics
-from shared import logs
+from shared.contract import logs
 
 log = logging.getLogger("slotq.requests")
 SUBMIT_ENDPOINT = "slotq.submit_job"

@@ -8,10 +8,10 @@ from typing import Any
 
 from api.longpoll import MAX_WAIT_S
 from api.routes import MAX_IDEMPOTENCY_KEY
-from shared import errors
-from shared.jobs import PRIORITIES, JobRequest, JobView
-from shared.settings import Settings
-from shared.workers import WorkerView
+from shared.contract import errors
+from shared.contract.jobs import PRIORITIES, JobRequest, JobView
+from shared.contract.settings import Settings
+from shared.store.workers import WorkerView
 
 REF = "#/components/schemas/{model}"
 JSON = "application/json"
@@ -51,7 +51,7 @@ def openapi_document(settings: Settings) -> dict[str, Any]:
 
 
 def error_codes() -> dict[int, list[str]]:
-    """Every client-facing error code by HTTP status, read from the classes in ``shared.errors``."""
+    """Every client-facing error code by HTTP status, read from the classes in ``shared.contract.errors``."""
     codes: dict[int, list[str]] = {}
     pending = list(errors.ServiceError.__subclasses__())
     while pending:

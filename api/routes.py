@@ -13,17 +13,17 @@ from rq.job import Job
 
 from api import longpoll
 from api.longpoll import Waits
-from shared import estimates, records, tenants, workers
-from shared import queue as jobs
-from shared.errors import (
+from shared.contract import tenants
+from shared.contract.errors import (
     DrainingError,
     InvalidJSONError,
     InvalidRequestError,
     UnsupportedMediaTypeError,
 )
-from shared.jobs import PRIORITIES, Eta, JobStatus, JobView, validate_request
-from shared.settings import Settings
-from shared.tenants import Tenant
+from shared.contract.jobs import PRIORITIES, Eta, JobStatus, JobView, validate_request
+from shared.contract.settings import Settings
+from shared.contract.tenants import Tenant
+from shared.store import admission, endings, estimates, records, waiting, workers
 
 bp = Blueprint("slotq", __name__)
 MAX_IDEMPOTENCY_KEY = 255
@@ -63,34 +63,34 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
                                        max_steps=settings.max_steps)
     except ValidationError as exc:
         raise InvalidRequestError(details=_details(exc)) from None
-    admission = jobs.enqueue_job(_queue(), settings, job_request, _idempotency_key(), _tenant(),
-                                 g.get("request_id"))
-    headers = {"Location": f"/v1/jobs/{admission.job.id}"}
-    g.admission = "replayed" if admission.replayed else "admitted"
+    admitted = admission.enqueue_job(_queue(), settings, job_request, _idempotency_key(), _tenant(),
+                                     g.get("request_id"))
+    headers = {"Location": f"/v1/jobs/{admitted.job.id}"}
+    g.admission = "replayed" if admitted.replayed else "admitted"
     wait = longpoll.preferred_wait(request.headers.getlist("Prefer"))
-    if wait and _waits().hold(admission.job, wait, longpoll.finished):
-        view = _current_view(jobs.fetch_job(_queue(), admission.job.id, _tenant()))
+    if wait and _waits().hold(admitted.job, wait, longpoll.finished):
+        view = _current_view(records.fetch_job(_queue(), admitted.job.id, _tenant()))
     else:
-        view = _admitted_view(admission)
+        view = _admitted_view(admitted)
     if wait and view.status.is_terminal:
         headers["Preference-Applied"] = f"wait={wait}"
-    return _json(view), 200 if admission.replayed or view.status.is_terminal else 202, headers
+    return _json(view), 200 if admitted.replayed or view.status.is_terminal else 202, headers
 
 
 @bp.get("/v1/jobs/<job_id>")
 def get_job(job_id: str) -> Response:
     """A job's status, progress and result links; with ``?wait=N``, once its status changes or N s pass."""
     wait = longpoll.wait_query(request.args.get("wait"))
-    job = jobs.fetch_job(_queue(), job_id, _tenant())
+    job = records.fetch_job(_queue(), job_id, _tenant())
     if wait and _waits().hold(job, wait, longpoll.changed_from(records.job_status(job))):
-        job = jobs.fetch_job(_queue(), job_id, _tenant())
+        job = records.fetch_job(_queue(), job_id, _tenant())
     return _json(_current_view(job))
 
 
 @bp.get("/v1/jobs/<job_id>/images/<int:index>")
 def get_image(job_id: str, index: int) -> Response:
     """One finished image as PNG."""
-    png = records.fetch_image(jobs.fetch_job(_queue(), job_id, _tenant()), index)
+    png = records.fetch_image(records.fetch_job(_queue(), job_id, _tenant()), index)
     return Response(png, mimetype="image/png", headers={"Cache-Control": "private, max-age=3600"})
 
 
@@ -98,15 +98,15 @@ def get_image(job_id: str, index: int) -> Response:
 def cancel_job(job_id: str) -> tuple[Response, int]:
     """Cancel a job: 200 once it is canceled, 202 while its worker is stopping it."""
     queue = _queue()
-    ended = jobs.cancel_job(queue, _settings(), jobs.fetch_job(queue, job_id, _tenant()))
-    return _json(records.job_view(jobs.fetch_job(queue, job_id, _tenant()))), 200 if ended else 202
+    ended = endings.cancel(queue, _settings(), records.fetch_job(queue, job_id, _tenant()))
+    return _json(records.job_view(records.fetch_job(queue, job_id, _tenant()))), 200 if ended else 202
 
 
 @bp.get("/v1/queue")
 def queue_state() -> Response:
     """How many jobs wait, by priority, against the limits of each class."""
     settings = _settings()
-    counts = jobs.waiting_counts(_queue(), settings)
+    counts = waiting.waiting_counts(_queue(), settings)
     return jsonify({"waiting": sum(counts.values()), "capacity": settings.queue_capacity,
                     "by_priority": counts,
                     "limits": {p: settings.waiting_limit(p) for p in PRIORITIES}})
@@ -150,7 +150,7 @@ def readyz() -> Response:
     return jsonify({"status": "ready"})
 
 
-def _admitted_view(admission: jobs.Admission) -> JobView:
+def _admitted_view(admission: admission.Admission) -> JobView:
     """The view of a job just admitted or replayed."""
     if admission.replayed:
         return _view(admission.job)
@@ -163,8 +163,8 @@ def _current_view(job: Job) -> JobView:
     view = _view(job)
     if view.status is JobStatus.QUEUED and view.deadline_at and _past(view.deadline_at.timestamp()):
         queue = _queue()
-        jobs.expire_due(queue, _settings())
-        view = _view(jobs.fetch_job(queue, job.id, _tenant()))
+        waiting.expire_due(queue, _settings())
+        view = _view(records.fetch_job(queue, job.id, _tenant()))
     return view
 
 

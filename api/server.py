@@ -17,8 +17,8 @@ from gunicorn.app.base import BaseApplication
 
 from api import metrics
 from api.app import create_app
-from shared import logs
-from shared.settings import Settings, get_settings
+from shared.contract import logs
+from shared.contract.settings import Settings, get_settings
 
 
 class APIServer(BaseApplication):  # type: ignore[misc]

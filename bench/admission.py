@@ -34,9 +34,9 @@ from redis import Redis
 from redis.connection import Connection
 
 from api.app import create_app
-from shared.localredis import free_port, start_redis
-from shared.queue import connect
-from shared.settings import Settings
+from shared.contract.settings import Settings
+from shared.store.connection import connect
+from slotq.localredis import free_port, start_redis
 
 BODY = json.dumps({"prompt": "bench", "width": 256, "height": 256, "steps": 4})
 HEADER = f"{'':36}{'p50 ms':>9}{'p99 ms':>9}{'req/s':>9}"
@@ -129,7 +129,7 @@ def served(settings: Settings, processes: int, bare: bool, scratch: Path) -> Ite
             "SLOTQ_QUEUE_CAPACITY": str(settings.queue_capacity), "SLOTQ_API_WORKERS": str(processes),
             "SLOTQ_API_THREADS": "8", "SLOTQ_LOG_LEVEL": "WARNING", "SLOTQ_DRAIN_S": "0"}
     command = [sys.executable, "-m", "bench.admission", "--serve-bare", str(port)] if bare else [
-        sys.executable, "-m", "shared.cli", "api", "--port", str(port)]
+        sys.executable, "-m", "slotq.cli", "api", "--port", str(port)]
     with (scratch / f"api-{port}.log").open("wb") as log:
         process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -223,7 +223,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.serve_bare:
         from api.server import serve
-        from shared.settings import load_settings
+        from shared.contract.settings import load_settings
 
         serve(port=args.serve_bare, settings=load_settings(), factory=bare_app)
         return

@@ -14,8 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from shared.jobs import JobRequest
-from shared.settings import Settings
+from shared.contract.jobs import JobRequest
+from shared.contract.settings import Settings
 
 SIZES = (64, 256)
 BATCHES = (1, 4, 8)

@@ -35,9 +35,9 @@ from redis import Redis
 from rq import Worker
 
 from bench.gpu import Sections, in_process_loop, requests
-from shared.jobs import JobStatus
-from shared.localredis import free_port, start_redis
-from shared.settings import Settings
+from shared.contract.jobs import JobStatus
+from shared.contract.settings import Settings
+from slotq.localredis import free_port, start_redis
 
 PNG = b"\x89PNG\r\n\x1a\n"
 WAIT_S = 30
@@ -73,7 +73,7 @@ def slotq_env(settings: Settings) -> dict[str, str]:
 def spawn(args: list[str], settings: Settings, log: Path) -> subprocess.Popen[bytes]:
     """Start ``slotq ARGS`` with its output in ``log``."""
     with log.open("wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "shared.cli", *args], env=slotq_env(settings),
+        return subprocess.Popen([sys.executable, "-m", "slotq.cli", *args], env=slotq_env(settings),
                                 stdout=out, stderr=subprocess.STDOUT)
 
 

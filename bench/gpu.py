@@ -38,10 +38,11 @@ from pathlib import Path
 
 from PIL import Image
 
-from shared import queue as jobs
-from shared.jobs import JobRequest
-from shared.localredis import free_port, start_redis
-from shared.settings import Settings
+from shared.contract.jobs import JobRequest
+from shared.contract.settings import Settings
+from shared.store import admission
+from shared.store.connection import connect, job_queue
+from slotq.localredis import free_port, start_redis
 
 Sections = list[tuple[float, float]]
 LOOP = "in-process loop (ceiling)"
@@ -99,7 +100,7 @@ def requests(count: int, size: int, steps: int) -> list[JobRequest]:
 
 def in_process_loop(settings: Settings, batch: list[JobRequest]) -> Sections:
     """The ceiling: the pipeline and PNG encoding back to back, nothing else."""
-    from worker.finishing import encode_png
+    from worker.messages import encode_png
     from worker.pipeline import load_pipeline
 
     pipeline = load_pipeline(settings)
@@ -113,12 +114,12 @@ def in_process_loop(settings: Settings, batch: list[JobRequest]) -> Sections:
 def through_worker(kind: str, settings: Settings, batch: list[JobRequest], scratch: Path,
                    null: bool = False) -> Sections:
     """Admit the whole batch, then run a worker of this kind in burst mode; its GPU sections."""
-    connection = jobs.connect(settings)
+    connection = connect(settings)
     connection.flushdb()
-    queue = jobs.job_queue(connection, settings)
+    queue = job_queue(connection, settings)
     for request in batch:
         if kind == "slotq":
-            jobs.enqueue_job(queue, settings, request)
+            admission.enqueue_job(queue, settings, request)
         else:  # RQ's own list, as a user of plain RQ would enqueue it
             queue.enqueue("worker.tasks.generate", kwargs={"request": request.model_dump(mode="json")})
     trace = scratch / f"{kind}-trace.json"
@@ -140,7 +141,7 @@ def serve(kind: str, trace: Path, null: bool) -> None:
     from rq import Queue, SimpleWorker
     from rq.serializers import JSONSerializer
 
-    from shared.settings import get_settings
+    from shared.contract.settings import get_settings
     from worker.main import SlotWorker, connect_worker
     from worker.pipeline import load_pipeline, set_current_pipeline
 
@@ -149,9 +150,9 @@ def serve(kind: str, trace: Path, null: bool) -> None:
     pipeline = NullPipeline() if null else load_pipeline(settings)
     set_current_pipeline(pipeline)  # type: ignore[arg-type]
     if kind == "slotq":
-        SlotWorker(jobs.job_queue(connect_worker(settings), settings), settings).serve(burst=True)
+        SlotWorker(job_queue(connect_worker(settings), settings), settings).serve(burst=True)
     else:
-        connection = jobs.connect(settings, blocking=True)
+        connection = connect(settings, blocking=True)
         queue = Queue(settings.queue_name, connection=connection, serializer=JSONSerializer)
         SimpleWorker([queue], connection=connection, serializer=JSONSerializer).work(burst=True)
     trace.write_text(json.dumps(list(pipeline.sections)))
@@ -159,7 +160,7 @@ def serve(kind: str, trace: Path, null: bool) -> None:
 
 def bare_loop(settings: Settings, count: int) -> float:
     """Seconds per job for the floor of a reliable Redis queue: BLMOVE into a claims list, LREM."""
-    connection = jobs.connect(settings, blocking=True)
+    connection = connect(settings, blocking=True)
     connection.flushdb()
     connection.rpush("bench:waiting", *[f"job-{index}" for index in range(count)])
     began = time.perf_counter()

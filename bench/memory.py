@@ -24,7 +24,7 @@ from pathlib import Path
 
 from bench.end_to_end import bench_settings, bodies, burst, running, slotq_env
 from bench.gpu import requests
-from shared.settings import Settings
+from shared.contract.settings import Settings
 
 SIZE, STEPS = 64, 1
 Sample = dict[str, tuple[int, int]]  # process -> (VmRSS, VmHWM) in kB
@@ -73,8 +73,8 @@ def loop_samples(settings: Settings, jobs: int, first: int) -> list[Sample]:
 
 def run_loop(jobs: int, first: int) -> None:
     """In the fresh process of ``loop_samples``: run the loop and print its samples as JSON."""
-    from shared.settings import load_settings
-    from worker.finishing import encode_png
+    from shared.contract.settings import load_settings
+    from worker.messages import encode_png
     from worker.pipeline import load_pipeline
 
     pipeline = load_pipeline(load_settings())

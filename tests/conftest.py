@@ -15,13 +15,14 @@ from typing import Any
 import pytest
 from flask.testing import FlaskClient
 from redis import Redis
+from rq import Queue
 from rq import Worker
 
 from api.app import create_app
-from shared import keys
-from shared.jobs import PRIORITIES
-from shared.localredis import free_port, start_redis
-from shared.settings import Settings
+from shared.contract import keys
+from shared.contract.jobs import PRIORITIES
+from shared.contract.settings import Settings
+from slotq.localredis import free_port, start_redis
 
 DEADLINE_S = 60.0
 
@@ -39,9 +40,19 @@ def wait_for(condition: Callable[[], Any], timeout: float = DEADLINE_S, what: st
 
 
 def waiting_ids(redis: Redis, settings: Settings) -> list[str]:
-    """The ids of the waiting jobs, in the order a worker takes them."""
+    """The ids of the waiting jobs, in the order a worker takes them; checks that RQ's lists hold
+    exactly these ids (the line's order and its lists never disagree)."""
     line = keys.line_key(settings.queue_name)
-    return [raw.decode() for priority in PRIORITIES for raw in redis.zrange(f"{line}:{priority}", 0, -1)]
+    ordered = [raw.decode() for priority in PRIORITIES for raw in redis.zrange(f"{line}:{priority}", 0, -1)]
+    in_rq = [raw.decode() for queue in rq_queues(redis, settings) for raw in redis.lrange(queue.key, 0, -1)]
+    assert sorted(in_rq) == sorted(ordered), f"RQ's lists hold {in_rq}, the line's order {ordered}"
+    return ordered
+
+
+def rq_queues(redis: Redis, settings: Settings) -> list[Queue]:
+    """The RQ queues of the slotq line, as RQ's own registry of queues lists them."""
+    prefix = settings.queue_name + keys.QUEUE_SEPARATOR
+    return [queue for queue in Queue.all(connection=redis) if queue.name.startswith(prefix)]
 
 
 @pytest.fixture(scope="session")
@@ -162,7 +173,7 @@ class Process:
 def spawn(args: list[str], env: dict[str, str], log: Path) -> Process:
     """Start ``slotq ARGS`` with its output in ``log``."""
     with log.open("wb") as handle:  # the child keeps its own copy of the descriptor
-        popen = subprocess.Popen([sys.executable, "-m", "shared.cli", *args], env=env,
+        popen = subprocess.Popen([sys.executable, "-m", "slotq.cli", *args], env=env,
                                  stdout=handle, stderr=subprocess.STDOUT)
     return Process(popen=popen, log=log)
 

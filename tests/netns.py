@@ -40,8 +40,8 @@ import pytest
 from redis import Redis
 from rq import Worker
 
-from shared.localredis import is_reachable, redis_server_binary
-from shared.settings import Settings
+from shared.contract.settings import Settings
+from slotq.localredis import is_reachable, redis_server_binary
 from tests.conftest import Process, slotq_env, wait_for
 
 REQUIRE_ENV = "SLOTQ_REQUIRE_NETNS"
@@ -326,7 +326,7 @@ def start_api(host: Host, settings: Settings, port: int = API_PORT, **extra: Any
     # gunicorn 27 would put its control socket there (api/server.py turns it off; this holds anyway).
     env["HOME"] = str(host.dir)
     env.pop("XDG_RUNTIME_DIR", None)
-    command = [sys.executable, "-m", "shared.cli", "api", "--host", "0.0.0.0", "--port", str(port)]
+    command = [sys.executable, "-m", "slotq.cli", "api", "--host", "0.0.0.0", "--port", str(port)]
     process = host.popen(command, env, host.dir / f"api-{port}.log")
     process.url = f"http://{host.ip}:{port}"
     return process
@@ -351,7 +351,7 @@ def start_worker(host: Host, settings: Settings, **extra: Any) -> Process:
     The metrics port is the same on every host: each namespace has ports of its own.
     """
     extra = {"worker_name": host.name, "worker_metrics_host": "0.0.0.0", **extra}
-    process = host.popen([sys.executable, "-m", "shared.cli", "worker"], slotq_env(settings, **extra),
+    process = host.popen([sys.executable, "-m", "slotq.cli", "worker"], slotq_env(settings, **extra),
                          host.dir / "worker.log")
     port = extra.get("worker_metrics_port", settings.worker_metrics_port)
     process.url = f"http://{host.ip}:{port}" if port else ""

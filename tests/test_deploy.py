@@ -14,7 +14,7 @@ import pytest
 import yaml
 from pydantic import TypeAdapter
 
-from shared.settings import KeyTable, Settings
+from shared.contract.settings import KeyTable, Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

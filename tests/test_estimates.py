@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from flask.testing import FlaskClient
 
-from shared.settings import Settings
+from shared.contract.settings import Settings
 from tests.conftest import Process, post_job, start_worker, wait_for, wait_for_status
 
 pytestmark = pytest.mark.slow

@@ -23,8 +23,8 @@ import pytest
 from redis import Redis
 from rq.job import Job
 
-from shared.localredis import free_port, is_reachable, redis_server_binary
-from shared.settings import Settings, load_settings
+from shared.contract.settings import Settings, load_settings
+from slotq.localredis import free_port, is_reachable, redis_server_binary
 from tests.conftest import app_client, http_post_job, post_job, start_worker, wait_for, waiting_ids
 
 MASTER = "mymaster"

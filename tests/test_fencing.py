@@ -12,8 +12,8 @@ from redis import Redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from shared import keys
-from shared.settings import Settings
+from shared.contract import keys
+from shared.contract.settings import Settings
 from tests.conftest import Process, post_job, start_worker, wait_for, wait_for_status
 from worker import fencing, progress
 from worker.fencing import FencedRedis, StaleAttemptError, holding

@@ -31,8 +31,8 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from api.openapi import error_codes, openapi_document
-from shared.jobs import MAX_SEED, JobRequest, JobStatus, JobView
-from shared.settings import Settings
+from shared.contract.jobs import MAX_SEED, JobRequest, JobStatus, JobView
+from shared.contract.settings import Settings
 from tests.conftest import Process, app_client
 
 FUZZ_DB, SCHEMATHESIS_DB = 2, 3

@@ -9,7 +9,7 @@ from typing import Any
 
 from flask.testing import FlaskClient
 
-from shared.settings import Settings
+from shared.contract.settings import Settings
 from tests.conftest import Process, http_post_job, post_job, wait_for, wait_for_status
 
 

@@ -24,9 +24,9 @@ from rq.job import Job
 from api import longpoll
 from api.app import create_app
 from api.longpoll import Waits
-from shared import keys, records, waiting
-from shared import queue as jobs
-from shared.settings import Settings
+from shared.contract import keys
+from shared.contract.settings import Settings
+from shared.store import endings, waiting
 from tests.conftest import Process, RedisServer, http_post_job, post_job, wait_for
 
 # An announcement wakes a waiter within milliseconds; the fallback re-read would take up to RECHECK_S.
@@ -325,7 +325,7 @@ def test_a_requeue_announces_the_job(client: FlaskClient, redis: Redis, settings
     assert waiting.remove(redis, settings.queue_name, job_id)  # as a worker's claim takes it
     job = Job.fetch(job_id, connection=queue.connection, serializer=queue.serializer)
     with queue.connection.pipeline() as pipe:
-        records.requeue_at_front(job, queue, pipe)
+        endings.requeue_at_front(job, queue, pipe)
         pipe.execute()
     wait_for(announced(events, job_id), timeout=5, what="the requeue's announcement")
 
@@ -338,7 +338,7 @@ def test_an_expiry_announces_the_job(client: FlaskClient, settings: Settings, ev
 
     def expired() -> bool:  # either script expires the job once its deadline has passed on Redis's clock
         if expire_by == "sweep":
-            jobs.expire_due(queue, settings)
+            waiting.expire_due(queue, settings)
         else:
             post_job(client, priority="high")
         return announced(events, job_id)()

@@ -7,7 +7,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.settings import Settings
+from shared.contract.settings import Settings
 from tests.conftest import Process, http_post_job, post_job, wait_for, wait_for_status
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]

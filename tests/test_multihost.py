@@ -22,9 +22,9 @@ from rq import Worker
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from shared import keys
-from shared.localredis import is_reachable
-from shared.settings import Settings
+from shared.contract import keys
+from shared.contract.settings import Settings
+from slotq.localredis import is_reachable
 from tests.conftest import Process, http_post_job, wait_for, waiting_ids
 from tests.netns import (
     REDIS_PORT,

@@ -6,7 +6,7 @@ import socket
 import time
 from pathlib import Path
 
-from shared.settings import Settings
+from shared.contract.settings import Settings
 from tests.conftest import RedisServer, app_client, post_job, wait_for
 
 

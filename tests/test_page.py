@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from flask.testing import FlaskClient
 
-from shared.settings import Settings
+from shared.contract.settings import Settings
 from tests.conftest import DEADLINE_S, Process, wait_for
 
 if TYPE_CHECKING:

@@ -10,8 +10,8 @@ import pytest
 from flask.testing import FlaskClient
 from redis import Redis
 
-from shared import keys
-from shared.settings import Settings
+from shared.contract import keys
+from shared.contract.settings import Settings
 from tests.conftest import Process, app_client, post_job, wait_for
 from tests.netns import Host, Lab, require_network, start_redis, start_worker, wait_workers
 from tests.test_fencing import assert_only_the_new_attempt_counts, await_old_attempt, holder

@@ -17,7 +17,7 @@ import pytest
 from flask.testing import FlaskClient
 from redis import Redis
 
-from shared.settings import Settings
+from shared.contract.settings import Settings
 from tests.conftest import Process, app_client, http_post_job, wait_for, wait_for_status, waiting_ids
 
 KEYS = {"key-a": "alice", "key-c": "carol",

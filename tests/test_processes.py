@@ -17,8 +17,8 @@ import pytest
 from PIL import Image
 from redis import Redis
 
-from shared.client import Client
-from shared.settings import Settings
+from shared.contract.settings import Settings
+from slotq.client import Client
 from tests.conftest import Process, http_post_job, slotq_env, wait_for, waiting_ids
 
 CLIENTS = 32
@@ -72,7 +72,7 @@ def test_prompt_posted_to_the_running_service_comes_back_as_png(
     output = tmp_path / "out.png"
     env = slotq_env(worker_settings)
     result = subprocess.run(
-        [sys.executable, "-m", "shared.cli", "submit", "a lighthouse at dusk", "--url", api.url,
+        [sys.executable, "-m", "slotq.cli", "submit", "a lighthouse at dusk", "--url", api.url,
          "--width", "96", "--height", "64", "--steps", "3", "--seed", str(view["request"]["seed"]),
          "-o", str(output)],
         env=env, capture_output=True, text=True, timeout=120, check=False)

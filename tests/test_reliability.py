@@ -13,7 +13,7 @@ import pytest
 from flask.testing import FlaskClient
 from redis import Redis
 
-from shared.settings import Settings
+from shared.contract.settings import Settings
 from tests.conftest import (
     Process,
     RedisServer,

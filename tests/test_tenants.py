@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from flask.testing import FlaskClient
 
-from shared.settings import Settings, load_settings
+from shared.contract.settings import Settings, load_settings
 from tests.conftest import Process, app_client, http_post_job
 
 KEYS = {"key-alice": "alice", "key-bob": {"tenant": "bob", "rate": 1, "burst": 10}}

@@ -17,11 +17,11 @@ from flask.testing import FlaskClient
 from redis import Redis
 from standardwebhooks import Webhook, WebhookVerificationError
 
-from shared import keys
-from shared import queue as jobs
-from shared.errors import WebhookRefusedError, WebhookSignatureError
-from shared.settings import Settings
-from shared.webhooks import allowance, signed_headers, signing_key, verify
+from shared.contract import keys
+from shared.contract.errors import WebhookRefusedError, WebhookSignatureError
+from shared.contract.settings import Settings
+from shared.contract.webhooks import allowance, signed_headers, signing_key, verify
+from shared.store.connection import connect, job_queue
 from tests.conftest import (
     Process,
     app_client,
@@ -143,10 +143,10 @@ def hook_client(hook_settings: Settings) -> Iterator[FlaskClient]:
 def start_sender(hook_settings: Settings) -> Iterator[Callable[..., Sender]]:
     """Start webhook senders in this process, fast-polling and with short backoffs."""
     started: list[Sender] = []
-    connection = jobs.connect(hook_settings)
+    connection = connect(hook_settings)
 
     def start(settings: Settings = hook_settings, **options: Any) -> Sender:
-        queue = jobs.job_queue(connection, settings)
+        queue = job_queue(connection, settings)
         sender = Sender(queue, settings, poll_s=0.05, backoff_s=0.05, **options)
         sender.start()
         started.append(sender)

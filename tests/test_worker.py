@@ -9,7 +9,7 @@ from flask.testing import FlaskClient
 from PIL import Image
 from redis import Redis
 
-from shared.settings import Settings
+from shared.contract.settings import Settings
 from tests.conftest import post_job, wait_for, wait_for_status
 from worker import progress
 

@@ -14,9 +14,10 @@ import yaml
 from flask.testing import FlaskClient
 from redis import Redis
 
-from shared import keys, workers
-from shared.settings import Settings
-from shared.workers import WorkerIdentity
+from shared.contract import keys
+from shared.contract.settings import Settings
+from shared.store import workers
+from shared.store.workers import WorkerIdentity
 from tests.conftest import Process, app_client, post_job, start_worker, wait_for, wait_for_status
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import time
 
-from shared.jobs import JobRequest
-from shared.settings import Settings
-from shared.waiting import Claimed
+from shared.contract.jobs import JobRequest
+from shared.contract.settings import Settings
+from shared.store.waiting import Claimed
 from worker import lifecycle
 from worker.claims import Claims
 

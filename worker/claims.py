@@ -16,11 +16,12 @@ import time
 from redis import WatchError
 from rq.exceptions import NoSuchJobError
 from rq.job import Job
-from rq.job import JobStatus as RQStatus
 from rq.queue import Queue
 
-from shared import keys, records, waiting, workers
-from shared.settings import Settings
+from shared.contract import keys
+from shared.contract.jobs import Outcome
+from shared.contract.settings import Settings
+from shared.store import endings, waiting, workers
 from worker import fencing
 
 log = logging.getLogger(__name__)
@@ -137,11 +138,12 @@ class Claims:
                 pipe.multi()
                 pipe.lrem(claims_key, 1, job_id)
                 fencing.revoke(pipe, job_id)  # whoever ran it may not write to it any more
-                outcome = self._settle(job, pipe) if job is not None else "missing"
+                outcome = (endings.settle_abandoned(job, self.queue, self.settings, pipe) if job is not None
+                           else Outcome.MISSING)
                 pipe.execute()
             except WatchError:
                 return 0
-        log.warning("recovered job %s from %s: %s", job_id, claims_key, outcome)
+        log.warning("recovered job %s from %s: %s", job_id, claims_key, outcome.value)
         return 1
 
     def _fetch(self, job_id: str) -> Job | None:
@@ -149,20 +151,3 @@ class Claims:
             return Job.fetch(job_id, connection=self.connection, serializer=self.queue.serializer)
         except NoSuchJobError:
             return None
-
-    def _settle(self, job: Job, pipe: object) -> str:
-        """Queue the writes that settle one abandoned job; returns what happened to it."""
-        status = records.job_status(job)
-        if status.is_terminal:
-            return status.value
-        if self.connection.exists(keys.cancel_key(job.id)):
-            records.end_job(job, self.queue, self.settings, pipe, RQStatus.STOPPED)  # type: ignore[arg-type]
-            return "canceled"
-        if records.attempts_used(job) >= self.settings.max_attempts:
-            error = {"code": "worker_lost",
-                     "message": f"The worker died while running this job, {records.attempts_used(job)} "
-                                "times; it is not retried again."}
-            records.end_job(job, self.queue, self.settings, pipe, RQStatus.FAILED, error)  # type: ignore[arg-type]
-            return "failed: worker_lost"
-        records.requeue_at_front(job, self.queue, pipe)  # type: ignore[arg-type]
-        return "requeued"

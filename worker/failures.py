@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from rq.timeouts import JobTimeoutException
 
-from shared.errors import JobFailedError
+from shared.contract.errors import JobFailedError
 
 MAX_ERROR_MESSAGE = 500
 

@@ -27,9 +27,9 @@ from redis import Redis, WatchError
 from redis.client import Pipeline
 from redis.exceptions import RedisError
 
-from shared import keys
-from shared import queue as jobs
-from shared.settings import Settings
+from shared.contract import keys
+from shared.contract.settings import Settings
+from shared.store import connection, scripts
 
 
 class StaleAttemptError(Exception):
@@ -48,15 +48,6 @@ class Fence:
         return keys.fence_key(self.job_id)
 
 
-# KEYS: the worker's claims list, the job's fence key; ARGV: job id, token, TTL in seconds.
-# The token is set only while the claim is this worker's: a claim recovered by another worker
-# cannot be started again by the one that lost it.
-ACQUIRE_SCRIPT = """
-if not redis.call('LPOS', KEYS[1], ARGV[1]) then return 0 end
-redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[3])
-return 1
-"""
-
 # Commands that never write: they run as they are, without the fence's round trips.
 READS = frozenset({
     "DBSIZE", "ECHO", "EXISTS", "GET", "HEXISTS", "HGET", "HGETALL", "HKEYS", "HLEN", "HMGET", "HSCAN",
@@ -72,10 +63,9 @@ _held: ContextVar[tuple[Fence, ...]] = ContextVar("slotq_fences", default=())
 def acquire(connection: Redis, claims_key: str, job_ids: list[str], ttl_s: int) -> list[Fence | None]:
     """Start an attempt at each job: its fence, or None where this worker no longer holds the claim."""
     fences = [Fence(job_id, secrets.token_hex(8)) for job_id in job_ids]
-    script = connection.register_script(ACQUIRE_SCRIPT)
     with connection.pipeline(transaction=False) as pipe:
         for fence in fences:
-            script(keys=[claims_key, fence.key], args=[fence.job_id, fence.token, ttl_s], client=pipe)
+            scripts.run(pipe, "fence", [claims_key, fence.key], [fence.job_id, fence.token, ttl_s])
         granted = pipe.execute()
     return [fence if ok else None for fence, ok in zip(fences, granted, strict=True)]
 
@@ -177,4 +167,4 @@ class FencedRedis(Redis):
 
 def connect_worker(settings: Settings) -> Redis:
     """The worker's Redis client: blocking pops allowed, and writes fenced by attempt."""
-    return jobs.connect(settings, blocking=True, redis_class=FencedRedis)
+    return connection.connect(settings, blocking=True, redis_class=FencedRedis)

@@ -1,26 +1,57 @@
-"""The worker's side of its finishing process: hand each execution's images over, act on the answer.
+"""The finishing process: it records each job's end off the GPU path; both sides of it are here.
 
-The worker's main thread holds the GPU only for the pipeline call, then hands the images here and
-takes the next job at once. A hand-off waits until the previous one is answered, so at most two
-executions' images are in flight (one being finished, one being made) and a slow finish slows the
-GPU down instead of piling work up. A job stays in its worker's claims until its end is recorded,
-so a crash of either process at any moment leaves it recoverable; a finishing process that dies
-is replaced, and the jobs it held are let go for recovery to settle.
+With a small model the GPU section is mostly Python, so any Python another thread of the worker
+runs meanwhile (PNG encoding, RQ's bookkeeping) waits on the same GIL and slows the GPU section
+down. So each execution's images go to a finishing process of its own, started with ``spawn``
+(CUDA does not survive a fork), which never imports torch: it encodes and stores the PNGs and
+records each job's end through RQ's own success path, under the attempt's fence, as the worker
+would; then it answers how each job ended, and the worker counts, logs and lets go of it.
+
+The worker's main thread holds the GPU only for the pipeline call, then hands the images over
+(:class:`Finisher`) and takes the next job at once. A hand-off waits until the previous one is
+answered, so at most two executions' images are in flight (one being finished, one being made)
+and a slow finish slows the GPU down instead of piling work up. A job stays in its worker's claims
+until its end is recorded, so a crash of either process at any moment leaves it recoverable; a
+finishing process that dies is replaced, and the jobs it held are let go for recovery to settle.
+The messages between the two are worker/messages.py's.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
+import signal
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Generic, TypeVar
+from types import FrameType
+from typing import Any, Generic, TypeVar
 
-from shared.errors import WorkerFatalError
-from shared.settings import Settings
-from worker import finishing
-from worker.finishing import Batch, Ended
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from rq.executions import Execution
+from rq.job import Job
+
+from shared.contract import logs
+from shared.contract.errors import WorkerFatalError
+from shared.contract.jobs import Outcome
+from shared.contract.settings import Settings
+from shared.store import estimates, records
+from shared.store.connection import job_queue
+from worker.fencing import StaleAttemptError, connect_worker, holding
+from worker.messages import (
+    Batch,
+    Ended,
+    Finished,
+    FromFinisher,
+    Ready,
+    Rendered,
+    Stop,
+    ToFinisher,
+    Work,
+    encode_png,
+)
+from worker.rq import RQWorker, run_seconds
 
 log = logging.getLogger(__name__)
 Handoff = TypeVar("Handoff")
@@ -57,7 +88,7 @@ class Finisher(Generic[Handoff]):
         with self._lock:
             self._pending, connection = handoff, self._connection
         try:
-            connection.send(batch)
+            connection.send(batch)  # a ToFinisher message
         except OSError:  # the process died meanwhile; unless its reader let go of the batch already
             self._lose(handoff)
 
@@ -66,7 +97,7 @@ class Finisher(Generic[Handoff]):
         self._free.acquire()
         self._closing = True
         try:
-            self._connection.send(None)
+            self._connection.send(Stop())
         except OSError:
             pass
         self._process.join(STOP_TIMEOUT_S)
@@ -79,7 +110,7 @@ class Finisher(Generic[Handoff]):
         # spawn, not fork: the parent may hold a CUDA context, which does not survive a fork.
         context = multiprocessing.get_context("spawn")
         self._connection, theirs = context.Pipe()
-        self._process = context.Process(target=finishing.serve, name="slotq-finisher", daemon=True,
+        self._process = context.Process(target=serve, name="slotq-finisher", daemon=True,
                                         args=(theirs, self._settings, self._worker_name))
         self._process.start()
         theirs.close()  # so that its death reads as end of file here
@@ -88,7 +119,7 @@ class Finisher(Generic[Handoff]):
             self._process.kill()
             raise RuntimeError(f"the finishing process did not start within {START_TIMEOUT_S:.0f} s")
         try:
-            if self._connection.recv() != finishing.READY:
+            if not isinstance(self._connection.recv(), Ready):
                 raise RuntimeError("the finishing process said something else than that it is ready")
         except EOFError:
             self._process.join()
@@ -98,7 +129,7 @@ class Finisher(Generic[Handoff]):
         while True:
             connection: Connection = self._connection
             try:
-                ended = connection.recv()
+                answer: FromFinisher = connection.recv()
             except (EOFError, OSError):
                 connection.close()
                 if self._closing or not self._replace():
@@ -107,7 +138,9 @@ class Finisher(Generic[Handoff]):
             with self._lock:
                 handoff, self._pending = self._pending, None
             try:
-                self._on_ended(handoff, ended)  # type: ignore[arg-type]
+                if not isinstance(answer, Finished):
+                    raise TypeError(f"the finishing process answered {answer!r}")
+                self._on_ended(handoff, answer.ended)  # type: ignore[arg-type]
             except BaseException:  # a fault here must not stop the next batch's answer
                 log.exception("handling the end of finished jobs failed")
             finally:
@@ -138,3 +171,80 @@ class Finisher(Generic[Handoff]):
             self._on_lost(handoff)
         finally:
             self._free.release()
+
+
+# --- the finishing process itself ------------------------------------------------------------------
+
+def store_result(job: Job, settings: Settings, rendered: Rendered) -> dict[str, Any]:
+    """Encode the images as PNG and store them for the result TTL; the job's result."""
+    request, images = rendered
+    records.store_images(job, settings, [encode_png(image, request) for image in images])
+    return {"images": len(images), "seed": request.seed}
+
+
+class Finishing(RQWorker):
+    """The finishing process's side: store each job's images and record its success."""
+
+    def finish(self, batch: Batch) -> list[Ended]:
+        ended = [self._finish_one(work) for work in batch.works]
+        if any(end.outcome is Outcome.SUCCEEDED for end in ended):
+            estimates.job_done(self.connection, self.queue.name, self.name, batch.running, batch.cost,
+                               batch.seconds)
+        return ended
+
+    def _finish_one(self, work: Work) -> Ended:
+        job = Job(work.job_id, connection=self.connection, serializer=self.serializer)
+        job.restore(work.record)
+        execution = Execution(work.execution_id, job.id, self.connection, self.name)
+        execution.created_at = work.execution_started
+        with holding(work.fence), logs.about_job(job.id, job.meta.get("request_id")):
+            try:
+                try:
+                    result = store_result(job, self.settings, work.rendered)
+                except (RedisConnectionError, RedisTimeoutError, StaleAttemptError):
+                    raise  # not the job's failure: Redis is away or the job is another attempt's now
+                except Exception as exc:
+                    log.exception("could not encode or store the images")
+                    return Ended(job.id, Outcome.UNFINISHED, error=f"{type(exc).__name__}: {exc}")
+                self.record_success(job, execution, result)
+                status = self.settle(job, work.fence)
+            except StaleAttemptError as exc:
+                return Ended(job.id, Outcome.SUPERSEDED, error=str(exc))
+            except Exception as exc:  # Redis away, or a fault: the claim stays for recovery
+                log.warning("could not record the end of job %s: %r", job.id, exc)
+                return Ended(job.id, Outcome.UNRECORDED, error=repr(exc))
+        return Ended(job.id, Outcome.of(status), run_seconds(job))
+
+
+_busy = False  # finishing a batch now
+_stop_requested = False
+
+
+def _stop_when_idle(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM (a supervisor stopping the whole group): end now if idle, else after this batch."""
+    global _stop_requested
+    _stop_requested = True
+    if not _busy:
+        raise SystemExit(0)
+
+
+def serve(connection: Connection, settings: Settings, worker_name: str) -> None:
+    """The finishing process: finish each batch handed over until the worker says stop or is gone."""
+    global _busy
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl+C reaches the group: the worker decides
+    signal.signal(signal.SIGTERM, _stop_when_idle)
+    logs.configure(settings, "finisher")
+    finishing = Finishing(job_queue(connect_worker(settings), settings), settings, worker_name)
+    connection.send(Ready())
+    while not _stop_requested:
+        try:
+            message: ToFinisher = connection.recv()
+        except EOFError:
+            return  # the worker is gone
+        if isinstance(message, Stop):
+            return
+        _busy = True
+        try:
+            connection.send(Finished(finishing.finish(message)))
+        finally:
+            _busy = False

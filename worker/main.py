@@ -11,25 +11,26 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq.job import Job
-from rq.job import JobStatus as RQStatus
 from rq.queue import Queue
 from rq.timeouts import JobTimeoutException
 from rq.utils import now as rq_now
 from rq.worker import WorkerStatus
 
-from shared import estimates, keys, logs, records
-from shared import queue as jobs
-from shared.errors import WorkerFatalError
-from shared.settings import Settings, get_settings
-from shared.waiting import Claimed
+from shared.contract import keys, logs
+from shared.contract.errors import WorkerFatalError
+from shared.contract.settings import Settings, get_settings
+from shared.store import endings, estimates, records, waiting
+from shared.store.connection import job_queue
+from shared.store.waiting import Claimed
 from worker import batching, lifecycle, tasks
 from worker.claims import Claims
-from worker.endings import JobEndings, Member
 from worker.fencing import StaleAttemptError, connect_worker, holding
 from worker.finisher import Finisher
-from worker.finishing import Batch, Work
+from worker.messages import Batch, Work
 from worker.metrics import WorkerMetrics
+from worker.outcomes import Member, Outcomes
 from worker.pipeline import current_pipeline, load_pipeline, set_current_pipeline
+from worker.rq import check_rq
 from worker.webhooks import Sender
 
 log = logging.getLogger(__name__)
@@ -38,13 +39,13 @@ MAX_BACKOFF_S = 15.0
 EXIT_FATAL = 3
 
 
-class SlotWorker(JobEndings):
+class SlotWorker(Outcomes):
     """An RQ worker that runs jobs in its own process, so the model stays loaded on the device.
 
     No fork per job: CUDA does not survive fork, and reloading weights per job would waste the GPU.
     The GPU gate is narrow: the main thread runs only the GPU section of each job (and the few
     Redis calls that start it), and a finishing process encodes, stores and records each job's
-    end through RQ while the next one runs (worker/finishing.py); worker/endings.py handles how
+    end through RQ while the next one runs (worker/finisher.py); worker/outcomes.py handles how
     each run ends. This class owns the loop around it: claims that survive a crash, a heartbeat,
     reconnection to Redis, and the stop signals.
     """
@@ -83,7 +84,7 @@ class SlotWorker(JobEndings):
         while not lifecycle.stopping.is_set():
             try:
                 if self.claims.recover() is not None:  # at most once a second, like the expiry
-                    jobs.expire_due(self.queue, self.settings)
+                    waiting.expire_due(self.queue, self.settings)
                 claimed = self.claims.claim(None if burst else CLAIM_TIMEOUT_S)
                 if claimed is None:
                     if self.get_state() != WorkerStatus.IDLE:
@@ -197,11 +198,12 @@ class SlotWorker(JobEndings):
             return None
         if job.meta.get("deadline_at", now + 1) <= now:
             # Its deadline passed in the instant between the purge and the claim.
-            self._expire(job)
+            endings.expire_claimed(job, self.queue, self.settings, self.claims.key)
+            self.claims.unhold(job.id)
             return None
         return job
 
-    def _render(self, jobs: list[Job]) -> list[tasks.Outcome]:
+    def _render(self, jobs: list[Job]) -> list[tasks.RenderResult]:
         """Mark the jobs started and run their GPU section, under the shortest job timeout."""
         for job in jobs:
             self.prepare_job_execution(job)  # the first progress report announces the start
@@ -209,15 +211,6 @@ class SlotWorker(JobEndings):
         timeout = min(job.timeout or self.settings.job_timeout_s for job in jobs)
         with self.death_penalty_class(timeout, JobTimeoutException, job_id=jobs[0].id):
             return tasks.render(jobs)
-
-    def _expire(self, job: Job) -> None:
-        job.meta["expired"] = True
-        with self.connection.pipeline() as pipe:
-            records.end_job(job, self.queue, self.settings, pipe, RQStatus.CANCELED)
-            pipe.zrem(keys.deadlines_key(self.queue.name), job.id)
-            pipe.lrem(self.claims.key, 1, job.id)
-            pipe.execute()
-        self.claims.unhold(job.id)
 
     def _beat(self, done: threading.Event) -> None:
         interval = self.settings.heartbeat_ttl_s / 4
@@ -258,13 +251,14 @@ def run_worker(settings: Settings | None = None, *, burst: bool = False) -> int:
     settings = settings or get_settings()
     logs.configure(settings, "worker")
     lifecycle.install(settings.stop_timeout_s)
+    check_rq()  # an RQ outside the tested range fails here, plainly, not mid-job
     try:
         set_current_pipeline(load_pipeline(settings))
     except Exception:
         # Worker-fatal: exit non-zero so the supervisor restarts us rather than failing every job.
         log.exception("could not load model %s", settings.model)
         return 1
-    worker = SlotWorker(jobs.job_queue(connect_worker(settings), settings), settings)
+    worker = SlotWorker(job_queue(connect_worker(settings), settings), settings)
     worker.metrics.serve(settings)
     return worker.serve(burst=burst)
 

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from shared.settings import Settings
+from shared.contract.settings import Settings
 from worker.pipeline import ImagePipeline
 
 log = logging.getLogger(__name__)

@@ -14,8 +14,8 @@ from diffusers import DiffusionPipeline
 from diffusers.utils import logging as diffusers_logging
 from PIL import Image
 
-from shared.jobs import JobRequest
-from shared.settings import Settings
+from shared.contract.jobs import JobRequest
+from shared.contract.settings import Settings
 from worker.tiny_model import ensure_tiny_model
 
 log = logging.getLogger(__name__)

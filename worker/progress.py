@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 from rq.job import Job
 
-from shared import keys, records
+from shared.contract import keys
+from shared.store import records, scripts
 from worker.fencing import FencedRedis, StaleAttemptError, held
 
 
@@ -36,22 +37,6 @@ class Cadence:
 
 # For each job n of the batch, KEYS[3n-2..3n]: its hash, its cancel key, its fence key; ARGV[2n-1..2n]:
 # its meta as JSON, its attempt's token ('' when the writer holds no fence: a plain RQ worker).
-# Answers per job: -1 when the attempt is stale (nothing written for it), else whether it was canceled.
-STEP_SCRIPT = """
-local answers = {}
-for n = 1, #ARGV / 2 do
-  local hash, cancel, fence = KEYS[3 * n - 2], KEYS[3 * n - 1], KEYS[3 * n]
-  local meta, token = ARGV[2 * n - 1], ARGV[2 * n]
-  if token ~= '' and redis.call('GET', fence) ~= token then
-    answers[n] = -1
-  else
-    redis.call('HSET', hash, 'meta', meta)
-    answers[n] = redis.call('EXISTS', cancel)
-  end
-end
-return answers
-"""
-
 
 def report(jobs: list[Job], step: int, total: int) -> list[bool]:
     """Record the step of jobs that run together; whether each was canceled by its client."""
@@ -68,7 +53,7 @@ def report(jobs: list[Job], step: int, total: int) -> list[bool]:
     # (a pipeline asks SCRIPT EXISTS first: a second round trip).
     connection = jobs[0].connection
     client = connection.unfenced if isinstance(connection, FencedRedis) else connection
-    answers = client.register_script(STEP_SCRIPT)(keys=job_keys, args=args)
+    answers = scripts.run(client, "step", job_keys, args)
     stale = [job.id for job, answer in zip(jobs, answers, strict=True) if answer == -1]
     if stale:
         raise StaleAttemptError(f"a newer attempt took over job(s) {', '.join(stale)}")

@@ -1,6 +1,6 @@
 """The RQ task the API enqueues by name: one text-to-image job, in two stages.
 
-``render`` is the GPU section (denoise and decode); ``worker.finishing.store_result`` encodes and
+``render`` is the GPU section (denoise and decode); ``worker.finisher.store_result`` encodes and
 stores the PNGs. The slotq worker runs the second in its finishing process, so that finishing one
 job overlaps the next one's GPU section; ``generate`` runs both in turn, for any plain RQ worker.
 """
@@ -16,17 +16,18 @@ from redis.exceptions import RedisError
 from rq import get_current_job
 from rq.job import Job
 
-from shared.errors import JobCanceledError, JobFailedError, JobInterruptedError
-from shared.jobs import JobRequest, validate_request
-from shared.settings import get_settings
+from shared.contract.errors import JobCanceledError, JobFailedError, JobInterruptedError
+from shared.contract.jobs import JobRequest, validate_request
+from shared.contract.settings import get_settings
 from worker import lifecycle, progress
-from worker.finishing import Rendered, store_result
+from worker.finisher import store_result
+from worker.messages import Rendered
 from worker.pipeline import current_pipeline
 
 log = logging.getLogger(__name__)
 
 
-Outcome = Rendered | Exception  # a member of a batch either has its images or the error that ended it
+RenderResult = Rendered | Exception  # a member of a batch either has its images or the error that ended it
 
 
 def generate(request: dict[str, Any]) -> dict[str, Any]:
@@ -39,13 +40,13 @@ def generate(request: dict[str, Any]) -> dict[str, Any]:
     return store_result(job, get_settings(), outcome)
 
 
-def render(jobs: list[Job]) -> list[Outcome]:
+def render(jobs: list[Job]) -> list[RenderResult]:
     """The GPU section: validate each stored request, then denoise and decode them all as one batch.
 
     A member canceled while the batch runs ends canceled and its images are dropped; the others go
     on (the batch stops only when every member is canceled). Any other error ends the whole batch.
     """
-    outcomes: list[Outcome | None] = [_validated(job) for job in jobs]
+    outcomes: list[RenderResult | None] = [_validated(job) for job in jobs]
     members = [index for index, outcome in enumerate(outcomes) if isinstance(outcome, tuple)]
     if not members:
         return outcomes  # type: ignore[return-value]
@@ -72,7 +73,7 @@ def render(jobs: list[Job]) -> list[Outcome]:
     return outcomes  # type: ignore[return-value]
 
 
-def _validated(job: Job) -> Outcome:
+def _validated(job: Job) -> RenderResult:
     settings = get_settings()
     try:
         # The queue is a trust boundary too: re-validate what came out of Redis.

@@ -26,11 +26,12 @@ from urllib.parse import urlsplit
 from redis.exceptions import RedisError
 from rq.queue import Queue
 
-from shared import keys, records, webhooks
-from shared.errors import ServiceError, WebhookRefusedError
-from shared.queue import fetch_job
-from shared.settings import Settings
-from shared.webhooks import Allowance, Entry
+from shared.contract import keys, webhooks
+from shared.contract.errors import ServiceError, WebhookRefusedError
+from shared.contract.settings import Settings
+from shared.contract.webhooks import Allowance, Entry
+from shared.store import records, scripts
+from shared.store.records import fetch_job
 
 log = logging.getLogger(__name__)
 Resolver = Callable[[str, int], list[str]]
@@ -39,14 +40,6 @@ BACKOFF_S = 1.0
 MAX_BACKOFF_S = 300.0
 USER_AGENT = "slotq-webhooks/1"
 CLOSE_WAIT_S = 2.0  # a stopping worker waits this long for a delivery in flight, then leaves it to the lease
-
-# Take the first due entry and move it a lease ahead, in one step: no other sender takes it meanwhile.
-# KEYS[1]: the outbox; ARGV: now, lease.
-CLAIM_LUA = """
-local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, 1)
-if due[1] then redis.call('ZADD', KEYS[1], tonumber(ARGV[1]) + tonumber(ARGV[2]), due[1]) end
-return due[1]
-"""
 
 
 def resolve(host: str, port: int) -> list[str]:
@@ -126,7 +119,6 @@ class Sender:
         self._resolver, self._poll_s, self._backoff_s = resolver, poll_s, backoff_s
         # Long enough for a lookup and a slow answer; past it, another sender may try the entry too.
         self._lease_s = max(60.0, 4 * settings.webhook_timeout_s)
-        self._claim = queue.connection.register_script(CLAIM_LUA)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="webhooks", daemon=True)
 
@@ -153,7 +145,8 @@ class Sender:
         """Deliver every due entry, one at a time; how many were tried."""
         tried = 0
         while not self._stop.is_set():
-            raw = self._claim(keys=[self.outbox], args=[time.time(), self._lease_s])
+            raw = scripts.run(self.queue.connection, "outbox_claim", [self.outbox],
+                              [time.time(), self._lease_s])
             if raw is None:
                 break
             self._deliver(raw)

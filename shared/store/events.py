@@ -11,7 +11,7 @@ from __future__ import annotations
 from redis import Redis
 from redis.client import Pipeline
 
-from shared import keys
+from shared.contract import keys
 
 
 def announce(client: Redis | Pipeline, queue_name: str, job_id: str) -> None:

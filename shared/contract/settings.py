@@ -21,7 +21,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from shared.jobs import MAX_IMAGES, Priority
+from shared.contract.jobs import MAX_IMAGES, Priority
 
 DEVICE_PATTERN = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 # host:port, the host a name, an IPv4 address or a bracketed IPv6 address.

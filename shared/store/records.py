@@ -1,4 +1,6 @@
-"""A job's record in Redis: what clients read (status, progress, images) and how it ends."""
+"""A job's record in Redis: finding it, what clients read (status, progress, images), what the worker writes.
+
+How a job ends is shared/store/endings.py's."""
 
 from __future__ import annotations
 
@@ -6,15 +8,17 @@ from datetime import UTC, datetime
 from typing import Any
 
 from redis.client import Pipeline
+from rq.exceptions import NoSuchJobError
 from rq.job import Job
 from rq.job import JobStatus as RQStatus
 from rq.queue import Queue
 
-from shared import events, keys, waiting, webhooks
-from shared.errors import JobNotFoundError, NotReadyError, ResultExpiredError
-from shared.jobs import JobError, JobRequest, JobStatus, JobView, Progress
-from shared.settings import Settings
-from shared.tenants import job_cost
+from shared.contract import keys
+from shared.contract.errors import JobNotFoundError, NotReadyError, ResultExpiredError
+from shared.contract.jobs import JobError, JobRequest, JobStatus, JobView, Progress
+from shared.contract.settings import Settings
+from shared.contract.tenants import Tenant, job_cost
+from shared.store import events, outbox, waiting
 
 STATUS_FROM_RQ = {
     RQStatus.QUEUED: JobStatus.QUEUED,
@@ -118,7 +122,7 @@ def report_progress(jobs: list[Job], step: int, total: int) -> list[bool]:
             pipe.exists(keys.cancel_key(job.id))
         if step == 0:  # after the others' commands, since not every job adds one
             for job in jobs:
-                webhooks.schedule(pipe, job.origin, job, "started")
+                outbox.schedule(pipe, job.origin, job, "started")
         answers = pipe.execute()
     per_job = 3 if step == 0 else 2  # the EXISTS comes last of each job's commands
     return [bool(answer) for answer in answers[per_job - 1:per_job * len(jobs):per_job]]
@@ -149,45 +153,19 @@ def fetch_image(job: Job, index: int) -> bytes:
     return bytes(png)
 
 
-def end_job(job: Job, queue: Queue, settings: Settings, pipe: Pipeline, status: RQStatus,
-            error: dict[str, str] | None = None) -> None:
-    """Queue the writes that end a job outside RQ's own worker path (canceled, lost, expired)."""
-    if error:
-        job.meta["error"] = error
-    job.ended_at = datetime.now(UTC)
-    job.set_status(status, pipeline=pipe)
-    pipe.hset(job.key, mapping={"ended_at": job.ended_at.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
-                                "meta": job.serializer.dumps(job.meta)})
-    _forget_executions(job, queue, pipe)
-    failed = status is RQStatus.FAILED
-    pipe.expire(job.key, settings.failure_ttl_s if failed else settings.record_ttl_s)
-    ended(pipe, queue.name, job)
-    events.announce(pipe, queue.name, job.id)  # after the writes: a woken reader sees them
-
-
-def ended(pipe: Pipeline, queue_name: str, job: Job) -> None:
-    """Queue what follows a job's final status: its count by status, and its `completed` webhook."""
-    pipe.hincrby(keys.ended_key(queue_name), job_status(job).value, 1)
-    webhooks.schedule(pipe, queue_name, job, "completed")
-
-
-def ended_counts(queue: Queue) -> dict[str, int]:
-    """How many jobs of the queue reached each final status (since its Redis began)."""
-    counts = queue.connection.hgetall(keys.ended_key(queue.name))
-    return {status.decode(): int(count) for status, count in counts.items()}
-
-
-def _forget_executions(job: Job, queue: Queue, pipe: Pipeline) -> None:
-    executions = [execution.composite_key for execution in job.get_executions()]
-    if executions:
-        pipe.zrem(queue.started_job_registry.key, *executions)
-
-
-def requeue_at_front(job: Job, queue: Queue, pipe: Pipeline) -> None:
-    """Queue the writes that put a job back at the head of its class, to run next."""
-    job.meta["progress"] = None
-    job.set_status(RQStatus.QUEUED, pipeline=pipe)
-    save_meta(job, pipe)
-    _forget_executions(job, queue, pipe)
-    waiting.requeue(pipe, queue.name, job.id)
-    events.announce(pipe, queue.name, job.id)
+def fetch_job(queue: Queue, job_id: str, tenant: Tenant | None = None) -> Job:
+    """The job with this id on our queue and of this tenant, or ``JobNotFoundError``."""
+    if not keys.JOB_ID_PATTERN.fullmatch(job_id):
+        raise JobNotFoundError()
+    try:
+        job = Job.fetch(job_id, connection=queue.connection, serializer=queue.serializer)
+    except NoSuchJobError:
+        issued_to = queue.connection.get(keys.issued_key(job_id))
+        if issued_to is not None and (tenant is None or issued_to.decode() == tenant.name):
+            raise ResultExpiredError("The job's record has expired.") from None
+        raise JobNotFoundError() from None
+    if job.origin != queue.name or job.func_name != keys.TASK:
+        raise JobNotFoundError()
+    if tenant is not None and job.meta.get("tenant") != tenant.name:
+        raise JobNotFoundError()  # another tenant's job looks exactly like an unknown one
+    return job

@@ -1,6 +1,6 @@
 """A client of the slotq HTTP API, on the standard library only (no Flask, redis, pydantic or torch).
 
-    from shared.client import Client, QueueFullError
+    from slotq.client import Client, QueueFullError
     client = Client("http://127.0.0.1:8000", api_key="key-web", retries=3)
     view = client.wait(client.submit("a red fox", width=256, height=256, steps=8)["id"])
     png = client.image_bytes(view["id"])

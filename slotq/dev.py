@@ -16,8 +16,8 @@ from types import FrameType
 from redis import Redis
 from rq import Worker
 
-from shared.localredis import free_port, is_reachable, start_redis
-from shared.settings import Settings
+from shared.contract.settings import Settings
+from slotq.localredis import free_port, is_reachable, start_redis
 
 log = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 30.0
@@ -41,7 +41,7 @@ def run_dev(settings: Settings, host: str, port: int) -> int:
                 redis_url = env["SLOTQ_REDIS_URL"] = f"redis://127.0.0.1:{redis_port}/0"
                 print(f"slotq: started redis-server on port {redis_port}", flush=True)
             # Own sessions: Ctrl-C reaches only this process, which then stops each child once.
-            cli = [sys.executable, "-m", "shared.cli"]
+            cli = [sys.executable, "-m", "slotq.cli"]
             children.append(subprocess.Popen([*cli, "worker"], env=env, start_new_session=True))
             children.append(subprocess.Popen([*cli, "api", "--host", host, "--port", str(port)],
                                              env=env, start_new_session=True))

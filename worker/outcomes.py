@@ -1,9 +1,10 @@
-"""How a job's run ends, on the worker's side: RQ's failure path, and the finishing process's answers.
+"""Each run's outcome, on the worker's side: RQ's failure hooks decide it, the answers report it.
 
 A job that raised in its GPU section ends here through RQ's own failure path, whose two hooks
 decide how: failed with a classified error, stopped (canceled), put back (interrupted), or the
 worker stops (a lost device). A job that rendered ends in the finishing process; its answer comes
-back here to be counted, logged and let go of.
+back here to be counted, logged and let go of. The writes of every ending are
+shared/store/endings.py's; the outcomes are :class:`~shared.contract.jobs.Outcome`.
 """
 
 from __future__ import annotations
@@ -16,16 +17,18 @@ from rq.executions import Execution
 from rq.job import Job
 from rq.queue import Queue
 
-from shared import logs, records
-from shared.errors import JobCanceledError, JobInterruptedError, WorkerFatalError
-from shared.jobs import JobStatus
-from shared.settings import Settings
+from shared.contract import logs
+from shared.contract.errors import JobCanceledError, JobInterruptedError, WorkerFatalError
+from shared.contract.jobs import JobStatus, Outcome
+from shared.contract.settings import Settings
+from shared.store import endings, records
 from worker.claims import Claims
 from worker.failures import classify, is_device_fatal
 from worker.fencing import Fence, StaleAttemptError, holding
-from worker.finishing import Ended, FencedWorker, run_seconds
+from worker.messages import Ended
 from worker.metrics import WorkerMetrics
 from worker.pipeline import current_pipeline
+from worker.rq import RQWorker, run_seconds
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +42,7 @@ class Member:
     fence: Fence
 
 
-class JobEndings(FencedWorker):
+class Outcomes(RQWorker):
     """The worker's half of ending jobs. Its subclass sets ``claims`` and ``metrics``."""
 
     claims: Claims
@@ -56,17 +59,17 @@ class JobEndings(FencedWorker):
         for member, end in zip(members, ended, strict=True):
             job = member.job
             with logs.about_job(job.id, job.meta.get("request_id")):
-                if end.outcome == "superseded":
+                if end.outcome is Outcome.SUPERSEDED:
                     self._superseded(job.id, StaleAttemptError(end.error))
-                elif end.outcome == "unrecorded":
+                elif end.outcome is Outcome.UNRECORDED:
                     # Its end not (fully) recorded: the claim stays and, no longer held, is recovered
                     # once Redis is back: the job runs again, or its claim is dropped if its end landed.
                     log.warning("could not store or record job %s (%s); it will run again", job.id, end.error)
                     self.claims.unhold(job.id)
-                elif end.outcome == "unfinished":
+                elif end.outcome is Outcome.UNFINISHED:
                     self._fail(member, RuntimeError(f"could not encode or store the images: {end.error}"))
                 else:
-                    self._ended(job, JobStatus(end.outcome), end.seconds)
+                    self._ended(job, JobStatus(end.outcome.value), end.seconds)
 
     def _lost(self, members: list[Member]) -> None:
         """The finishing process died holding these jobs: recovery runs them again or drops their
@@ -82,8 +85,7 @@ class JobEndings(FencedWorker):
             try:
                 if isinstance(error, StaleAttemptError):
                     raise error
-                self._finalize_failure(member.job, self.queue, member.execution,
-                                       (type(error), error, error.__traceback__))
+                self.record_failure(member.job, member.execution, error)
                 self._settled(member)
             except StaleAttemptError as exc:
                 self._superseded(member.job.id, exc)
@@ -95,13 +97,13 @@ class JobEndings(FencedWorker):
     def _ended(self, job: Job, status: JobStatus, seconds: float) -> None:
         """Let go of an ended job, count and log it (inside ``logs.about_job``, so the line names it)."""
         self.claims.unhold(job.id)
-        self.metrics.ended(status.value if status.is_terminal else "requeued", seconds)
+        self.metrics.ended(Outcome.of(status).value, seconds)
         log.info("%s in %.2f s", status.value if status.is_terminal else "put back", seconds)
 
     def _superseded(self, job_id: str, error: StaleAttemptError) -> None:
         """This worker lost the job to a newer attempt (it was presumed dead): drop it, write nothing."""
         self.claims.unhold(job_id)
-        self.metrics.jobs.labels("superseded").inc()
+        self.metrics.jobs.labels(Outcome.SUPERSEDED.value).inc()
         log.warning("job %s: dropped, %s (this worker was cut off long enough to be presumed dead)",
                     job_id, error)
 
@@ -130,12 +132,12 @@ class JobEndings(FencedWorker):
         ending = self._endings.pop(job.id, None)
         if ending == "canceled":
             # RQ's own stop-job command marks a job this way: STOPPED, never retried.
-            self._stopped_job_id = job.id
+            self.mark_stopped(job)
         elif ending == "interrupted":
             job.meta["interrupted"] = int(job.meta.get("interrupted", 0)) + 1
             with self.connection.pipeline() as pipe:
                 self.cleanup_execution(job, pipeline=pipe, execution=execution)
-                records.requeue_at_front(job, queue, pipe)
+                endings.requeue_at_front(job, queue, pipe)
                 pipe.lrem(self.claims.key, 1, job.id)
                 pipe.execute()
             log.info("job %s interrupted and put back at the head of its class", job.id)

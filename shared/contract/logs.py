@@ -16,7 +16,7 @@ from contextvars import ContextVar
 
 from pythonjsonlogger.json import JsonFormatter
 
-from shared.settings import Settings
+from shared.contract.settings import Settings
 
 PROMPT_CARRIERS = ("kwargs", "arguments")  # the extras RQ adds to a failed job's log record
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")  # what a proxy or tracer may send, nothing else

@@ -6,6 +6,12 @@ import re
 
 TASK = "worker.tasks.generate"
 PREFIX = "slotq"
+# RQ's own names (rq.Queue.redis_queue_namespace_prefix and redis_queues_keys; worker/rq.py checks
+# them): the waiting line is RQ's lists, so `rq info` and rq.Queue see every waiting job.
+RQ_QUEUE_PREFIX = "rq:queue:"
+RQ_QUEUES_KEY = "rq:queues"
+QUEUE_SEPARATOR = ":"  # queue names cannot hold it (settings), so a list's name splits back cleanly
+DOORBELL_TOKENS = 16  # enough to wake every idle worker of a host; more would only spin them
 JOB_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")  # use with fullmatch: "$" allows a final newline
 
 
@@ -35,8 +41,13 @@ def bucket_key(queue: str, tenant: str) -> str:
 
 
 def line_key(queue: str) -> str:
-    """Prefix of the waiting line: one sorted set per priority class plus its bookkeeping."""
+    """Prefix of the line's bookkeeping: the order of each class, virtual times, the doorbell."""
     return f"{PREFIX}:line:{queue}"
+
+
+def rq_queue_name(queue: str, priority: str, tenant: str = "") -> str:
+    """The RQ queue in which a class's waiting jobs of one tenant sit ("slotq:normal", "slotq:high:acme")."""
+    return QUEUE_SEPARATOR.join([queue, priority, tenant] if tenant else [queue, priority])
 
 
 def events_channel(queue: str) -> str:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import TYPE_CHECKING, Any, TextIO
 
-from shared.settings import load_settings
+from shared.contract.settings import load_settings
 
 if TYPE_CHECKING:
-    from shared.client import Client
+    from slotq.client import Client
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,27 +54,36 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run_api(args: argparse.Namespace) -> int:
-    from api.server import serve
-
-    serve(args.host, args.port, load_settings())
-    return 0
+    load_settings()  # a bad setting stops here, with the message, before the API's own start
+    host = ["--host", args.host] if args.host else []
+    port = ["--port", str(args.port)] if args.port else []
+    return _become(["-m", "api", *host, *port])
 
 
 def _run_worker(args: argparse.Namespace) -> int:
-    from worker.main import run_worker
+    load_settings()
+    return _become(["-m", "worker", *(["--burst"] if args.burst else [])])
 
-    return run_worker(load_settings(), burst=args.burst)
+
+def _become(arguments: list[str]) -> int:
+    """Replace this process with ``python ARGUMENTS``: the same pid, so signals reach the side itself.
+
+    Each side owns its entry point (``python -m api``, ``python -m worker``); the command imports
+    neither, so it stays importable without Flask or torch.
+    """
+    os.execv(sys.executable, [sys.executable, *arguments])
+    return 1  # not reached
 
 
 def _run_dev(args: argparse.Namespace) -> int:
-    from shared.devserver import run_dev
+    from slotq.dev import run_dev
 
     settings = load_settings()
     return run_dev(settings, args.host, args.port or settings.api_port)
 
 
 def _run_submit(args: argparse.Namespace) -> int:
-    from shared.client import APIError, Client
+    from slotq.client import APIError, Client
 
     client = Client(args.url, api_key=args.api_key)
     names = ["negative_prompt", "width", "height", "steps", "guidance_scale", "seed", "num_images",

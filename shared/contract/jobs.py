@@ -36,6 +36,28 @@ class JobStatus(StrEnum):
         return self not in (JobStatus.QUEUED, JobStatus.RUNNING)
 
 
+class Outcome(StrEnum):
+    """How one attempt at a job ended, as the worker counts it (``slotq_worker_jobs_total``).
+
+    The first four are the job's final status; the others leave it to run again or to another.
+    """
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELED = "canceled"
+    EXPIRED = "expired"
+    REQUEUED = "requeued"  # back at the head of its class: interrupted, or its worker was lost
+    SUPERSEDED = "superseded"  # a newer attempt owns the job: this one writes nothing more
+    UNRECORDED = "unrecorded"  # Redis failed while its end was written: recovery settles it
+    UNFINISHED = "unfinished"  # its images could not be encoded or stored: it ends failed
+    MISSING = "missing"  # its record expired while it waited: nothing to end
+
+    @classmethod
+    def of(cls, status: JobStatus) -> Outcome:
+        """The outcome that a job's status after an attempt stands for."""
+        return cls(status.value) if status.is_terminal else cls.REQUEUED
+
+
 class JobRequest(BaseModel):
     """A text-to-image request. Validate with ``validate_request`` so the size limits apply."""
 

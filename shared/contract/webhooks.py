@@ -2,9 +2,9 @@
 
 A job whose request names a ``webhook`` gets one delivery per event it asks for: ``job.started``
 when a worker starts it, ``job.completed`` when it ends (succeeded, failed, canceled or expired).
-Whoever changes the job's status adds the delivery to the queue's outbox (a sorted set by due
-time, ``keys.webhooks_key``) in the same round trip as the change; workers send it off the GPU
-path (``worker/webhooks.py``), signed as the Standard Webhooks specification describes.
+Whoever changes the job's status adds the delivery to the queue's outbox (shared/store/outbox.py)
+in the same round trip as the change; workers send it off the GPU path (``worker/webhooks.py``),
+signed as the Standard Webhooks specification describes.
 """
 
 from __future__ import annotations
@@ -23,13 +23,9 @@ from functools import lru_cache
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from redis.client import Pipeline
-from rq.job import Job
-
-from shared import keys
-from shared.errors import WebhookNotAllowedError, WebhooksDisabledError, WebhookSignatureError
-from shared.jobs import JobRequest
-from shared.settings import Settings
+from shared.contract.errors import WebhookNotAllowedError, WebhooksDisabledError, WebhookSignatureError
+from shared.contract.jobs import JobRequest
+from shared.contract.settings import Settings
 
 Event = Literal["started", "completed"]
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -38,20 +34,6 @@ SECRET_PREFIX = "whsec_"
 TOLERANCE_S = 300
 # What inet_aton (and so getaddrinfo) also reads as IPv4: "127.1", "2130706433", "0x7f.0.0.1".
 LEGACY_IPV4 = re.compile(r"[0-9a-fx.]+")
-
-# The outbox entry for a waiting job that expires inside a Lua script (shared/queue.py), which
-# cannot read the job's compressed request: admission marks the job's hash with a `webhook` field
-# when the job wants `completed`. The id is message_id's, computed the same way.
-COMPLETED_LUA = """
-local function webhook_completed(outbox, job_key, id, now)
-  if outbox and redis.call('HGET', job_key, 'webhook') then
-    local msg = 'msg_' .. string.sub(redis.sha1hex(id .. ' job.completed'), 1, 32)
-    redis.call('ZADD', outbox, now, cjson.encode(
-      {id = msg, job = id, event = 'job.completed', first = now, attempt = 0}))
-  end
-end
-"""
-
 
 @dataclass(frozen=True)
 class Entry:
@@ -86,17 +68,6 @@ def message_id(job_id: str, event: Event, attempt: int = 0) -> str:
 def wants(request: Mapping[str, Any], event: Event) -> bool:
     """Whether a stored request asks for deliveries of this event."""
     return bool(request.get("webhook")) and event in request.get("webhook_events", ())
-
-
-def schedule(pipe: Pipeline, queue_name: str, job: Job, event: Event) -> None:
-    """Queue the outbox write for this event of the job, if its request asks for it."""
-    if not wants((job.kwargs or {}).get("request") or {}, event):
-        return
-    # Each start of a job is an event of its own (a requeued job starts again); its end is one.
-    attempt = int(job.meta.get("attempt", 0)) if event == "started" else 0
-    now = time.time()
-    entry = Entry(message_id(job.id, event, attempt), job.id, f"job.{event}", now)
-    pipe.zadd(keys.webhooks_key(queue_name), {entry.encode(): now})
 
 
 # --- which targets a webhook may reach ----------------------------------------------------------

@@ -14,24 +14,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from redis import Redis
 
-from shared import keys
-
-# KEYS: alive key, claims list, workers set; ARGV: TTL in ms, the identity as JSON, the worker's name.
-# Redis's clock, not the worker's: workers on several hosts are compared on one clock. cjson writes
-# an empty Lua table as {}, so no job at all leaves `current_jobs` out rather than writing {}.
-BEAT_SCRIPT = """
-local record = cjson.decode(ARGV[2])
-local jobs = redis.call('LRANGE', KEYS[2], 0, -1)
-record['state'] = 'idle'
-if #jobs > 0 then
-  record['state'] = 'busy'
-  record['current_jobs'] = jobs
-end
-local clock = redis.call('TIME')
-record['last_beat_at'] = tonumber(clock[1]) + math.floor(tonumber(clock[2]) / 1000) / 1000
-redis.call('SET', KEYS[1], cjson.encode(record), 'PX', ARGV[1])
-redis.call('SADD', KEYS[3], ARGV[3])
-"""
+from shared.contract import keys
+from shared.store import scripts
 
 
 class WorkerIdentity(BaseModel):
@@ -59,9 +43,9 @@ class WorkerView(WorkerIdentity):
 def beat(connection: Redis, identity: WorkerIdentity, ttl_s: float) -> None:
     """Refresh a worker's liveness and its record in one round trip."""
     name = identity.name
-    connection.register_script(BEAT_SCRIPT)(
-        keys=[keys.alive_key(name), keys.claims_key(name), keys.workers_key(identity.queue)],
-        args=[int(ttl_s * 1000), identity.model_dump_json(), name])
+    scripts.run(connection, "beat",
+                [keys.alive_key(name), keys.claims_key(name), keys.workers_key(identity.queue)],
+                [int(ttl_s * 1000), identity.model_dump_json(), name])
 
 
 def live_workers(connection: Redis, queue_name: str) -> list[WorkerView]:

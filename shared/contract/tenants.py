@@ -5,9 +5,9 @@ from __future__ import annotations
 import hmac
 from dataclasses import dataclass
 
-from shared.errors import PriorityNotAllowedError, UnauthorizedError
-from shared.jobs import PRIORITIES, JobRequest, Priority
-from shared.settings import KeyPolicy, Settings
+from shared.contract.errors import PriorityNotAllowedError, UnauthorizedError
+from shared.contract.jobs import PRIORITIES, JobRequest, Priority
+from shared.contract.settings import KeyPolicy, Settings
 
 
 @dataclass(frozen=True)

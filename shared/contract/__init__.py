@@ -1,0 +1,1 @@
+"""The contract both sides agree on: settings, job models, errors, keys. Nothing here talks to Redis."""

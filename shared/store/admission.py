@@ -1,0 +1,163 @@
+"""Admission: one script call checks every limit and, only when all pass, puts the job in line.
+
+Limits: the class's share of the line, the tenant's token bucket and waiting cap, an idempotent
+replay, a deadline; each refusal is a typed error (shared/contract/errors.py) and writes nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from redis import Redis
+from rq import Queue
+from rq.job import Job
+
+from shared.contract import keys, logs, webhooks
+from shared.contract.errors import (
+    IdempotencyConflictError,
+    InvalidRequestError,
+    NotReplicatedError,
+    QueueFullError,
+    RateLimitedError,
+    TenantQueueFullError,
+)
+from shared.contract.jobs import JobRequest
+from shared.contract.settings import Settings
+from shared.contract.tenants import Tenant, job_cost
+from shared.store import scripts
+from shared.store.records import fetch_job
+from shared.store.waiting import rq_now
+
+log = logging.getLogger(__name__)
+IDEMPOTENCY_TTL_S = 24 * 3600
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The outcome of a submit: the job, its place, and whether an earlier submit made it."""
+
+    job: Job
+    position: int | None
+    eta: tuple[float, float] | None = None
+    replayed: bool = False
+
+
+def request_digest(request: JobRequest) -> str:
+    """A stable hash of a request as the client sent it (before a seed is drawn)."""
+    canonical = json.dumps(request.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def enqueue_job(queue: Queue, settings: Settings, request: JobRequest,
+                idempotency_key: str | None = None, tenant: Tenant | None = None,
+                request_id: str | None = None) -> Admission:
+    """Admit one job atomically, replay an idempotent retry, or raise a typed refusal.
+
+    With SLOTQ_MIN_REPLICAS_ACK set, either answer stands only once that many replicas have the job.
+
+    ``request_id`` (the HTTP request's X-Request-ID) is kept with the job, for its log lines.
+    """
+    webhooks.check_target(settings, request)
+    digest = request_digest(request)
+    if tenant is not None:
+        request = tenant.prioritised(request)
+    cost = job_cost(request.width, request.height, request.steps, request.num_images)
+    if tenant and tenant.burst is not None and cost > tenant.burst:
+        raise InvalidRequestError(details=[{"loc": [], "msg": f"the job costs {cost:g} units, more than "
+                                            f"this key's burst of {tenant.burst:g}"}])
+    job = queue.create_job(
+        keys.TASK,
+        kwargs={"request": request.with_seed().model_dump(mode="json")},
+        meta={key: value for key, value in (("tenant", tenant and tenant.name), ("request_id", request_id))
+              if value},
+        timeout=settings.job_timeout_s,
+        result_ttl=settings.record_ttl_s,
+        failure_ttl=settings.failure_ttl_s,
+    )
+    job.enqueued_at = datetime.now(UTC)
+    name = tenant.name if tenant else ""
+    idem = keys.idempotency_key(queue.name, _hashed(f"{name} {idempotency_key}")) if idempotency_key else ""
+    limits = ({"rate": tenant.rate, "burst": tenant.burst, "max_queued": tenant.max_queued}
+              if tenant else {})
+    params = {
+        "id": job.id, "queue": queue.name, "job_prefix": Job.redis_job_namespace_prefix,
+        "priority": request.priority, "limit": settings.waiting_limit(request.priority),
+        "tenant": name, "cost": cost, "digest": digest if idem else None,
+        "idempotency_ttl": IDEMPOTENCY_TTL_S, "deadline_s": request.deadline_s, "ended_at": rq_now(),
+        "record_ttl": settings.record_ttl_s, "issued_ttl": settings.issued_ttl_s,
+        "channel": keys.events_channel(queue.name), "outbox": keys.webhooks_key(queue.name),
+        "ended": keys.ended_key(queue.name), **limits,
+    }
+    # RQ's fields, which jobs this one may share a GPU execution with (see worker/batching.py), and
+    # whether its expiry in the line sends a webhook (the Lua cannot read the compressed request).
+    fields = [item for pair in job.to_dict().items() for item in pair] + ["batch", request.batch_key]
+    if webhooks.wants(job.kwargs["request"], "completed"):
+        fields += ["webhook", "1"]
+    script_keys = [job.key, idem or job.key, keys.deadlines_key(queue.name), keys.issued_key(job.id),
+                   keys.bucket_key(queue.name, name), keys.model_key(queue.name),
+                   keys.running_key(queue.name)]
+    # cjson reads JSON null as a truthy value: leave unset parameters out instead.
+    answer = scripts.run(queue.connection, "admit", script_keys,
+                         [json.dumps({key: value for key, value in params.items() if value is not None}),
+                          *fields])
+    admission = _admission(queue, job, answer, digest, tenant)
+    if settings.min_replicas_ack:
+        _await_replicas(queue.connection, settings, admission.job.id, name)
+    log.info("%s job %s: priority %s, %dx%d, %d steps, prompt %s",
+             "replayed" if admission.replayed else "admitted", admission.job.id, request.priority,
+             request.width, request.height, request.steps, logs.prompt_for_log(settings, request.prompt))
+    return admission
+
+
+def _admission(queue: Queue, job: Job, answer: list[Any], digest: str, tenant: Tenant | None) -> Admission:
+    outcome, detail = answer[0], answer[1] if len(answer) > 1 else None
+    refusals = {-1: QueueFullError, -3: RateLimitedError, -4: TenantQueueFullError}
+    if outcome in refusals:
+        raise refusals[outcome](retry_after=_whole_seconds(detail))
+    if outcome == -2:
+        prior_digest, prior_id = detail.decode().split(" ")
+        if prior_digest != digest:
+            raise IdempotencyConflictError()
+        return Admission(fetch_job(queue, prior_id, tenant), None, replayed=True)
+    start, finish, deadline = (answer + [None] * 4)[1:4]
+    if deadline is not None:
+        job.meta["deadline_at"] = float(deadline)
+    eta = (float(start), float(finish)) if start is not None else None
+    return Admission(job, int(outcome), eta)
+
+
+def _await_replicas(connection: Redis, settings: Settings, job_id: str, tenant: str) -> None:
+    """Return once SLOTQ_MIN_REPLICAS_ACK replicas hold the job, or raise ``NotReplicatedError``.
+
+    WAIT covers only the writes of the connection it runs on. The pool may lend another one than
+    the script's, or a fresh one after a reconnect (WAIT would then have nothing to wait for), and
+    a replay writes nothing at all. So a marker write goes first, on the connection that WAITs:
+    the job's issued key, rewritten as it is. Replication is one ordered stream, so a replica
+    that has the marker has the job; and a master without the key does not have the job.
+    """
+    with connection.pipeline(transaction=False) as pipe:
+        # XX: no key where the job is missing (KEEPTTL would make one that never expires);
+        # GET: the old value, None when missing. A pipeline retried after a reconnect sends both
+        # again, on one connection.
+        pipe.set(keys.issued_key(job_id), tenant, xx=True, keepttl=True, get=True)
+        pipe.execute_command("WAIT", settings.min_replicas_ack, settings.replicas_ack_timeout_ms)
+        present, acked = pipe.execute()
+    if present is None or acked < settings.min_replicas_ack:
+        log.warning("job %s: %s", job_id, "not on the master" if present is None else
+                    f"{acked} of {settings.min_replicas_ack} replicas acknowledged it in time")
+        raise NotReplicatedError(retry_after=1)
+
+
+def _whole_seconds(seconds: bytes | None) -> int:
+    return max(1, math.ceil(float(seconds or 1)))
+
+
+def _hashed(value: str) -> str:
+    return hashlib.sha256(value.encode()).hexdigest()
+

@@ -1,0 +1,130 @@
+"""Every way a job ends, in one place: the writes that record it, whoever ends it.
+
+A job ends ``succeeded`` or ``failed`` through RQ's own paths in the worker (worker/rq.py), which
+then calls :func:`settle`; ``canceled`` while waiting (:func:`cancel`), ``expired`` in the line
+(``lua/lib/expiry.lua``) or at its claim (:func:`expire_claimed`), and ``lost`` when its worker
+died (:func:`settle_abandoned`: run again, or failed ``worker_lost``). An interrupted or lost run
+goes back to the head of its class (:func:`requeue_at_front`). Each end is counted by status and
+sends its ``completed`` webhook in the same round trip as the status change.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from redis import Redis
+from redis.client import Pipeline
+from rq.job import Job
+from rq.job import JobStatus as RQStatus
+from rq.queue import Queue
+
+from shared.contract import keys
+from shared.contract.errors import AlreadyFinishedError
+from shared.contract.jobs import JobStatus, Outcome
+from shared.contract.settings import Settings
+from shared.store import events, outbox, waiting
+from shared.store.records import attempts_used, job_status, save_meta
+from shared.store.waiting import RQ_TIME_FORMAT
+
+
+def end_job(job: Job, queue: Queue, settings: Settings, pipe: Pipeline, status: RQStatus,
+            error: dict[str, str] | None = None) -> None:
+    """Queue the writes that end a job outside RQ's own worker path (canceled, lost, expired)."""
+    if error:
+        job.meta["error"] = error
+    job.ended_at = datetime.now(UTC)
+    job.set_status(status, pipeline=pipe)
+    pipe.hset(job.key, mapping={"ended_at": job.ended_at.strftime(RQ_TIME_FORMAT),
+                                "meta": job.serializer.dumps(job.meta)})
+    _forget_executions(job, queue, pipe)
+    failed = status is RQStatus.FAILED
+    pipe.expire(job.key, settings.failure_ttl_s if failed else settings.record_ttl_s)
+    ended(pipe, queue.name, job)
+    events.announce(pipe, queue.name, job.id)  # after the writes: a woken reader sees them
+
+
+def ended(pipe: Pipeline, queue_name: str, job: Job) -> None:
+    """Queue what follows a job's final status: its count by status, and its `completed` webhook."""
+    pipe.hincrby(keys.ended_key(queue_name), job_status(job).value, 1)
+    outbox.schedule(pipe, queue_name, job, "completed")
+
+
+def ended_counts(queue: Queue) -> dict[str, int]:
+    """How many jobs of the queue reached each final status (since its Redis began)."""
+    counts = queue.connection.hgetall(keys.ended_key(queue.name))
+    return {status.decode(): int(count) for status, count in counts.items()}
+
+
+def cancel(queue: Queue, settings: Settings, job: Job) -> bool:
+    """Cancel a job; True when it ended now, False when its worker will stop it at the next step."""
+    if job_status(job).is_terminal:
+        raise AlreadyFinishedError()
+    connection = queue.connection
+    # The flag first: if a worker takes the job after this point, it sees the flag at start.
+    connection.set(keys.cancel_key(job.id), 1, ex=settings.record_ttl_s)
+    # Removal decides ownership: either we take the id out of the line or a worker already has it.
+    if not waiting.remove(connection, queue.name, job.id):
+        return False
+    with connection.pipeline() as pipe:
+        end_job(job, queue, settings, pipe, RQStatus.CANCELED)
+        pipe.zrem(keys.deadlines_key(queue.name), job.id)
+        pipe.execute()
+    return True
+
+
+def expire_claimed(job: Job, queue: Queue, settings: Settings, claims_key: str) -> None:
+    """End a job a worker has just claimed whose deadline passed meanwhile, and drop the claim."""
+    job.meta["expired"] = True
+    with queue.connection.pipeline() as pipe:
+        end_job(job, queue, settings, pipe, RQStatus.CANCELED)
+        pipe.zrem(keys.deadlines_key(queue.name), job.id)
+        pipe.lrem(claims_key, 1, job.id)
+        pipe.execute()
+
+
+def settle(connection: Redis, queue_name: str, claims_key: str, job: Job, fence_key: str) -> JobStatus:
+    """A run's end is recorded (RQ's success or failure path): drop the claim and the attempt's
+    fence, count it and tell whoever waits on it; its status."""
+    status = job_status(job)
+    with connection.pipeline(transaction=False) as pipe:
+        pipe.lrem(claims_key, 1, job.id)
+        if status.is_terminal:  # not an interrupted job, which runs again
+            ended(pipe, queue_name, job)
+        events.announce(pipe, queue_name, job.id)
+        pipe.delete(fence_key)  # the attempt is over: the last write it makes
+        pipe.execute()
+    return status
+
+
+def settle_abandoned(job: Job, queue: Queue, settings: Settings, pipe: Pipeline) -> Outcome:
+    """Queue the writes that settle a job whose worker died holding it; what happened to it."""
+    status = job_status(job)
+    if status.is_terminal:
+        return Outcome.of(status)
+    if queue.connection.exists(keys.cancel_key(job.id)):
+        end_job(job, queue, settings, pipe, RQStatus.STOPPED)
+        return Outcome.CANCELED
+    if attempts_used(job) >= settings.max_attempts:
+        error = {"code": "worker_lost",
+                 "message": f"The worker died while running this job, {attempts_used(job)} "
+                            "times; it is not retried again."}
+        end_job(job, queue, settings, pipe, RQStatus.FAILED, error)
+        return Outcome.FAILED
+    requeue_at_front(job, queue, pipe)
+    return Outcome.REQUEUED
+
+
+def requeue_at_front(job: Job, queue: Queue, pipe: Pipeline) -> None:
+    """Queue the writes that put a job back at the head of its class, to run next."""
+    job.meta["progress"] = None
+    job.set_status(RQStatus.QUEUED, pipeline=pipe)
+    save_meta(job, pipe)
+    _forget_executions(job, queue, pipe)
+    waiting.requeue(pipe, queue.name, job.id)
+    events.announce(pipe, queue.name, job.id)
+
+
+def _forget_executions(job: Job, queue: Queue, pipe: Pipeline) -> None:
+    executions = [execution.composite_key for execution in job.get_executions()]
+    if executions:
+        pipe.zrem(queue.started_job_registry.key, *executions)

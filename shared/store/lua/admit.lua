@@ -1,0 +1,53 @@
+-- uses: line estimates starts_in expiry
+-- Admission in one script call: every check first, and only an admitted job writes anything, so
+-- a refusal costs one round trip and no writes however hard the service is flooded. Redis runs
+-- scripts one at a time, so the limits hold exactly however many API processes admit at once.
+-- KEYS: job, idempotency (or job), deadlines, issued, bucket, model, running.
+-- ARGV[1]: the parameters as JSON; ARGV[2..]: the RQ job's fields, as Job.save would write them.
+-- Answers {position, starts in, finishes in, deadline}, or a refusal: {-1 full, -2 replay,
+-- -3 rate limited, -4 tenant full; detail}.
+local p = cjson.decode(ARGV[1])
+local line, prefix = line_of(p.queue), p.job_prefix
+local now = expire_due(line, KEYS[3], prefix, p.ended_at, p.record_ttl, p.channel, p.outbox, p.ended)
+local function frees_in(index) return num(starts_in(line, prefix, KEYS[6], KEYS[7], now, index)) end
+if p.digest then
+  local prior = redis.call('GET', KEYS[2])
+  if prior then return {-2, prior} end
+end
+-- The tenant's token bucket, on Redis's clock: refilled at `rate` units a second up to `burst`.
+local tokens = 0
+if p.rate then
+  local state = redis.call('HMGET', KEYS[5], 'tokens', 'at')
+  local level, at = tonumber(state[1]) or p.burst, tonumber(state[2]) or now
+  tokens = math.min(p.burst, level + math.max(0, now - at) * p.rate)
+  if tokens < p.cost then return {-3, num((p.cost - tokens) / p.rate)} end
+end
+local total = line_total(line)
+if p.max_queued and line_tenant_count(line, p.tenant) >= p.max_queued then
+  -- A place frees for this tenant when the first of its waiting jobs starts.
+  for index, id in ipairs(line_head(line, total)) do
+    if redis.call('HGET', prefix .. id, 'tenant') == p.tenant then return {-4, frees_in(index - 1)} end
+  end
+end
+-- The class's share of the line: `limit` places for normal, fewer for low, more for high.
+if total >= p.limit then return {-1, frees_in(total - p.limit)} end
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+line_push(line, KEYS[1], p.id, p.priority, p.tenant, p.cost)
+if p.rate then
+  redis.call('HSET', KEYS[5], 'tokens', num(tokens - p.cost), 'at', num(now))
+  redis.call('EXPIRE', KEYS[5], math.ceil(p.burst / p.rate) + 60)
+end
+if p.digest then redis.call('SET', KEYS[2], p.digest .. ' ' .. p.id, 'EX', p.idempotency_ttl) end
+redis.call('SET', KEYS[4], p.tenant, 'EX', p.issued_ttl)
+local deadline = false
+if p.deadline_s then
+  deadline = now + p.deadline_s
+  redis.call('ZADD', KEYS[3], deadline, p.id)
+  local meta = cjson.decode(redis.call('HGET', KEYS[1], 'meta') or '{}')
+  meta['deadline_at'] = deadline
+  redis.call('HSET', KEYS[1], 'meta', cjson.encode(meta))
+end
+local position = line_position(line, p.priority, p.id)
+local own = job_seconds(KEYS[6], p.cost)
+local start = own and starts_in(line, prefix, KEYS[6], KEYS[7], now, position)
+return {position, own and num(start) or false, own and num(start + own) or false, deadline and num(deadline)}

@@ -1,0 +1,22 @@
+-- uses: line estimates outbox
+-- Waiting jobs whose deadline has passed leave the line and end expired. Runs at the start of
+-- every admission, so an expired job never holds a place that a new one asks for. Each expired id
+-- is published on `channel` (when one is given), counted in `ended` and gets its `completed`
+-- webhook in `outbox` when it asked for one.
+local function expire_due(line, deadlines_key, job_prefix, ended_at, ttl, channel, outbox, ended)
+  local now = redis_now()
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', deadlines_key, '-inf', now)) do
+    redis.call('ZREM', deadlines_key, id)
+    local key = job_prefix .. id
+    if line_remove(line, key, id) then
+      local meta = cjson.decode(redis.call('HGET', key, 'meta') or '{}')
+      meta['expired'] = true
+      redis.call('HSET', key, 'status', 'canceled', 'ended_at', ended_at, 'meta', cjson.encode(meta))
+      redis.call('EXPIRE', key, ttl)
+      if channel then redis.call('PUBLISH', channel, id) end
+      redis.call('HINCRBY', ended, 'expired', 1)
+      webhook_completed(outbox, key, id, now)
+    end
+  end
+  return now
+end

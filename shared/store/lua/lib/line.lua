@@ -1,0 +1,100 @@
+-- The waiting line (shared/store/waiting.py). Waiting ids sit in RQ's own lists, one per priority
+-- class and tenant, so `rq info` and rq.Queue see them; a sorted set per class orders them by start
+-- tag (start-time fair queueing by cost). Every function keeps the lists and the order in step.
+local CLASSES = {'high', 'normal', 'low'}
+local function num(x) return string.format('%.17g', x) end
+-- One queue's line: its RQ lists are named after the queue, its bookkeeping under `key`.
+local function line_of(queue) return {queue = queue, key = '@LINE_PREFIX@' .. queue} end
+local function rq_list(line, class, tenant)
+  local name = line.queue .. '@SEP@' .. class
+  if tenant ~= '' then name = name .. '@SEP@' .. tenant end
+  return '@RQ_QUEUE_PREFIX@' .. name
+end
+local function order_key(line, class) return line.key .. ':' .. class end
+local function line_total(line)
+  local total = 0
+  for _, class in ipairs(CLASSES) do total = total + redis.call('ZCARD', order_key(line, class)) end
+  return total
+end
+local function line_tenant_count(line, tenant)
+  local total = 0
+  for _, class in ipairs(CLASSES) do total = total + redis.call('LLEN', rq_list(line, class, tenant)) end
+  return total
+end
+-- Into the line; `front` puts it at the head of its tenant's list (a requeue, as RQ's at_front).
+local function line_insert(line, id, class, tenant, tag, front)
+  redis.call('ZADD', order_key(line, class), tag, id)
+  local list = rq_list(line, class, tenant)
+  redis.call(front and 'LPUSH' or 'RPUSH', list, id)
+  redis.call('SADD', '@RQ_QUEUES_KEY@', list)
+  redis.call('RPUSH', line.key .. ':doorbell', 1)
+  redis.call('LTRIM', line.key .. ':doorbell', -@DOORBELL_TOKENS@, -1)
+end
+-- A new job: its start tag is the later of the class's virtual time and its tenant's last finish.
+local function line_push(line, job_key, id, class, tenant, cost)
+  local field = class .. ' ' .. tenant
+  local vtime = tonumber(redis.call('HGET', line.key .. ':vtime', class)) or 0
+  local tag = math.max(vtime, tonumber(redis.call('HGET', line.key .. ':finish', field)) or 0)
+  redis.call('HSET', line.key .. ':finish', field, num(tag + cost))
+  redis.call('HSET', job_key, 'priority', class, 'tenant', tenant, 'cost', num(cost), 'tag', num(tag))
+  line_insert(line, id, class, tenant, tag, false)
+end
+-- Out of its RQ list; whether its tenant has nothing left waiting in that class.
+local function line_unlist(line, class, tenant, id)
+  local list = rq_list(line, class, tenant)
+  redis.call('LREM', list, 1, id)
+  return redis.call('LLEN', list) == 0
+end
+-- Out of the line without running (canceled, expired); false when it was not waiting.
+local function line_remove(line, job_key, id)
+  local f = redis.call('HMGET', job_key, 'priority', 'tenant')
+  local class, tenant = f[1] or 'normal', f[2] or ''
+  if redis.call('ZREM', order_key(line, class), id) == 0 then return false end
+  -- A tenant that withdrew all it had waiting owes no turn for the work that never ran.
+  if line_unlist(line, class, tenant, id) then redis.call('HDEL', line.key .. ':finish', class .. ' ' .. tenant) end
+  return true
+end
+-- Back in the line after an interrupted or lost run, with its own tag: first in its class.
+local function line_requeue(line, job_key, id)
+  local f = redis.call('HMGET', job_key, 'priority', 'tenant', 'tag')
+  local class = f[1] or 'normal'
+  local tag = tonumber(f[3]) or tonumber(redis.call('HGET', line.key .. ':vtime', class)) or 0
+  line_insert(line, id, class, f[2] or '', tag, true)
+end
+-- A job leaves the line for a worker: the class's virtual time moves up to its tag.
+local function line_taken(line, job_prefix, class, id, tag)
+  local vtime = tonumber(redis.call('HGET', line.key .. ':vtime', class)) or 0
+  redis.call('HSET', line.key .. ':vtime', class, num(math.max(vtime, tonumber(tag))))
+  line_unlist(line, class, redis.call('HGET', job_prefix .. id, 'tenant') or '', id)
+end
+local function line_pop(line, job_prefix)
+  for _, class in ipairs(CLASSES) do
+    local popped = redis.call('ZPOPMIN', order_key(line, class))
+    if popped[1] then
+      line_taken(line, job_prefix, class, popped[1], popped[2])
+      return popped[1]
+    end
+  end
+  redis.call('DEL', line.key .. ':doorbell')
+  return false
+end
+-- How many jobs a worker takes before this one; nil when it is not waiting.
+local function line_position(line, class, id)
+  local rank = redis.call('ZRANK', order_key(line, class), id)
+  if not rank then return nil end
+  for _, other in ipairs(CLASSES) do
+    if other == class then return rank end
+    rank = rank + redis.call('ZCARD', order_key(line, other))
+  end
+end
+-- The first `count` ids in the order workers take them.
+local function line_head(line, count)
+  local ids = {}
+  for _, class in ipairs(CLASSES) do
+    if #ids >= count then break end
+    for _, id in ipairs(redis.call('ZRANGE', order_key(line, class), 0, count - #ids - 1)) do
+      table.insert(ids, id)
+    end
+  end
+  return ids
+end

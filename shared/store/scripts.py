@@ -1,0 +1,60 @@
+"""The store's Lua, read from ``lua/`` once: every change to the line is one of these scripts.
+
+A script's first line may name the libraries it builds on (``-- uses: line estimates``), files of
+``lua/lib/``; the loader puts each before the script once, after the libraries it uses itself.
+Names both sides of Redis must agree on (key prefixes, the doorbell's size) are filled in from
+``shared/contract/keys.py`` where the Lua writes ``@NAME@``. The scripts derive keys from those
+prefixes, which suits one Redis (with replicas or Sentinel) but not Redis Cluster.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from redis import Redis
+from redis.client import Pipeline
+
+from shared.contract import keys
+
+LUA = Path(__file__).with_name("lua")
+USES = re.compile(r"^-- uses:(.*)$", re.M)
+CONSTANTS = {
+    "LINE_PREFIX": keys.line_key(""),
+    "SEP": keys.QUEUE_SEPARATOR,
+    "RQ_QUEUE_PREFIX": keys.RQ_QUEUE_PREFIX,
+    "RQ_QUEUES_KEY": keys.RQ_QUEUES_KEY,
+    "DOORBELL_TOKENS": str(keys.DOORBELL_TOKENS),
+}
+
+
+def _uses(path: Path) -> list[str]:
+    found = USES.match(path.read_text())
+    return found.group(1).split() if found else []
+
+
+def _libraries(path: Path, into: list[str]) -> list[str]:
+    """The libraries a file needs, each after its own, once."""
+    for name in _uses(path):
+        if name not in into:
+            _libraries(LUA / "lib" / f"{name}.lua", into)
+            into.append(name)
+    return into
+
+
+@cache
+def source(name: str) -> str:
+    """The whole text of one script, its libraries first, its constants filled in."""
+    path = LUA / f"{name}.lua"
+    parts = [(LUA / "lib" / f"{lib}.lua").read_text() for lib in _libraries(path, [])]
+    text = "\n".join([*parts, path.read_text()])
+    text = re.sub(r"@([A-Z_]+)@", lambda match: CONSTANTS[match.group(1)], text)
+    return text
+
+
+def run(client: Redis | Pipeline, name: str, keys: Sequence[str] = (), args: Sequence[Any] = ()) -> Any:
+    """Run one script with EVALSHA (in a pipeline: queued, loaded first if Redis lacks it)."""
+    return client.register_script(source(name))(keys=list(keys), args=list(args))

@@ -1,0 +1,98 @@
+"""What crosses between the worker and its finishing process (worker/finisher.py), by direction."""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Literal
+
+from PIL import Image
+from PIL.PngImagePlugin import PngInfo
+from redis.connection import Encoder
+from rq.executions import Execution
+from rq.job import Job
+
+from shared.contract.jobs import JobRequest, Outcome
+from worker.fencing import Fence
+
+Rendered = tuple[JobRequest, list[Image.Image]]
+REDIS_ENCODING = Encoder("utf-8", "strict", decode_responses=False)  # values as HSET would store them
+
+
+def encode_png(image: Image.Image, request: JobRequest) -> bytes:
+    """PNG bytes with the request in a text chunk, so a saved file says how it was made."""
+    info = PngInfo()
+    info.add_text("parameters", json.dumps(request.model_dump(mode="json"), sort_keys=True))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", pnginfo=info)
+    return buffer.getvalue()
+
+
+# --- worker -> finishing process -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Work:
+    """One job whose GPU section is done: its record as the worker holds it, this run of it, its
+    attempt's fence and its images."""
+
+    job_id: str
+    record: dict[bytes, bytes]  # as in Redis (HGETALL), so that RQ's own restore() reads it
+    execution_id: str
+    execution_started: datetime
+    fence: Fence
+    rendered: Rendered
+
+    @classmethod
+    def of(cls, job: Job, execution: Execution, fence: Fence, rendered: Rendered) -> Work:
+        record = {name.encode(): REDIS_ENCODING.encode(value) for name, value in job.to_dict().items()}
+        return cls(job.id, record, execution.id, execution.created_at, fence, rendered)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The jobs of one GPU execution, and what the drain-rate estimate needs once they are done."""
+
+    works: list[Work]
+    running: str  # the worker's running entry for this execution
+    cost: float
+    seconds: float  # how long the execution held the slot
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Finish nothing more and exit."""
+
+
+ToFinisher = Batch | Stop
+
+
+# --- finishing process -> worker -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Ready:
+    """The finishing process's first message, once it can take work."""
+
+    kind: Literal["ready"] = "ready"
+
+
+@dataclass(frozen=True)
+class Ended:
+    """How finishing one job went: its final status once recorded (``succeeded``), or
+    ``superseded``, ``unrecorded`` or ``unfinished`` (see :class:`Outcome`)."""
+
+    job_id: str
+    outcome: Outcome
+    seconds: float = 0.0
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The answer for one batch: each job's end, in the batch's order."""
+
+    ended: list[Ended]
+
+
+FromFinisher = Ready | Finished

@@ -1,0 +1,99 @@
+"""The one adapter for RQ's private API: the worker records each job's end through RQ's own paths.
+
+RQ's ``perform_job`` runs a job and records its end in one go; the slotq worker splits the two
+(the GPU section here, the end in its finishing process), so it calls the halves RQ keeps private:
+``_finalize_success``, ``_finalize_failure`` and ``_stopped_job_id``. Every such use is below, and
+:func:`check_rq` (run at start-up and by tests/test_rq.py) fails with a plain message when an RQ
+release outside ``pyproject.toml``'s range (``rq>=3.0,<4``) no longer has them. The rest of RQ that
+slotq uses is public: ``Job``, ``Queue``, registries, ``prepare_execution``, death penalties.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from rq.executions import Execution
+from rq.job import Job
+from rq.queue import Queue
+from rq.serializers import JSONSerializer
+from rq.utils import now as rq_now
+from rq.worker import SimpleWorker
+
+from shared.contract import keys
+from shared.contract.jobs import JobStatus
+from shared.contract.settings import Settings
+from shared.store import endings
+from worker.fencing import Fence, FencedRedis
+
+# RQ's private methods, with the parameters slotq passes them (after self).
+PRIVATE_METHODS = {
+    "_finalize_success": ["job", "queue", "execution", "return_value"],
+    "_finalize_failure": ["job", "queue", "execution", "exc_info"],
+}
+PRIVATE_ATTRIBUTES = ["_stopped_job_id"]  # read by handle_job_failure: a job stopped on request
+
+
+def check_rq() -> None:
+    """Raise ``RuntimeError`` naming what changed when RQ no longer has what this module uses."""
+    problems = []
+    for name, expected in PRIVATE_METHODS.items():
+        method = getattr(SimpleWorker, name, None)
+        if method is None:
+            problems.append(f"rq.worker.SimpleWorker.{name} is gone")
+            continue
+        parameters = list(inspect.signature(method).parameters)[1:len(expected) + 1]
+        if parameters != expected:
+            problems.append(f"rq.worker.SimpleWorker.{name} takes {parameters}, not {expected}")
+    source = inspect.getsource(SimpleWorker.handle_job_failure)
+    problems += [f"rq's handle_job_failure no longer reads self.{name}" for name in PRIVATE_ATTRIBUTES
+                 if f"self.{name}" not in source]
+    rq_names = (Queue.redis_queue_namespace_prefix, Queue.redis_queues_keys)
+    if rq_names != (keys.RQ_QUEUE_PREFIX, keys.RQ_QUEUES_KEY):
+        problems.append("RQ names its queue keys differently from shared/contract/keys.py")
+    if problems:
+        raise RuntimeError("this RQ release does not fit slotq (worker/rq.py): " + "; ".join(problems))
+
+
+class RQWorker(SimpleWorker):
+    """RQ's worker, for recording jobs' ends through RQ's own paths with fenced writes."""
+
+    def __init__(self, queue: Queue, settings: Settings, name: str | None) -> None:
+        if not isinstance(queue.connection, FencedRedis):
+            raise TypeError("a worker writes through a FencedRedis connection: see connect_worker()")
+        # RQ logs a job's description (its arguments: the prompt) unless told not to.
+        super().__init__([queue], name=name, connection=queue.connection, serializer=JSONSerializer,
+                         log_job_description=settings.log_prompts)
+        self.settings = settings
+
+    @property
+    def queue(self) -> Queue:
+        return self.queues[0]
+
+    def handle_execution_ended(self, job: Job, queue: Queue, heartbeat_ttl: int) -> None:
+        """RQ's own, but its two writes in one transaction: each is fenced, and a fence costs a round trip."""
+        job.ended_at = rq_now()
+        with self.connection.pipeline() as pipe:
+            job.heartbeat(rq_now(), heartbeat_ttl, pipeline=pipe)
+            pipe.execute()
+
+    def record_success(self, job: Job, execution: Execution, result: Any) -> None:
+        """RQ's own success path (the one its perform_job takes): result, registries, status."""
+        self._finalize_success(job, self.queue, execution, result)
+
+    def record_failure(self, job: Job, execution: Execution, error: BaseException) -> None:
+        """RQ's own failure path; its hooks (handle_exception, handle_job_failure) decide the ending."""
+        self._finalize_failure(job, self.queue, execution, (type(error), error, error.__traceback__))
+
+    def mark_stopped(self, job: Job) -> None:
+        """Have RQ's failure path mark this job stopped (RQ's own stop-job command), never retried."""
+        self._stopped_job_id = job.id
+
+    def settle(self, job: Job, fence: Fence) -> JobStatus:
+        """The job's end is recorded: drop its claim and the attempt's fence; its status."""
+        return endings.settle(self.connection, self.queue.name, keys.claims_key(self.name), job, fence.key)
+
+
+def run_seconds(job: Job) -> float:
+    """How long the job ran, from its start to its recorded end."""
+    return (job.ended_at or rq_now()).timestamp() - (job.started_at or rq_now()).timestamp()
