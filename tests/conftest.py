@@ -15,8 +15,7 @@ from typing import Any
 import pytest
 from flask.testing import FlaskClient
 from redis import Redis
-from rq import Queue
-from rq import Worker
+from rq import Queue, Worker
 
 from api.app import create_app
 from shared.contract import keys

@@ -76,6 +76,11 @@ def test_refused_job_leaves_nothing_behind(client: FlaskClient, settings: Settin
         ({"prompt": "a", "steps": 101}, ["steps"]),
         ({"prompt": "a", "steps": "4"}, ["steps"]),
         ({"prompt": "a", "steps": True}, ["steps"]),
+        ({"prompt": "a", "width": "496"}, ["width"]),
+        ({"prompt": "a", "width": True}, ["width"]),
+        ({"prompt": "a", "width": 496.5}, ["width"]),
+        ({"prompt": "a", "seed": 7.5}, ["seed"]),
+        ({"prompt": "a", "num_images": 1e300}, ["num_images"]),
         ({"prompt": "a", "guidance_scale": 30.5}, ["guidance_scale"]),
         ({"prompt": "a", "seed": -1}, ["seed"]),
         ({"prompt": "a", "seed": 2**32}, ["seed"]),
@@ -155,6 +160,43 @@ def test_wrong_method_gets_405(client: FlaskClient) -> None:
     assert error_of(response)["code"] == "method_not_allowed"
 
 
+@pytest.mark.parametrize(("method", "path", "allowed"), [
+    ("PUT", "/v1/jobs", {"POST", "OPTIONS"}),
+    ("PATCH", "/v1/jobs/{id}", {"GET", "HEAD", "DELETE", "OPTIONS"}),
+    ("POST", "/v1/jobs/{id}/images/0", {"GET", "HEAD", "OPTIONS"}),
+    ("DELETE", "/v1/queue", {"GET", "HEAD", "OPTIONS"}),
+])
+def test_wrong_method_gets_405_with_allow(client: FlaskClient, method: str, path: str,
+                                          allowed: set[str]) -> None:
+    path = path.format(id=post_job(client).get_json()["id"])
+    response = client.open(path, method=method)
+    assert response.status_code == 405
+    assert error_of(response)["code"] == "method_not_allowed"
+    assert {name.strip() for name in response.headers["Allow"].split(",")} == allowed
+
+
+@pytest.mark.parametrize("field", ["width", "height", "steps", "seed", "num_images"])
+def test_integral_numbers_are_integers(client: FlaskClient, field: str) -> None:
+    # JSON Schema's "integer", which the document uses, admits 496.0; so does the service.
+    value = {"width": 496, "height": 160, "steps": 4, "seed": 7, "num_images": 2}[field]
+    body = json.dumps({"prompt": "a", field: float(value)})
+    assert f'"{field}": {value}.0' in body
+    response = client.post("/v1/jobs", data=body, content_type="application/json")
+    assert response.status_code == 202, response.get_json()
+    echoed = response.get_json()["request"][field]
+    assert echoed == value and isinstance(echoed, int)
+
+
+def test_an_integral_number_and_its_integer_are_one_request(client: FlaskClient) -> None:
+    headers = {"Idempotency-Key": "integral"}
+    first = client.post("/v1/jobs", data='{"prompt": "a", "width": 496}', content_type="application/json",
+                        headers=headers)
+    again = client.post("/v1/jobs", data='{"prompt": "a", "width": 4.96e2}', content_type="application/json",
+                        headers=headers)
+    assert (first.status_code, again.status_code) == (202, 200)
+    assert again.get_json()["id"] == first.get_json()["id"]
+
+
 def test_image_of_a_queued_job_is_not_ready(client: FlaskClient) -> None:
     job_id = post_job(client).get_json()["id"]
     response = client.get(f"/v1/jobs/{job_id}/images/0")
@@ -173,6 +215,15 @@ def test_cancel_of_a_queued_job_removes_it(client: FlaskClient, settings: Settin
     again = client.delete(f"/v1/jobs/{first}")
     assert again.status_code == 409
     assert error_of(again)["code"] == "already_finished"
+
+
+def test_cancel_keeps_the_record(client: FlaskClient) -> None:
+    # DELETE is the documented cancel: the job stays readable, canceled, until its record expires.
+    job_id = post_job(client).get_json()["id"]
+    assert client.delete(f"/v1/jobs/{job_id}").status_code == 200
+    response = client.get(f"/v1/jobs/{job_id}")
+    assert response.status_code == 200
+    assert response.get_json()["status"] == "canceled"
 
 
 def test_canceled_job_frees_its_place(client: FlaskClient, settings: Settings) -> None:

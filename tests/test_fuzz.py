@@ -40,6 +40,7 @@ ERROR_CODES = error_codes()
 # The id pattern as the README promises it, written independently of shared/queue.py: whole string.
 VALID_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 FIELDS = sorted(JobRequest.model_fields)
+INTEGER_FIELDS = ("width", "height", "steps", "seed", "num_images")
 # No example database: it would write .hypothesis/ into the working tree; failures print a seed.
 FUZZ = hsettings(max_examples=400, deadline=None, database=None, print_blob=True,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
@@ -99,14 +100,20 @@ json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
 
 def valid_requests(settings: Settings) -> st.SearchStrategy[dict[str, Any]]:
     """Requests the README says must be admitted, with any subset of the optional fields."""
-    side = st.integers(8, settings.max_side // 8).map(lambda n: n * 8)
+    side = integral(st.integers(8, settings.max_side // 8).map(lambda n: n * 8))
     text = st.text(st.characters(exclude_categories=["Cs"]), max_size=2000)
     return st.fixed_dictionaries(
         {"prompt": text.filter(bool) | st.sampled_from(["a", "x" * 2000, "\x00", "𝕱"])},
         optional={"negative_prompt": st.none() | text, "width": side, "height": side,
-                  "steps": st.integers(1, settings.max_steps),
+                  "steps": integral(st.integers(1, settings.max_steps)),
                   "guidance_scale": st.floats(0, 30) | st.integers(0, 30),
-                  "seed": st.none() | st.integers(0, MAX_SEED), "num_images": st.integers(1, 4)})
+                  "seed": st.none() | integral(st.integers(0, MAX_SEED)),
+                  "num_images": integral(st.integers(1, 4))})
+
+
+def integral(numbers: st.SearchStrategy[int]) -> st.SearchStrategy[int | float]:
+    """These integers, some sent as the integral number JSON Schema's integer also admits (496.0)."""
+    return numbers | numbers.map(float)
 
 
 def near_valid(settings: Settings) -> st.SearchStrategy[dict[str, Any]]:
@@ -163,15 +170,8 @@ def assert_admitted(response: Any, sent: dict[str, Any], settings: Settings,
     assert 1 <= len(request["prompt"]) <= 2000
     for key, value in sent.items():
         assert request[key] == value or (key, value) == ("seed", None), (key, value, request)
-
-
-def has_float(value: Any) -> bool:
-    """Whether a JSON value holds a float anywhere (JSON Schema's integer admits 8.0; strict pydantic not)."""
-    if isinstance(value, dict):
-        return any(has_float(item) for item in value.values())
-    if isinstance(value, list):
-        return any(has_float(item) for item in value)
-    return isinstance(value, float)
+    for key in INTEGER_FIELDS:
+        assert type(request[key]) is int, (key, request)  # 8.0 was sent, 8 is kept
 
 
 def check_submit(client: FlaskClient, body: Any, settings: Settings,
@@ -184,15 +184,17 @@ def check_submit(client: FlaskClient, body: Any, settings: Settings,
         # A valid body with a webhook, which this service (no secret) refuses: the only 400 here.
         assert isinstance(body, dict) and body.get("webhook")
         assert assert_error(response, validators) == "webhooks_disabled"
+        # ...and which its document, with webhooks off, does not offer.
+        assert not validators["JobRequest"].is_valid(body), body
         return 400
     if response.status_code == 202:
         assert_admitted(response, body, settings, validators)
+        validators["JobRequest"].validate(body)
         return 202
     assert assert_error(response, validators) == "invalid_request"
-    # The converse, where JSON Schema and strict pydantic agree: a body without floats, and without
-    # a webhook URL, whose schema pattern is its shape only (a port above 65535 passes it).
-    if not has_float(body) and not (isinstance(body, dict) and "webhook" in body):
-        assert not validators["JobRequest"].is_valid(body), body
+    # The converse: what the service refuses, the document refuses too (integral numbers like 8.0
+    # included, which JSON Schema's integer admits and so does the service).
+    assert not validators["JobRequest"].is_valid(body), body
     return 422
 
 
@@ -215,6 +217,44 @@ def test_openapi_document_is_served_with_live_limits(client: FlaskClient, settin
     fields = openapi_document(settings.model_copy(update={"max_side": 256, "max_steps": 7}))[
         "components"]["schemas"]["JobRequest"]["properties"]
     assert (fields["height"]["maximum"], fields["steps"]["maximum"]) == (256, 7)
+
+
+def test_webhooks_are_offered_only_where_they_are_sent(settings: Settings) -> None:
+    def request_schema(document: dict[str, Any]) -> jsonschema_rs.Validator:
+        return jsonschema_rs.validator_for({"$ref": "#/components/schemas/JobRequest",
+                                            "components": document["components"]})
+
+    def bad_request_codes(document: dict[str, Any]) -> list[str]:
+        schema = document["paths"]["/v1/jobs"]["post"]["responses"]["400"]["content"]["application/json"]
+        return schema["schema"]["allOf"][1]["properties"]["error"]["properties"]["code"]["enum"]
+
+    body = {"prompt": "a", "webhook": "https://hooks.example.com/slotq"}
+    off = openapi_document(settings)
+    assert settings.webhook_secret is None and not request_schema(off).is_valid(body)
+    assert request_schema(off).is_valid({"prompt": "a", "webhook": None})
+    assert "webhooks_disabled" in off["components"]["schemas"]["JobRequest"]["properties"]["webhook"][
+        "description"]
+    assert bad_request_codes(off) == ["invalid_json", "webhooks_disabled"]
+    on = openapi_document(settings.model_copy(update={"webhook_secret": "s" * 32}))
+    assert request_schema(on).is_valid(body)
+    assert bad_request_codes(on) == ["invalid_json", "webhook_not_allowed"]
+
+
+def test_every_undocumented_method_gets_405_with_allow(fuzz_client: FlaskClient, document: dict[str, Any],
+                                                       validators: dict[str, Any]) -> None:
+    job_id = json.loads(post(fuzz_client, json.dumps({"prompt": "allow"})).data)["id"]
+    assert "Allow" in document["components"]["responses"]["MethodNotAllowed"]["headers"]
+    for template, item in document["paths"].items():
+        path = template.format(id=job_id, index=0, filename="app.js")
+        documented = {method.upper() for method in item if method != "parameters"}
+        allowed = documented | {"OPTIONS"} | ({"HEAD"} if "GET" in documented else set())
+        options = fuzz_client.options(path)
+        assert {name.strip() for name in options.headers["Allow"].split(",")} == allowed, path
+        for method in {"GET", "POST", "PUT", "PATCH", "DELETE", "TRACE"} - documented:
+            response = fuzz_client.open(path, method=method)
+            assert response.status_code == 405, (method, path, response.status_code)
+            assert assert_error(response, validators) == "method_not_allowed"
+            assert {name.strip() for name in response.headers["Allow"].split(",")} == allowed, (method, path)
 
 
 def test_every_route_is_documented(fuzz_client: FlaskClient, document: dict[str, Any]) -> None:

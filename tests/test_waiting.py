@@ -1,4 +1,10 @@
-"""shared/store/waiting.py: the waiting line is RQ's own lists, as RQ's tools read them."""
+"""shared/store/waiting.py: the line in RQ's own lists, priority classes, shed-by-class and fair
+share between tenants, against a real Redis.
+
+The order asserted on the line is the order a worker takes jobs: it pops from the same sorted sets
+in one script. The tests with the session's worker check that order where jobs really run; the
+first ones check that RQ's own tools (`rq info`, rq.Queue) see exactly the jobs that wait.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,11 @@ import json
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
+from typing import Any
 
 import pytest
 from flask.testing import FlaskClient
@@ -17,22 +27,50 @@ from rq.job import Job
 from shared.contract import keys
 from shared.contract.settings import Settings
 from shared.store import waiting
-from tests.conftest import app_client, rq_queues, waiting_ids
+from tests.conftest import (
+    Process,
+    app_client,
+    http_post_job,
+    rq_queues,
+    wait_for,
+    wait_for_status,
+    waiting_ids,
+)
 
-KEYS = {"key-alice": "alice", "key-bob": "bob"}
+KEYS = {"key-a": "alice", "key-c": "carol",
+        "key-batch": {"tenant": "batch", "priorities": ["low"]},
+        "key-ops": {"tenant": "ops", "priorities": ["high", "normal"]}}
+
+
+def submit(client: FlaskClient, key: str | None = None, **body: Any) -> Any:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return client.post("/v1/jobs", data=json.dumps({"prompt": "a red fox", **body}),
+                       content_type="application/json", headers=headers)
+
+
+def with_settings(settings: Settings, **changes: Any) -> Iterator[FlaskClient]:
+    yield from app_client(Settings(**(settings.model_dump() | changes)))
+
+
+@pytest.fixture
+def classes(settings: Settings) -> Iterator[FlaskClient]:
+    """Capacity 10: low admitted while fewer than 5 wait, high while fewer than 12."""
+    yield from with_settings(settings, queue_capacity=10, low_share=0.5, high_reserve=0.2)
 
 
 @pytest.fixture
 def keyed(settings: Settings) -> Iterator[FlaskClient]:
-    yield from app_client(Settings(**(settings.model_dump() | {"api_keys": KEYS, "queue_capacity": 50})))
+    yield from with_settings(settings, api_keys=KEYS, queue_capacity=100)
 
 
-def submit(client: FlaskClient, key: str | None, priority: str) -> str:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    response = client.post("/v1/jobs", data=json.dumps({"prompt": "a red fox", "priority": priority}),
-                           content_type="application/json", headers=headers)
+def submit_id(client: FlaskClient, key: str | None, priority: str) -> str:
+    response = submit(client, key, priority=priority)
     assert response.status_code == 202, response.get_json()
     return str(response.get_json()["id"])
+
+
+def codes(responses: list[Any]) -> list[int]:
+    return [response.status_code for response in responses]
 
 
 def rq_info(redis_url: str) -> str:
@@ -45,14 +83,14 @@ def rq_info(redis_url: str) -> str:
 
 def test_rq_info_and_rq_queue_see_exactly_the_waiting_jobs_of_two_classes_and_tenants(
         keyed: FlaskClient, settings: Settings, redis: Redis) -> None:
-    submitted = {submit(keyed, key, priority): (key, priority)
-                 for key in KEYS for priority in ("high", "normal", "normal")}
+    submitted = {submit_id(keyed, key, priority): (key, priority)
+                 for key in ("key-a", "key-c") for priority in ("high", "normal", "normal")}
     assert len(submitted) == 6
     queues = {queue.name: queue for queue in rq_queues(redis, settings)}
     name = settings.queue_name
-    assert set(queues) == {f"{name}:high:alice", f"{name}:normal:alice", f"{name}:high:bob",
-                           f"{name}:normal:bob"}
-    assert queues[f"{name}:normal:bob"].count == 2 and queues[f"{name}:high:alice"].count == 1
+    assert set(queues) == {f"{name}:high:alice", f"{name}:normal:alice", f"{name}:high:carol",
+                           f"{name}:normal:carol"}
+    assert queues[f"{name}:normal:carol"].count == 2 and queues[f"{name}:high:alice"].count == 1
     listed = [job_id for queue in queues.values() for job_id in queue.get_job_ids()]
     assert sorted(listed) == sorted(submitted)
     for job_id in listed:
@@ -62,7 +100,7 @@ def test_rq_info_and_rq_queue_see_exactly_the_waiting_jobs_of_two_classes_and_te
 
 def test_a_job_leaves_its_rq_list_when_canceled_or_claimed(client: FlaskClient, settings: Settings,
                                                           redis: Redis) -> None:
-    first, second = (submit(client, None, "normal") for _ in range(2))
+    first, second = (submit_id(client, None, "normal") for _ in range(2))
     normal = Queue(f"{settings.queue_name}:normal", connection=redis)
     assert normal.get_job_ids() == [first, second]
     assert client.delete(f"/v1/jobs/{first}").status_code == 200
@@ -73,3 +111,167 @@ def test_a_job_leaves_its_rq_list_when_canceled_or_claimed(client: FlaskClient, 
     assert claimed is not None and claimed.job_id == second
     assert normal.count == 0 and redis.lrange(claims, 0, -1) == [second.encode()]
     assert re.search(r"\b0 jobs total", rq_info(settings.redis_url))
+
+
+def test_the_lowest_class_is_refused_first(classes: FlaskClient) -> None:
+    assert codes([submit(classes, priority="low") for _ in range(6)]) == [202] * 5 + [429]
+    refused = submit(classes, priority="low")
+    assert refused.get_json()["error"]["code"] == "queue_full" and int(refused.headers["Retry-After"]) >= 1
+    # Normal jobs still have the rest of the capacity: exactly 10 may wait, as in v1.
+    assert codes([submit(classes) for _ in range(6)]) == [202] * 5 + [429]
+    # High jobs may use 20 % beyond it.
+    assert codes([submit(classes, priority="high") for _ in range(3)]) == [202, 202, 429]
+    state = classes.get("/v1/queue").get_json()
+    assert state["by_priority"] == {"high": 2, "normal": 5, "low": 5} and state["waiting"] == 12
+    assert state["limits"] == {"high": 12, "normal": 10, "low": 5}
+
+
+def test_the_line_is_ordered_by_class(classes: FlaskClient, redis: Redis, settings: Settings) -> None:
+    low = submit(classes, priority="low").get_json()["id"]
+    normal = submit(classes).get_json()["id"]
+    high = submit(classes, priority="high").get_json()["id"]
+    assert waiting_ids(redis, settings) == [high, normal, low]
+    assert [classes.get(f"/v1/jobs/{i}").get_json()["position"] for i in (high, normal, low)] == [0, 1, 2]
+
+
+def test_the_worker_runs_the_highest_class_first(worker_client: FlaskClient) -> None:
+    blocker = submit(worker_client, width=512, height=512, steps=20).get_json()["id"]
+    wait_for(lambda: worker_client.get(f"/v1/jobs/{blocker}").get_json()["status"] != "queued",
+             what="the first job to start")
+    tiny = {"width": 64, "height": 64, "steps": 1}
+    order = ("low", "normal", "high", "normal")
+    ids = [submit(worker_client, priority=p, **tiny).get_json()["id"] for p in order]
+    assert worker_client.get(f"/v1/jobs/{blocker}").get_json()["status"] == "running"  # all of them waited
+    views = [wait_for_status(worker_client, i, "succeeded") for i in ids]
+    started = sorted(range(4), key=lambda index: views[index]["started_at"])
+    assert started == [2, 1, 3, 0]  # high, then normal in arrival order, then low
+
+
+def test_keys_may_be_limited_to_some_priorities(keyed: FlaskClient) -> None:
+    refused = submit(keyed, "key-batch", priority="high")
+    assert refused.status_code == 403
+    assert refused.get_json()["error"]["code"] == "priority_not_allowed"
+    assert "low" in refused.get_json()["error"]["message"]
+    # Without a priority, a key that may not use normal runs at the first one it lists.
+    assert submit(keyed, "key-batch").get_json()["request"]["priority"] == "low"
+    assert submit(keyed, "key-ops").get_json()["request"]["priority"] == "normal"
+    assert submit(keyed, "key-ops", priority="low").status_code == 403
+    assert codes([submit(keyed, "key-a", priority=p) for p in ("high", "normal", "low")]) == [202] * 3
+    unknown = submit(keyed, "key-a", priority="urgent")
+    assert unknown.status_code == 422 and unknown.get_json()["error"]["details"][0]["loc"] == ["priority"]
+
+
+def test_tenants_take_turns_by_cost_within_a_class(keyed: FlaskClient, redis: Redis,
+                                                   settings: Settings) -> None:
+    tenant_of = {}
+    for _ in range(3):  # 4 units each
+        tenant_of[submit(keyed, "key-a", width=512, height=512, steps=4).get_json()["id"]] = ("alice", 4.0)
+    for _ in range(8):  # 1 unit each
+        tenant_of[submit(keyed, "key-c", width=256, height=256, steps=4).get_json()["id"]] = ("carol", 1.0)
+    order = waiting_ids(redis, settings)
+    assert len(order) == 11
+    # Start-time fair queueing: in every prefix of the order, the work the two tenants were served
+    # differs by at most one job's cost, however they arrived (alice's burst came first).
+    served = Counter[str]()
+    for job_id in order[:-3]:  # while both still have work waiting
+        tenant, cost = tenant_of[job_id]
+        served[tenant] += cost
+        assert abs(served["alice"] - served["carol"]) <= 4.0, (order, served)
+    assert [tenant_of[i][0] for i in order[:2]].count("alice") == 1  # both start at once
+
+
+def test_a_newcomer_is_not_starved_by_a_burst_across_api_processes(
+        worker: Process, worker_settings: Settings, start_api: Callable[..., Process]) -> None:
+    """A 500-job burst from one tenant, posted by concurrent clients through two API processes:
+    another tenant's single job runs after at most one more of the burst."""
+    changes = {"api_keys": json.dumps(KEYS), "queue_capacity": 1000}
+    apis = [start_api(worker_settings, **changes) for _ in range(2)]
+    tiny = {"prompt": "x", "width": 64, "height": 64, "steps": 1}
+
+    def post(index: int, key: str = "key-a") -> tuple[int, dict[str, Any]]:
+        return http_post_job(apis[index % 2].url, tiny, key)[:2]
+
+    with ThreadPoolExecutor(8) as pool:
+        burst = list(pool.map(post, range(500)))
+    assert Counter(status for status, _ in burst) == {202: 500}
+    status, newcomer = post(0, "key-c")
+    assert status == 202 and newcomer["position"] <= 1
+    clients = with_settings(worker_settings, api_keys=KEYS, queue_capacity=1000)
+    client = next(clients)
+    try:
+        headers = {"Authorization": "Bearer key-c"}
+        done = wait_for(lambda: _ended(client.get(f"/v1/jobs/{newcomer['id']}", headers=headers).get_json()),
+                        what="the newcomer's job to end")
+        assert done["status"] == "succeeded"
+        alice = {"Authorization": "Bearer key-a"}
+        views = [client.get(f"/v1/jobs/{view['id']}", headers=alice).get_json() for _, view in burst]
+        arrived, started = _at(newcomer["created_at"]), _at(done["started_at"])
+        overtook = [v for v in views if v["started_at"] and arrived < _at(v["started_at"]) < started]
+        assert len(overtook) <= 1, overtook
+        assert sum(1 for v in views if v["status"] == "queued") > 100  # the burst was really waiting
+    finally:
+        for _, view in burst:  # leave the session's worker an empty queue
+            client.delete(f"/v1/jobs/{view['id']}", headers={"Authorization": "Bearer key-a"})
+        clients.close()
+
+
+def _ended(view: dict[str, Any]) -> dict[str, Any] | None:
+    return view if view["status"] not in ("queued", "running") else None
+
+
+def _at(moment: str) -> float:
+    return datetime.fromisoformat(moment).timestamp()
+
+
+def test_class_limits_are_exact_across_api_processes(settings: Settings,
+                                                     start_api: Callable[..., Process]) -> None:
+    apis = [start_api(settings, queue_capacity=20, low_share=0.5, high_reserve=0.2) for _ in range(2)]
+
+    def post(index: int, priority: str) -> int:
+        return http_post_job(apis[index % 2].url, {"prompt": "x", "priority": priority})[0]
+
+    with ThreadPoolExecutor(16) as pool:
+        low = Counter(pool.map(post, range(40), ["low"] * 40))
+        normal = Counter(pool.map(post, range(40), ["normal"] * 40))
+        high = Counter(pool.map(post, range(40), ["high"] * 40))
+    assert (low, normal, high) == ({202: 10, 429: 30}, {202: 10, 429: 30}, {202: 4, 429: 36})
+
+
+def test_a_refusal_is_one_script_call_that_writes_nothing(classes: FlaskClient, redis: Redis) -> None:
+    for _ in range(10):
+        submit(classes)
+    submit(classes)  # the first refusal may load the script into Redis
+
+    commands = _commands_during(redis, lambda: submit(classes))
+    refused = commands.pop("response")
+    assert refused.status_code == 429
+    assert [c.split()[0] for c in commands["client"]] == ["EVALSHA"]
+    assert commands["lua"] and not [c for c in commands["lua"] if c.split()[0] in WRITES], commands["lua"]
+
+    submit(classes, priority="high")  # an admission may load the script too
+    commands = _commands_during(redis, lambda: submit(classes, priority="high"))
+    assert commands.pop("response").status_code == 202
+    assert [c.split()[0] for c in commands["client"]] == ["EVALSHA"]  # an admission, too, is one call
+
+
+WRITES = {"SET", "HSET", "ZADD", "ZREM", "RPUSH", "LPUSH", "LTRIM", "DEL", "EXPIRE", "HINCRBY", "HDEL",
+          "ZPOPMIN", "LREM"}
+
+
+def _commands_during(redis: Redis, action: Callable[[], Any]) -> dict[str, Any]:
+    """The commands Redis ran on this test's database during ``action``, by whom."""
+    seen: dict[str, Any] = {"client": [], "lua": []}
+    db = redis.connection_pool.connection_kwargs.get("db", 0)
+    marker = redis.client()  # connected before the monitor starts, so only its ECHO shows
+    marker.ping()
+    with redis.monitor() as monitor:
+        seen["response"] = action()
+        marker.echo("end-of-action")
+        for event in monitor.listen():
+            command = event["command"]
+            if command == "ECHO end-of-action":
+                break
+            if event["db"] == db:
+                seen["lua" if event["client_type"] == "lua" else "client"].append(command.upper())
+    marker.close()
+    return seen

@@ -22,6 +22,7 @@ from shared.contract import keys
 from shared.contract.jobs import Outcome
 from shared.contract.settings import Settings
 from shared.store import endings, waiting, workers
+from shared.store.connection import text
 from worker import fencing
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ class Claims:
         self._recovered_at = time.monotonic()
         moved = 0
         for raw in self.connection.smembers(keys.workers_key(self.queue.name)):
-            worker = raw.decode()
+            worker = text(raw)
             # Of this worker's own claims, those it is not working on are leftovers.
             if worker != self.worker and self.connection.exists(keys.alive_key(worker)):
                 continue
@@ -116,8 +117,8 @@ class Claims:
                 self.connection.hdel(keys.running_key(self.queue.name), worker)  # it runs nothing now
             held = set(self._held) if worker == self.worker else set()
             for job_id in self.connection.lrange(claims_key, 0, -1):
-                if job_id.decode() not in held:
-                    moved += self._recover_one(claims_key, job_id.decode())
+                if text(job_id) not in held:
+                    moved += self._recover_one(claims_key, text(job_id))
             if worker != self.worker and not self.connection.llen(claims_key):
                 self.connection.srem(keys.workers_key(self.queue.name), worker)
         return moved

@@ -95,10 +95,11 @@ class FencedPipeline(Pipeline):
 
     def __init__(self, *args: Any, fences: tuple[Fence, ...], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.transaction = True  # the check and the writes must be one transaction
+        # The check and the writes must be one transaction (redis-py names the flag like its method).
+        self.transaction = True  # type: ignore[method-assign, assignment]
         self.fences = fences
 
-    def watch(self, *names: Any) -> bool:
+    def watch(self, *names: Any) -> bool:  # type: ignore[override]
         """WATCH these keys and the fence keys and check the tokens, in one round trip."""
         if self.explicit_transaction:
             raise RedisError("Cannot issue a WATCH after a MULTI")

@@ -44,7 +44,7 @@ def report(jobs: list[Job], step: int, total: int) -> list[bool]:
         return records.report_progress(jobs, step, total)
     tokens = {fence.job_id: fence.token for fence in held()}
     job_keys: list[str] = []
-    args: list[str] = []
+    args: list[str | bytes] = []
     for job in jobs:
         job.meta["progress"] = {"step": step, "total": total}
         job_keys += [job.key, keys.cancel_key(job.id), keys.fence_key(job.id)]

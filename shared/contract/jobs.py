@@ -77,8 +77,18 @@ class JobRequest(BaseModel):
     # The pattern documents the URL's shape in the schema; the validator below checks the rest.
     webhook: str | None = Field(None, min_length=1, max_length=MAX_URL, pattern=WEBHOOK_PATTERN,
                                 json_schema_extra={"format": "uri"})
-    webhook_events: list[WebhookEvent] = Field(default_factory=lambda: ["completed"], min_length=1,
+    webhook_events: list[WebhookEvent] = Field(default_factory=lambda: ["completed"],  # type: ignore[arg-type]
+                                               min_length=1,
                                                max_length=2)
+
+    @field_validator("width", "height", "steps", "seed", "num_images", mode="before")
+    @classmethod
+    def _integral(cls, value: Any) -> Any:
+        # JSON Schema's "integer" admits any integral number, 496.0 too, and so does the document;
+        # strict validation after this still refuses "496", true and 496.5.
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        return value
 
     @field_validator("width", "height")
     @classmethod

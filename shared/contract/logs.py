@@ -58,10 +58,11 @@ class ContextFilter(logging.Filter):
             for name in PROMPT_CARRIERS:
                 if hasattr(record, name):
                     setattr(record, name, "<withheld>")
+        # Attributes a LogRecord takes for the formatter (logging sets extras the same way).
         record.request_id, record.job_id = request_id.get(), job_id.get()
         if self.text:  # the ids as one bracketed field of the line, only when there are any
-            ids = [f"{name}={value}" for name, value in (("request", record.request_id),
-                                                         ("job", record.job_id)) if value]
+            ids = [f"{name}={value}" for name, value in (("request", request_id.get()),
+                                                         ("job", job_id.get())) if value]
             record.ids = f" [{' '.join(ids)}]" if ids else ""
         return True
 

@@ -31,6 +31,7 @@ from shared.contract.jobs import JobRequest
 from shared.contract.settings import Settings
 from shared.contract.tenants import Tenant, job_cost
 from shared.store import scripts
+from shared.store.connection import text
 from shared.store.records import fetch_job
 from shared.store.waiting import rq_now
 
@@ -121,7 +122,7 @@ def _admission(queue: Queue, job: Job, answer: list[Any], digest: str, tenant: T
     if outcome in refusals:
         raise refusals[outcome](retry_after=_whole_seconds(detail))
     if outcome == -2:
-        prior_digest, prior_id = detail.decode().split(" ")
+        prior_digest, prior_id = text(answer[1]).split(" ")
         if prior_digest != digest:
             raise IdempotencyConflictError()
         return Admission(fetch_job(queue, prior_id, tenant), None, replayed=True)

@@ -15,6 +15,11 @@ from rq.serializers import JSONSerializer
 from shared.contract.settings import Settings
 
 
+def text(value: bytes | str) -> str:
+    """A Redis reply as text (the clients here do not decode replies: images stay bytes)."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
 def connect(settings: Settings, *, blocking: bool = False, redis_class: type[Redis] = Redis) -> Redis:
     """A Redis client that fails fast; ``blocking`` allows for a worker's blocking pop, and
     ``redis_class`` names the client class (the worker's fences its writes).

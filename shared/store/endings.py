@@ -23,6 +23,7 @@ from shared.contract.errors import AlreadyFinishedError
 from shared.contract.jobs import JobStatus, Outcome
 from shared.contract.settings import Settings
 from shared.store import events, outbox, waiting
+from shared.store.connection import text
 from shared.store.records import attempts_used, job_status, save_meta
 from shared.store.waiting import RQ_TIME_FORMAT
 
@@ -52,7 +53,7 @@ def ended(pipe: Pipeline, queue_name: str, job: Job) -> None:
 def ended_counts(queue: Queue) -> dict[str, int]:
     """How many jobs of the queue reached each final status (since its Redis began)."""
     counts = queue.connection.hgetall(keys.ended_key(queue.name))
-    return {status.decode(): int(count) for status, count in counts.items()}
+    return {text(status): int(count) for status, count in counts.items()}
 
 
 def cancel(queue: Queue, settings: Settings, job: Job) -> bool:

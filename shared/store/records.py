@@ -19,6 +19,7 @@ from shared.contract.jobs import JobError, JobRequest, JobStatus, JobView, Progr
 from shared.contract.settings import Settings
 from shared.contract.tenants import Tenant, job_cost
 from shared.store import events, outbox, waiting
+from shared.store.connection import text
 
 STATUS_FROM_RQ = {
     RQStatus.QUEUED: JobStatus.QUEUED,
@@ -150,7 +151,7 @@ def fetch_image(job: Job, index: int) -> bytes:
     png = job.connection.hget(keys.images_key(job.id), str(index))
     if png is None:
         raise ResultExpiredError()
-    return bytes(png)
+    return png if isinstance(png, bytes) else png.encode()
 
 
 def fetch_job(queue: Queue, job_id: str, tenant: Tenant | None = None) -> Job:
@@ -161,7 +162,7 @@ def fetch_job(queue: Queue, job_id: str, tenant: Tenant | None = None) -> Job:
         job = Job.fetch(job_id, connection=queue.connection, serializer=queue.serializer)
     except NoSuchJobError:
         issued_to = queue.connection.get(keys.issued_key(job_id))
-        if issued_to is not None and (tenant is None or issued_to.decode() == tenant.name):
+        if issued_to is not None and (tenant is None or text(issued_to) == tenant.name):
             raise ResultExpiredError("The job's record has expired.") from None
         raise JobNotFoundError() from None
     if job.origin != queue.name or job.func_name != keys.TASK:
@@ -169,3 +170,42 @@ def fetch_job(queue: Queue, job_id: str, tenant: Tenant | None = None) -> Job:
     if tenant is not None and job.meta.get("tenant") != tenant.name:
         raise JobNotFoundError()  # another tenant's job looks exactly like an unknown one
     return job
+
+
+# --- what a client reads of a job now: its place, its estimates, and expiry first --------------
+# Imports below sit in the functions only because this block was appended to the module; they
+# import nothing that imports this module.
+
+
+def standing_view(queue: Queue, job: Job) -> JobView:
+    """The job's view, with its place and start and finish estimates while it waits or runs."""
+    from shared.store import estimates
+
+    if job_status(job).is_terminal:
+        return job_view(job)
+    position, estimate = estimates.standing(queue, job)
+    return view_with_eta(job_view(job, position), estimate)
+
+
+def current_view(queue: Queue, settings: Settings, job: Job, tenant: Tenant | None = None) -> JobView:
+    """The job's standing view; a waiting job whose deadline has passed is expired first."""
+    view = standing_view(queue, job)
+    if view.status is JobStatus.QUEUED and view.deadline_at and view.deadline_at <= datetime.now(UTC):
+        # Nothing ends a waiting job the moment its deadline passes: the first read past it does.
+        waiting.expire_due(queue, settings)
+        view = standing_view(queue, fetch_job(queue, job.id, tenant))
+    return view
+
+
+def admitted_view(job: Job, position: int | None, estimate: tuple[float, float] | None) -> JobView:
+    """The view of a job just admitted, from the place and estimates its admission answered."""
+    return view_with_eta(job_view(job, position), estimate)
+
+
+def view_with_eta(view: JobView, estimate: tuple[float, float] | None) -> JobView:
+    """The view with these seconds until start and finish; as it is once the job has ended."""
+    from shared.contract.jobs import Eta
+
+    if estimate is None or view.status.is_terminal:
+        return view
+    return view.model_copy(update={"eta_s": Eta(start=estimate[0], finish=estimate[1])})

@@ -16,6 +16,7 @@ from redis import Redis
 
 from shared.contract import keys
 from shared.store import scripts
+from shared.store.connection import text
 
 
 class WorkerIdentity(BaseModel):
@@ -50,7 +51,7 @@ def beat(connection: Redis, identity: WorkerIdentity, ttl_s: float) -> None:
 
 def live_workers(connection: Redis, queue_name: str) -> list[WorkerView]:
     """The workers of a queue whose heartbeat has not expired, by name."""
-    names = sorted(raw.decode() for raw in connection.smembers(keys.workers_key(queue_name)))
+    names = sorted(text(raw) for raw in connection.smembers(keys.workers_key(queue_name)))
     if not names:
         return []
     views = []

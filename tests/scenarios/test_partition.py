@@ -1,4 +1,4 @@
-"""A worker host cut off from the network mid-job (tests/netns.py): its job runs again elsewhere once
+"""A worker host cut off from the network mid-job (netns.py): its job runs again elsewhere once
 its heartbeat lapses, and when the link comes back its stale attempt writes nothing (worker/fencing.py)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from redis import Redis
 from shared.contract import keys
 from shared.contract.settings import Settings
 from tests.conftest import Process, app_client, post_job, wait_for
-from tests.netns import Host, Lab, require_network, start_redis, start_worker, wait_workers
+from tests.scenarios.netns import Host, Lab, require_network, start_redis, start_worker, wait_workers
 from tests.test_fencing import assert_only_the_new_attempt_counts, await_old_attempt, holder
 
 pytestmark = pytest.mark.slow

@@ -1,5 +1,5 @@
 """slotq across hosts: Redis, the API and the workers each on a host of their own (a network namespace,
-tests/netns.py), reaching each other only over the network, as in a real deployment."""
+tests/scenarios/netns.py), reaching each other only over the network, as in a real deployment."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from shared.contract import keys
 from shared.contract.settings import Settings
 from slotq.localredis import is_reachable
 from tests.conftest import Process, http_post_job, wait_for, waiting_ids
-from tests.netns import (
+from tests.scenarios.netns import (
     REDIS_PORT,
     SENTINEL_PORT,
     WORKER_METRICS_PORT,
@@ -39,7 +39,7 @@ from tests.netns import (
     wait_api,
     wait_workers,
 )
-from tests.test_failover import MASTER, SMALL, Burst, get_view, wait_all_ended
+from tests.scenarios.test_failover import MASTER, SMALL, Burst, get_view, wait_all_ended
 from tests.test_metrics import scrape, total, value
 
 
