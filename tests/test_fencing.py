@@ -14,9 +14,10 @@ from rq.serializers import JSONSerializer
 
 from shared.contract import keys
 from shared.contract.settings import Settings
+from shared.store import fencing
+from shared.store.fencing import FencedRedis, StaleAttemptError, holding
 from tests.conftest import Process, post_job, start_worker, wait_for, wait_for_status
-from worker import fencing, progress
-from worker.fencing import FencedRedis, StaleAttemptError, holding
+from worker import progress
 
 CLAIMS = "slotq:claims:test-worker"
 

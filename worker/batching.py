@@ -14,9 +14,9 @@ import time
 
 from shared.contract.jobs import JobRequest
 from shared.contract.settings import Settings
+from shared.store.claims import Claims
 from shared.store.waiting import Claimed
 from worker import lifecycle
-from worker.claims import Claims
 
 WINDOW_PER_PLACE = 4  # how far into its class a batch looks for companions, per place in it
 

@@ -38,7 +38,7 @@ from shared.contract.jobs import Outcome
 from shared.contract.settings import Settings
 from shared.store import estimates, records
 from shared.store.connection import job_queue
-from worker.fencing import StaleAttemptError, connect_worker, holding
+from shared.store.fencing import StaleAttemptError, connect_worker, holding
 from worker.messages import (
     Batch,
     Ended,

@@ -20,11 +20,11 @@ from shared.contract import keys, logs
 from shared.contract.errors import WorkerFatalError
 from shared.contract.settings import Settings, get_settings
 from shared.store import endings, estimates, records, waiting
+from shared.store.claims import Claims
 from shared.store.connection import job_queue
+from shared.store.fencing import StaleAttemptError, connect_worker, holding
 from shared.store.waiting import Claimed
 from worker import batching, lifecycle, tasks
-from worker.claims import Claims
-from worker.fencing import StaleAttemptError, connect_worker, holding
 from worker.finisher import Finisher
 from worker.messages import Batch, Work
 from worker.metrics import WorkerMetrics
@@ -110,7 +110,7 @@ class SlotWorker(Outcomes):
         """Run claimed jobs as one GPU execution (a single job unless batching is on).
 
         From its fence on, each job's writes are fenced with it: the main thread's under the
-        fences of the whole batch, the ending of each under its own (see worker/fencing.py).
+        fences of the whole batch, the ending of each under its own (see shared/store/fencing.py).
         """
         members, running, cost = self._begin(batch)
         if not members:

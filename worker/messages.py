@@ -15,7 +15,7 @@ from rq.executions import Execution
 from rq.job import Job
 
 from shared.contract.jobs import JobRequest, Outcome
-from worker.fencing import Fence
+from shared.store.fencing import Fence
 
 Rendered = tuple[JobRequest, list[Image.Image]]
 REDIS_ENCODING = Encoder("utf-8", "strict", decode_responses=False)  # values as HSET would store them

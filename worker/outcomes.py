@@ -22,9 +22,9 @@ from shared.contract.errors import JobCanceledError, JobInterruptedError, Worker
 from shared.contract.jobs import JobStatus, Outcome
 from shared.contract.settings import Settings
 from shared.store import endings, records
-from worker.claims import Claims
+from shared.store.claims import Claims
+from shared.store.fencing import Fence, StaleAttemptError, holding
 from worker.failures import classify, is_device_fatal
-from worker.fencing import Fence, StaleAttemptError, holding
 from worker.messages import Ended
 from worker.metrics import WorkerMetrics
 from worker.pipeline import current_pipeline

@@ -15,7 +15,7 @@ from rq.job import Job
 
 from shared.contract import keys
 from shared.store import records, scripts
-from worker.fencing import FencedRedis, StaleAttemptError, held
+from shared.store.fencing import FencedRedis, StaleAttemptError, held
 
 
 class Cadence:

@@ -24,7 +24,7 @@ from shared.contract import keys
 from shared.contract.jobs import JobStatus
 from shared.contract.settings import Settings
 from shared.store import endings
-from worker.fencing import Fence, FencedRedis
+from shared.store.fencing import Fence, FencedRedis
 
 # RQ's private methods, with the parameters slotq passes them (after self).
 PRIVATE_METHODS = {

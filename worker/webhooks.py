@@ -18,7 +18,6 @@ import ssl
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from datetime import UTC, datetime
 from functools import cache
 from urllib.parse import urlsplit
@@ -26,11 +25,11 @@ from urllib.parse import urlsplit
 from redis.exceptions import RedisError
 from rq.queue import Queue
 
-from shared.contract import keys, webhooks
+from shared.contract import webhooks
 from shared.contract.errors import ServiceError, WebhookRefusedError
 from shared.contract.settings import Settings
 from shared.contract.webhooks import Allowance, Entry
-from shared.store import records, scripts
+from shared.store import outbox, records
 from shared.store.records import fetch_job
 
 log = logging.getLogger(__name__)
@@ -113,7 +112,6 @@ class Sender:
         if settings.webhook_secret is None:
             raise ValueError("webhooks need SLOTQ_WEBHOOK_SECRET")
         self.queue, self.settings = queue, settings
-        self.outbox = keys.webhooks_key(queue.name)
         self._key = webhooks.signing_key(settings.webhook_secret)
         self._allowed = webhooks.allowance(settings.webhook_allow)
         self._resolver, self._poll_s, self._backoff_s = resolver, poll_s, backoff_s
@@ -145,8 +143,7 @@ class Sender:
         """Deliver every due entry, one at a time; how many were tried."""
         tried = 0
         while not self._stop.is_set():
-            raw = scripts.run(self.queue.connection, "outbox_claim", [self.outbox],
-                              [time.time(), self._lease_s])
+            raw = outbox.take_due(self.queue.connection, self.queue.name, self._lease_s)
             if raw is None:
                 break
             self._deliver(raw)
@@ -189,15 +186,12 @@ class Sender:
         # exponent is capped: a week of retries at the ceiling would overflow a float).
         delay = min(MAX_BACKOFF_S, self._backoff_s * 2 ** min(entry.attempt, 30)) * random.uniform(0.75, 1.25)
         log.info("webhook %s of job %s failed (%s); retrying in %.1fs", entry.id, entry.job, why, delay)
-        with self.queue.connection.pipeline() as pipe:  # MULTI: the entry is replaced, never lost
-            pipe.zrem(self.outbox, raw)
-            pipe.zadd(self.outbox, {replace(entry, attempt=entry.attempt + 1).encode(): now + delay})
-            pipe.execute()
+        outbox.retry_later(self.queue.connection, self.queue.name, raw, entry, delay)
 
     def _drop(self, raw: bytes, warning: str | None = None) -> None:
         if warning:
             log.warning("%s", warning)
-        self.queue.connection.zrem(self.outbox, raw)
+        outbox.drop(self.queue.connection, self.queue.name, raw)
 
 
 @cache

@@ -96,5 +96,5 @@ def webhooks_key(queue: str) -> str:
 
 
 def fence_key(job_id: str) -> str:
-    """The token of the attempt now allowed to write a job's record (see worker/fencing.py)."""
+    """The token of the attempt now allowed to write a job's record (see shared/store/fencing.py)."""
     return f"{PREFIX}:fence:{job_id}"

@@ -1,18 +1,22 @@
 """The webhook outbox: a sorted set of pending deliveries by due time (``keys.webhooks_key``).
 
 Whoever changes a job's status queues its delivery here in the same round trip as the change;
-``lua/lib/outbox.lua`` does the same for a job that ends inside a script.
+``lua/lib/outbox.lua`` does the same for a job that ends inside a script. A sender (worker/webhooks.py)
+takes one due entry at a time under a lease, then drops it or puts it back for a retry.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
+from redis import Redis
 from redis.client import Pipeline
 from rq.job import Job
 
 from shared.contract import keys
 from shared.contract.webhooks import Entry, Event, message_id, wants
+from shared.store import scripts
 
 
 def schedule(pipe: Pipeline, queue_name: str, job: Job, event: Event) -> None:
@@ -24,3 +28,23 @@ def schedule(pipe: Pipeline, queue_name: str, job: Job, event: Event) -> None:
     now = time.time()
     entry = Entry(message_id(job.id, event, attempt), job.id, f"job.{event}", now)
     pipe.zadd(keys.webhooks_key(queue_name), {entry.encode(): now})
+
+
+def take_due(connection: Redis, queue_name: str, lease_s: float) -> bytes | None:
+    """The first due entry, moved a lease ahead so that no other sender takes it meanwhile."""
+    raw = scripts.run(connection, "outbox_claim", [keys.webhooks_key(queue_name)], [time.time(), lease_s])
+    return raw if raw is None or isinstance(raw, bytes) else str(raw).encode()
+
+
+def retry_later(connection: Redis, queue_name: str, raw: bytes, entry: Entry, delay_s: float) -> None:
+    """Put a failed delivery back, its attempt counted, due in ``delay_s``."""
+    outbox = keys.webhooks_key(queue_name)
+    with connection.pipeline() as pipe:  # MULTI: the entry is replaced, never lost
+        pipe.zrem(outbox, raw)
+        pipe.zadd(outbox, {replace(entry, attempt=entry.attempt + 1).encode(): time.time() + delay_s})
+        pipe.execute()
+
+
+def drop(connection: Redis, queue_name: str, raw: bytes) -> None:
+    """A delivery done, refused or given up on: out of the outbox."""
+    connection.zrem(keys.webhooks_key(queue_name), raw)

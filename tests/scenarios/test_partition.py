@@ -1,5 +1,5 @@
 """A worker host cut off from the network mid-job (netns.py): its job runs again elsewhere once
-its heartbeat lapses, and when the link comes back its stale attempt writes nothing (worker/fencing.py)."""
+its heartbeat lapses, and when the link comes back its stale attempt writes nothing (fencing.py)."""
 
 from __future__ import annotations
 

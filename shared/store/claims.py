@@ -5,7 +5,7 @@ is always in exactly one place: there is no gap between the pop and the registra
 worker keeps an ``alive`` key fresh while it lives; the claims of a worker whose key has
 expired are recovered by any other worker: each job runs again, up to SLOTQ_MAX_ATTEMPTS starts
 in all, then ends ``failed`` with ``worker_lost``. Recovering a claim also revokes the attempt's
-fence, so a worker presumed dead that comes back cannot write to the job again (worker/fencing.py).
+fence, so a worker presumed dead that comes back cannot write to the job again (shared/store/fencing.py).
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ from rq.queue import Queue
 from shared.contract import keys
 from shared.contract.jobs import Outcome
 from shared.contract.settings import Settings
-from shared.store import endings, waiting, workers
+from shared.store import endings, fencing, waiting, workers
 from shared.store.connection import text
-from worker import fencing
 
 log = logging.getLogger(__name__)
 RECOVER_EVERY_S = 1.0
