@@ -17,6 +17,7 @@ COPY pyproject.toml README* ./
 COPY api/ api/
 COPY shared/ shared/
 COPY worker/ worker/
+COPY slotq/ slotq/
 # Only the `api` extra: no torch/diffusers in this image. The source tree is removed
 # afterwards; the package runs from site-packages.
 RUN pip install --no-cache-dir ".[api]" && rm -rf /src

@@ -23,6 +23,7 @@ COPY pyproject.toml README* ./
 COPY api/ api/
 COPY shared/ shared/
 COPY worker/ worker/
+COPY slotq/ slotq/
 # Pin torch to the image's own CUDA build with a constraints file so that no dependency
 # (diffusers, accelerate, ...) can make pip swap it for a different wheel; then assert
 # the installed torch is still a CUDA build.
