@@ -10,6 +10,7 @@ from flask import Flask, Response, g, jsonify
 from werkzeug.exceptions import HTTPException
 
 from api import observability
+from api.jobs import Jobs
 from api.longpoll import Waits
 from api.metrics import ApiMetrics
 from api.page import page
@@ -46,7 +47,8 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.extensions["slotq.settings"] = settings
     queue = app.extensions["slotq.queue"] = job_queue(connect(settings), settings)
     draining = app.extensions["slotq.draining"] = threading.Event()  # set by the server on SIGTERM
-    app.extensions["slotq.waits"] = Waits.for_settings(queue.connection, settings, draining)
+    waits = app.extensions["slotq.waits"] = Waits.for_settings(queue.connection, settings, draining)
+    app.extensions["slotq.jobs"] = Jobs(queue, settings, waits)
     app.extensions["slotq.keys"] = policies(settings)
     observability.install(app, ApiMetrics(settings, queue))
     app.register_blueprint(bp)
@@ -83,8 +85,14 @@ def http_error(error: HTTPException) -> tuple[Response, int]:
     service_error = HTTP_ERRORS.get(status)
     if service_error is None:
         service_error = type("HTTPError", (ServiceError,), {"status": status, "code": "http_error"})
-        return error_response(service_error(error.description))
-    return error_response(service_error())
+        response, status = error_response(service_error(error.description))
+    else:
+        response, status = error_response(service_error())
+    # Werkzeug's headers stay: a 405's Allow lists the methods the resource has (RFC 9110, 15.5.6).
+    for name, value in error.get_headers():
+        if name.lower() != "content-type":
+            response.headers[name] = value
+    return response, status
 
 
 def internal_error(error: Exception) -> tuple[Response, int]:

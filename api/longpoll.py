@@ -29,6 +29,7 @@ from shared.contract.errors import InvalidRequestError
 from shared.contract.jobs import JobStatus
 from shared.contract.settings import Settings
 from shared.store import records
+from shared.store.connection import text
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +149,7 @@ class Waits:
     def _status(self, job: Job) -> JobStatus | None:
         """The job's status as Redis has it now; None when its record is gone."""
         raw = self._connection.hget(job.key, "status")
-        return None if raw is None else STATUS.get(raw.decode(), JobStatus.QUEUED)
+        return None if raw is None else STATUS.get(text(raw), JobStatus.QUEUED)
 
     def _enter(self, job_id: str, wake: threading.Event) -> None:
         with self._lock:

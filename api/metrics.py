@@ -27,14 +27,12 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 
 
 def use_multiprocess_dir(path: Path) -> None:
-    """Make this process, and the gunicorn workers it forks, count into files under ``path``.
-
-    prometheus_client takes the directory from the environment and picks its value class when it
-    is first imported, which in gunicorn's master happens before the directory is known; so both
-    are set here, before any worker starts. Files of an earlier run would be summed in: remove them.
-    """
+    """Make this process, and the gunicorn workers it forks, count into files under ``path``."""
+    # prometheus_client takes the directory from the environment and picks its value class when it
+    # is first imported, which in gunicorn's master happens before the directory is known; so both
+    # are set here, before any worker starts.
     path.mkdir(parents=True, exist_ok=True)
-    for stale in path.glob("*.db"):
+    for stale in path.glob("*.db"):  # files of an earlier run would be summed in
         stale.unlink()
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)
     values.ValueClass = values.get_value_class()

@@ -17,6 +17,15 @@ REF = "#/components/schemas/{model}"
 JSON = "application/json"
 MIN_SIDE, SIDE_STEP = 64, 8
 RETRY_AFTER_STATUSES = (429, 503)
+# Printable characters, as the route checks them (str.isprintable) on a header that WSGI reads as
+# Latin-1; not starting with a space, as HTTP strips the spaces around a field value.
+IDEMPOTENCY_KEY_PATTERN = "^[!-~\\u00a1-\\u00ac\\u00ae-\\u00ff][ -~\\u00a1-\\u00ac\\u00ae-\\u00ff]*$"
+WEBHOOKS_OFF = ("this service sends no webhooks (SLOTQ_WEBHOOK_SECRET is unset): a `webhook` URL is "
+                "refused with 400 `webhooks_disabled`.")
+CANCEL_KEEPS_THE_RECORD = (
+    "A cancel, not a deletion: the job stops (at once while it waits, at its next step while it runs) "
+    "and its record stays. `GET /v1/jobs/{id}` keeps answering 200 with status `canceled` until the "
+    "record expires (SLOTQ_RECORD_TTL_S), then 410; a second DELETE answers 409 `already_finished`.")
 
 _STRING = {"type": "string"}
 ERROR_SCHEMA: dict[str, Any] = {
@@ -46,8 +55,9 @@ WORKERS_SCHEMA: dict[str, Any] = {
 
 
 def openapi_document(settings: Settings) -> dict[str, Any]:
-    """The OpenAPI 3.1 document with these settings' limits (a copy the caller may change)."""
-    return copy.deepcopy(_document(settings.max_side, settings.max_steps))
+    """The OpenAPI 3.1 document with these settings' limits and features (a copy the caller may change)."""
+    webhooks = settings.webhook_secret is not None
+    return copy.deepcopy(_document(settings.max_side, settings.max_steps, webhooks))
 
 
 def error_codes() -> dict[int, list[str]]:
@@ -63,92 +73,121 @@ def error_codes() -> dict[int, list[str]]:
     return codes
 
 
+def _served_codes(webhooks: bool) -> dict[int, list[str]]:
+    """The error codes by status that a service with (or without) webhooks may answer."""
+    never = errors.WebhookNotAllowedError if not webhooks else errors.WebhooksDisabledError
+    return {status: [code for code in codes if code != never.code] for status, codes in error_codes().items()}
+
+
 def _text(description: str, media_type: str) -> dict[str, Any]:
     return {"description": description, "content": {media_type: {"schema": _STRING}}}
 
 
+JOB_ID = {"name": "id", "in": "path", "required": True, "schema": _STRING,
+          "description": "The job id that POST /v1/jobs returned."}
+IMAGE_INDEX = {"name": "index", "in": "path", "required": True, "schema": {"type": "integer", "minimum": 0},
+               "description": "The image's index, from 0."}
+IDEMPOTENCY_KEY = {"name": "Idempotency-Key", "in": "header", "required": False,
+                   "description": "A retry with the same key and body answers 200 with the first job.",
+                   "schema": {"type": "string", "minLength": 1, "maxLength": MAX_IDEMPOTENCY_KEY,
+                              "pattern": IDEMPOTENCY_KEY_PATTERN}}
+# Free text, as RFC 7240 has it: a preference the server does not know, or a malformed one, is
+# ignored. Only `wait=N` (whole seconds) is acted on; above MAX_WAIT_S it is cut to MAX_WAIT_S.
+PREFER = {"name": "Prefer", "in": "header", "required": False, "schema": _STRING,
+          "description": f"`wait=N`: hold the answer until the job ends or N seconds pass (at most "
+                         f"{MAX_WAIT_S}; an answer may take that long, by design); a job that ended "
+                         f"answers 200 with `Preference-Applied`."}
+WAIT = {"name": "wait", "in": "query", "required": False,
+        "description": "Hold the answer until the job's status changes or this many seconds pass: "
+                       "an answer may take that long, by design.",
+        "schema": {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_WAIT_S}}
+LOCATION = {"Location": {"description": "The job's URL.", "schema": _STRING}}
+APPLIED = {**LOCATION, "Preference-Applied": {"description": "`wait=N` when a `Prefer: wait=N` was applied.",
+                                              "schema": _STRING}}
+# Where a submitted job is read, canceled and its first image fetched (the stateful tests follow them).
+_OF_THE_JOB = {"id": "$response.body#/id"}
+JOB_LINKS = {"getJob": {"operationId": "getJob", "parameters": _OF_THE_JOB},
+             "cancelJob": {"operationId": "cancelJob", "parameters": _OF_THE_JOB},
+             "getFirstImage": {"operationId": "getImage", "parameters": {**_OF_THE_JOB, "index": "0"}}}
+
+
 @lru_cache(maxsize=8)
-def _document(max_side: int, max_steps: int) -> dict[str, Any]:
-    """Build the document once per distinct set of limits."""
-    codes = error_codes()
-
-    def operation(operation_id: str, summary: str, responses: dict[str, Any], failures: tuple[int, ...],
-                  **extra: Any) -> dict[str, Any]:
-        refusals = {str(status): _error(status, codes[status]) for status in failures}
-        return {"operationId": operation_id, "summary": summary, **extra,
-                "responses": {**responses, **refusals}}
-
-    job_id = _path("id", _STRING, "The job id that POST /v1/jobs returned.")
-    index = _path("index", {"type": "integer", "minimum": 0}, "The image's index, from 0.")
-    key = {"name": "Idempotency-Key", "in": "header", "required": False,
-           "description": "A retry with the same key and body answers 200 with the first job.",
-           "schema": {"type": "string", "minLength": 1, "maxLength": MAX_IDEMPOTENCY_KEY}}
-    # Free text, as RFC 7240 has it: a preference the server does not know, or a malformed one, is
-    # ignored. Only `wait=N` (whole seconds) is acted on; above MAX_WAIT_S it is cut to MAX_WAIT_S.
-    prefer = {"name": "Prefer", "in": "header", "required": False, "schema": _STRING,
-              "description": f"`wait=N`: hold the answer until the job ends or N seconds pass (at most "
-                             f"{MAX_WAIT_S}); a job that ended answers 200 with `Preference-Applied`."}
-    wait = {"name": "wait", "in": "query", "required": False,
-            "description": "Hold the answer until the job's status changes or this many seconds pass.",
-            "schema": {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_WAIT_S}}
-    job = {"Location": {"description": "The job's URL.", "schema": _STRING}}
-    applied = {**job, "Preference-Applied": {"description": "`wait=N` when a `Prefer: wait=N` was applied.",
-                                             "schema": _STRING}}
-    paths = {
-        "/v1/jobs": {"post": operation(
-            "submitJob", "Admit a job, or refuse it at once.",
-            {"202": _json("Admitted.", "JobView", job),
-             "200": _json("An idempotent retry, or with `Prefer: wait=N` a job that ended within N s.",
-                          "JobView", applied)},
-            (400, 403, 409, 413, 415, 422, 429, 503), parameters=[key, prefer],
-            requestBody={"required": True, "content": {JSON: {"schema": _ref("JobRequest")}}})},
-        "/v1/jobs/{id}": {
-            "parameters": [job_id],
-            "get": operation("getJob", "A job's status, progress and result links.",
-                             {"200": _json("The job.", "JobView")}, (404, 422, 503), parameters=[wait]),
-            "delete": operation("cancelJob", "Cancel a job.",
-                                {"200": _json("Canceled now.", "JobView"),
-                                 "202": _json("Its worker stops it at its next step.", "JobView")},
-                                (404, 409, 503)),
-        },
-        "/v1/jobs/{id}/images/{index}": {
-            "parameters": [job_id, index],
-            "get": operation("getImage", "One finished image as PNG.", {"200": {
-                "description": "The image.",
-                "content": {"image/png": {"schema": {"type": "string", "contentMediaType": "image/png"}}}}},
-                (404, 409, 410, 503)),
-        },
-        "/v1/queue": {"get": operation("getQueue", "How many jobs wait, by class, and each class's limit.",
-                                       {"200": _json("The queue.", QUEUE_SCHEMA)}, (503,))},
-        "/v1/workers": {"get": operation("listWorkers", "The live workers, their device, state and job ids.",
-                                         {"200": _json("The workers.", WORKERS_SCHEMA)}, (503,))},
-        "/healthz": {"get": operation("healthz", "The process is alive.",
-                                      {"200": _json("Alive.", _status("ok"))}, ())},
-        "/readyz": {"get": operation("readyz", "Redis answers and the process is not draining.",
-                                     {"200": _json("Ready.", _status("ready"))}, (503,))},
-        "/openapi.json": {"get": operation("openapi", "This document.",
-                                           {"200": _json("OpenAPI 3.1.", {"type": "object"})}, ())},
-        "/metrics": {"get": operation("metrics", "Prometheus metrics of the API and the queue.",
-                                      {"200": _text("The metrics.", "text/plain")}, (503,))},
-        "/": {"get": operation("page", "The web page: a prompt form and the submitted job's progress.",
-                               {"200": _text("The page.", "text/html")}, ())},
-        "/ui/{filename}": {
-            "parameters": [_path("filename", _STRING, "A file of the page (app.js, style.css).")],
-            "get": operation("pageAsset", "A script or style sheet of the web page.",
-                             {"200": _text("The file.", "text/javascript")}, (404,))},
-    }
+def _document(max_side: int, max_steps: int, webhooks: bool) -> dict[str, Any]:
+    """Build the document once per distinct set of limits and features."""
+    codes = _served_codes(webhooks)
     return {
         "openapi": "3.1.0",
         "info": {"title": "slotq", "version": "1",
                  "description": "A GPU image-generation job service with capped admission."},
-        "paths": paths,
-        "components": {"schemas": {**_model_schemas(max_side, max_steps), "Error": ERROR_SCHEMA},
+        "paths": {**_job_paths(codes), **_service_paths(codes)},
+        "components": {"schemas": {**_model_schemas(max_side, max_steps, webhooks), "Error": ERROR_SCHEMA},
                        # No operation answers 405 itself; any other method on a documented path does.
-                       "responses": {"MethodNotAllowed": _error(405, codes[405])}},
+                       "responses": {"MethodNotAllowed": _not_allowed(codes[405])}},
     }
 
 
-def _model_schemas(max_side: int, max_steps: int) -> dict[str, Any]:
+def _operation(codes: dict[int, list[str]], operation_id: str, summary: str, responses: dict[str, Any],
+               failures: tuple[int, ...], **extra: Any) -> dict[str, Any]:
+    """One operation, with the error answers of each of its ``failures`` statuses."""
+    refusals = {str(status): _error(status, codes[status]) for status in failures}
+    return {"operationId": operation_id, "summary": summary, **extra, "responses": {**responses, **refusals}}
+
+
+def _job_paths(codes: dict[int, list[str]]) -> dict[str, Any]:
+    """The jobs: submit, read, cancel, and their images."""
+    png = {"image/png": {"schema": {"type": "string", "contentMediaType": "image/png"}}}
+    return {
+        "/v1/jobs": {"post": _operation(
+            codes, "submitJob", "Admit a job, or refuse it at once.",
+            {"202": {**_json("Admitted.", "JobView", LOCATION), "links": JOB_LINKS},
+             "200": {**_json("An idempotent retry, or with `Prefer: wait=N` a job that ended within N s.",
+                             "JobView", APPLIED), "links": JOB_LINKS}},
+            (400, 403, 409, 413, 415, 422, 429, 503), parameters=[IDEMPOTENCY_KEY, PREFER],
+            requestBody={"required": True, "content": {JSON: {"schema": _ref("JobRequest")}}})},
+        "/v1/jobs/{id}": {
+            "parameters": [JOB_ID],
+            "get": _operation(codes, "getJob", "A job's status, progress and result links.",
+                              {"200": _json("The job.", "JobView")}, (404, 410, 422, 503), parameters=[WAIT]),
+            "delete": _operation(codes, "cancelJob", "Cancel a job.",
+                                 {"200": _json("Canceled now.", "JobView"),
+                                  "202": _json("Its worker stops it at its next step.", "JobView")},
+                                 (404, 409, 410, 503), description=CANCEL_KEEPS_THE_RECORD),
+        },
+        "/v1/jobs/{id}/images/{index}": {
+            "parameters": [JOB_ID, IMAGE_INDEX],
+            "get": _operation(codes, "getImage", "One finished image as PNG.",
+                              {"200": {"description": "The image.", "content": png}}, (404, 409, 410, 503)),
+        },
+    }
+
+
+def _service_paths(codes: dict[int, list[str]]) -> dict[str, Any]:
+    """The queue, the workers, the probes, this document, the metrics and the web page."""
+    def get(operation_id: str, summary: str, response: dict[str, Any], *failures: int) -> dict[str, Any]:
+        return {"get": _operation(codes, operation_id, summary, {"200": response}, failures)}
+
+    filename = {"name": "filename", "in": "path", "required": True, "schema": _STRING,
+                "description": "A file of the page (app.js, style.css)."}
+    return {
+        "/v1/queue": get("getQueue", "How many jobs wait, by class, and each class's limit.",
+                         _json("The queue.", QUEUE_SCHEMA), 503),
+        "/v1/workers": get("listWorkers", "The live workers, their device, state and job ids.",
+                           _json("The workers.", WORKERS_SCHEMA), 503),
+        "/healthz": get("healthz", "The process is alive.", _json("Alive.", _status("ok"))),
+        "/readyz": get("readyz", "Redis answers and the process is not draining.",
+                       _json("Ready.", _status("ready")), 503),
+        "/openapi.json": get("openapi", "This document.", _json("OpenAPI 3.1.", {"type": "object"})),
+        "/metrics": get("metrics", "Prometheus metrics of the API and the queue.",
+                        _text("The metrics.", "text/plain"), 503),
+        "/": get("page", "The web page: a prompt form and the submitted job's progress.",
+                 _text("The page.", "text/html")),
+        "/ui/{filename}": {"parameters": [filename],
+                           **get("pageAsset", "A script or style sheet of the web page.",
+                                 _text("The file.", "text/javascript"), 404)},
+    }
+
+
+def _model_schemas(max_side: int, max_steps: int, webhooks: bool) -> dict[str, Any]:
     """The models' JSON schemas, plus the limits their validators take from the settings."""
     schemas: dict[str, Any] = {}
     for model in (JobRequest, JobView, WorkerView):
@@ -160,6 +199,11 @@ def _model_schemas(max_side: int, max_steps: int) -> dict[str, Any]:
     fields = schemas["JobRequest"]["properties"]
     for name in limits.keys() & fields.keys():
         fields[name] = {**fields[name], **limits[name]}
+    if not webhooks:
+        # Without SLOTQ_WEBHOOK_SECRET no webhook is sent, so none is offered: a URL is refused.
+        fields["webhook"] = {"type": "null", "default": None, "title": fields["webhook"].get("title"),
+                             "description": "Always null: " + WEBHOOKS_OFF}
+        fields["webhook_events"] = {**fields["webhook_events"], "description": "Ignored: " + WEBHOOKS_OFF}
     return schemas
 
 
@@ -170,6 +214,14 @@ def _error(status: int, codes: list[str]) -> dict[str, Any]:
     if status in RETRY_AFTER_STATUSES:
         response["headers"] = {"Retry-After": {"required": True, "description": "Seconds to wait.",
                                                "schema": {"type": "integer", "minimum": 1}}}
+    return response
+
+
+def _not_allowed(codes: list[str]) -> dict[str, Any]:
+    """The 405 answer of any method a path does not have, with the ones it has in ``Allow``."""
+    response = _error(405, codes)
+    response["headers"] = {"Allow": {"required": True, "schema": _STRING,
+                                     "description": "The methods this path has (RFC 9110, 10.2.1)."}}
     return response
 
 
@@ -189,7 +241,3 @@ def _status(value: str) -> dict[str, Any]:
     """``{"status": value}``."""
     return {"type": "object", "required": ["status"], "properties": {"status": {"const": value}}}
 
-
-def _path(name: str, schema: dict[str, Any], description: str) -> dict[str, Any]:
-    """A required path parameter."""
-    return {"name": name, "in": "path", "required": True, "description": description, "schema": schema}

@@ -23,11 +23,9 @@ def index() -> Response:
 
 @page.after_app_request
 def secure_headers(response: Response) -> Response:
-    """On every answer: nothing from another origin runs, and no MIME sniffing.
-
-    App-wide rather than on this blueprint alone: for the JSON API they cost nothing and keep a
-    browser from ever rendering an answer as a page.
-    """
+    """On every answer: nothing from another origin runs, and no MIME sniffing."""
+    # App-wide rather than on this blueprint alone: for the JSON API they cost nothing and keep a
+    # browser from ever rendering an answer as a page.
     response.headers.setdefault("Content-Security-Policy", CSP)
     response.headers.setdefault("X-Content-Type-Options", "nosniff")
     return response

@@ -21,7 +21,7 @@ from shared.contract import logs
 from shared.contract.settings import Settings, get_settings
 
 
-class APIServer(BaseApplication):  # type: ignore[misc]
+class APIServer(BaseApplication):
     """gunicorn configured from code, so ``slotq api`` needs no config file."""
 
     def __init__(self, settings: Settings, options: dict[str, Any],
@@ -40,11 +40,9 @@ class APIServer(BaseApplication):  # type: ignore[misc]
 
 
 def drain_on_sigterm(worker: Any) -> None:
-    """gunicorn hook: on SIGTERM, answer /readyz with 503 for SLOTQ_DRAIN_S, then stop gracefully.
-
-    The pause lets a load balancer see "not ready" and stop sending new requests before this
-    process stops accepting them; requests in flight always complete.
-    """
+    """gunicorn hook: on SIGTERM, answer /readyz with 503 for SLOTQ_DRAIN_S, then stop gracefully."""
+    # The pause lets a load balancer see "not ready" and stop sending new requests before this
+    # process stops accepting them; requests in flight always complete.
     app: Flask = worker.wsgi
     settings: Settings = app.extensions["slotq.settings"]
 

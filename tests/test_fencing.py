@@ -14,10 +14,9 @@ from rq.serializers import JSONSerializer
 
 from shared.contract import keys
 from shared.contract.settings import Settings
-from shared.store import fencing
+from shared.store import fencing, records
 from shared.store.fencing import FencedRedis, StaleAttemptError, holding
 from tests.conftest import Process, post_job, start_worker, wait_for, wait_for_status
-from worker import progress
 
 CLAIMS = "slotq:claims:test-worker"
 
@@ -99,12 +98,12 @@ def test_step_progress_checks_the_fence_in_its_own_script(fenced: FencedRedis, r
     assert fence is not None
     redis.set(keys.cancel_key(job.id), 1)
     with holding(fence):
-        assert progress.report([job], 1, 4) == [True]  # written, and the cancel seen
+        assert records.report_progress([job], 1, 4) == [True]  # written, and the cancel seen
     assert Job.fetch(job.id, connection=redis, serializer=JSONSerializer).meta["progress"] == {
         "step": 1, "total": 4}
     redis.set(keys.fence_key(job.id), "newer-attempt")
     with holding(fence), pytest.raises(StaleAttemptError):
-        progress.report([job], 2, 4)
+        records.report_progress([job], 2, 4)
     assert Job.fetch(job.id, connection=redis, serializer=JSONSerializer).meta["progress"]["step"] == 1
 
 

@@ -25,6 +25,8 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
+    negative_data_rejection,
+    positive_data_acceptance,
     response_headers_conformance,
     response_schema_conformance,
     status_code_conformance,
@@ -485,8 +487,11 @@ def test_an_id_with_a_final_newline_is_not_found(fuzz_client: FlaskClient) -> No
 
 # --- c) schemathesis against a real gunicorn API, from the document it serves --------------------
 
+# The acceptance checks too: what the document offers is admitted (496.0 for an integer; no webhook
+# where none is sent), and what it refuses is refused.
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
-          response_headers_conformance, response_schema_conformance]
+          response_headers_conformance, response_schema_conformance, positive_data_acceptance,
+          negative_data_rejection]
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ from rq.job import Job
 from shared.contract.errors import JobCanceledError, JobFailedError, JobInterruptedError
 from shared.contract.jobs import JobRequest, validate_request
 from shared.contract.settings import get_settings
+from shared.store import records
 from worker import lifecycle, progress
 from worker.finisher import store_result
 from worker.messages import Rendered
@@ -92,7 +93,7 @@ def check_in(jobs: list[Job], step: int, total: int, cadence: progress.Cadence) 
     if not cadence.due(step, total):
         return []
     try:
-        canceled = progress.report(jobs, step, total)
+        canceled = records.report_progress(jobs, step, total)
     except RedisError as exc:
         # Progress is best effort: the images are still worth making while Redis restarts.
         log.warning("could not report progress of %d job(s): %s", len(jobs), exc)

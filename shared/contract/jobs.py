@@ -78,8 +78,8 @@ class JobRequest(BaseModel):
     webhook: str | None = Field(None, min_length=1, max_length=MAX_URL, pattern=WEBHOOK_PATTERN,
                                 json_schema_extra={"format": "uri"})
     webhook_events: list[WebhookEvent] = Field(default_factory=lambda: ["completed"],  # type: ignore[arg-type]
-                                               min_length=1,
-                                               max_length=2)
+                                               min_length=1, max_length=2,
+                                               json_schema_extra={"uniqueItems": True})
 
     @field_validator("width", "height", "steps", "seed", "num_images", mode="before")
     @classmethod

@@ -1,0 +1,81 @@
+"""The operations behind the routes, one per route: each takes parsed input, calls the store and,
+where a client asked to wait, the long-poll waits, and returns a shared model or raises a typed error."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rq import Queue
+
+from api import longpoll
+from api.longpoll import Waits
+from shared.contract.jobs import PRIORITIES, JobRequest, JobView
+from shared.contract.settings import Settings
+from shared.contract.tenants import Tenant
+from shared.store import admission, endings, records, waiting, workers
+from shared.store.workers import WorkerView
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """A submit's answer: the job's view, whether an earlier submit made it, and the wait applied."""
+
+    view: JobView
+    replayed: bool
+    waited: int | None = None  # the ``Prefer: wait=N`` applied: the job ended within it
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """Who submits: the Idempotency-Key, the API key's tenant and the request id, each optional."""
+
+    idempotency_key: str | None = None
+    tenant: Tenant | None = None
+    request_id: str | None = None
+
+
+class Jobs:
+    """The jobs of one queue, with these settings; a request that waits is held by ``waits``."""
+
+    def __init__(self, queue: Queue, settings: Settings, waits: Waits) -> None:
+        self.queue, self.settings, self.waits = queue, settings, waits
+
+    def submit(self, request: JobRequest, ticket: Ticket, wait: int | None = None) -> Submitted:
+        """Admit a job or replay an idempotent retry; with ``wait``, once it ends or ``wait`` s pass."""
+        admitted = admission.enqueue_job(self.queue, self.settings, request, ticket.idempotency_key,
+                                         ticket.tenant, ticket.request_id)
+        if wait and self.waits.hold(admitted.job, wait, longpoll.finished):
+            view = self.read(admitted.job.id, ticket.tenant)
+        elif admitted.replayed:
+            view = records.standing_view(self.queue, admitted.job)
+        else:
+            # The admission script already answered where the job stands: no second round trip.
+            view = records.admitted_view(admitted.job, admitted.position, admitted.eta)
+        return Submitted(view, admitted.replayed, wait if wait and view.status.is_terminal else None)
+
+    def read(self, job_id: str, tenant: Tenant | None = None, wait: float | None = None) -> JobView:
+        """A job's view; with ``wait``, once its status changes or ``wait`` seconds pass."""
+        job = records.fetch_job(self.queue, job_id, tenant)
+        if wait and self.waits.hold(job, wait, longpoll.changed_from(records.job_status(job))):
+            job = records.fetch_job(self.queue, job_id, tenant)
+        return records.current_view(self.queue, self.settings, job, tenant)
+
+    def image(self, job_id: str, index: int, tenant: Tenant | None = None) -> bytes:
+        """One finished image of a job, as PNG."""
+        return records.fetch_image(records.fetch_job(self.queue, job_id, tenant), index)
+
+    def cancel(self, job_id: str, tenant: Tenant | None = None) -> tuple[JobView, bool]:
+        """Cancel a job, keeping its record; its view, and whether it ended now (not at its next step)."""
+        ended = endings.cancel(self.queue, self.settings, records.fetch_job(self.queue, job_id, tenant))
+        return records.job_view(records.fetch_job(self.queue, job_id, tenant)), ended
+
+    def line(self) -> dict[str, Any]:
+        """How many jobs wait, by priority, against the limits of each class."""
+        counts = waiting.waiting_counts(self.queue, self.settings)
+        return {"waiting": sum(counts.values()), "capacity": self.settings.queue_capacity,
+                "by_priority": counts, "limits": {p: self.settings.waiting_limit(p) for p in PRIORITIES}}
+
+    def workers(self) -> list[WorkerView]:
+        """The live workers of this queue."""
+        return workers.live_workers(self.queue.connection, self.settings.queue_name)
