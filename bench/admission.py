@@ -39,6 +39,7 @@ from shared.store.connection import connect
 from slotq.localredis import free_port, start_redis
 
 BODY = json.dumps({"prompt": "bench", "width": 256, "height": 256, "steps": 4})
+SETTLE_S = 3.0  # after the API first answers, until every gunicorn process takes connections
 HEADER = f"{'':36}{'p50 ms':>9}{'p99 ms':>9}{'req/s':>9}"
 
 
@@ -138,6 +139,9 @@ def served(settings: Settings, processes: int, bare: bool, scratch: Path) -> Ite
             if process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the server did not start: {(scratch / f'api-{port}.log').read_text()}")
             time.sleep(0.1)
+        # gunicorn's processes each load the app after forking, so the first to answer may be alone
+        # for a moment: keep-alive clients connecting then all land on it (seen: half the req/s).
+        time.sleep(SETTLE_S)
         yield port
     finally:
         process.terminate()

@@ -1,4 +1,4 @@
-"""The HTTP contract, against the in-process app and a real Redis (no worker drains the queue)."""
+"""api/routes.py and api/jobs.py: the HTTP contract, in-process, on a real Redis (no worker)."""
 
 from __future__ import annotations
 
