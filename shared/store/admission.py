@@ -72,6 +72,26 @@ def enqueue_job(queue: Queue, settings: Settings, request: JobRequest,
     if tenant and tenant.burst is not None and cost > tenant.burst:
         raise InvalidRequestError(details=[{"loc": [], "msg": f"the job costs {cost:g} units, more than "
                                             f"this key's burst of {tenant.burst:g}"}])
+    job = _new_job(queue, settings, request, tenant, request_id)
+    name = tenant.name if tenant else ""
+    idem = keys.idempotency_key(queue.name, _hashed(f"{name} {idempotency_key}")) if idempotency_key else ""
+    script_keys = [job.key, idem or job.key, keys.deadlines_key(queue.name), keys.issued_key(job.id),
+                   keys.bucket_key(queue.name, name), keys.model_key(queue.name),
+                   keys.running_key(queue.name)]
+    params = _parameters(queue, settings, job, request, tenant, cost, digest if idem else None)
+    answer = scripts.run(queue.connection, "admit", script_keys, [params, *_fields(job, request)])
+    admission = _admission(queue, job, answer, digest, tenant)
+    if settings.min_replicas_ack:
+        _await_replicas(queue.connection, settings, admission.job.id, name)
+    log.info("%s job %s: priority %s, %dx%d, %d steps, prompt %s",
+             "replayed" if admission.replayed else "admitted", admission.job.id, request.priority,
+             request.width, request.height, request.steps, logs.prompt_for_log(settings, request.prompt))
+    return admission
+
+
+def _new_job(queue: Queue, settings: Settings, request: JobRequest, tenant: Tenant | None,
+             request_id: str | None) -> Job:
+    """The RQ job for a request, its seed drawn; not yet written anywhere."""
     job = queue.create_job(
         keys.TASK,
         kwargs={"request": request.with_seed().model_dump(mode="json")},
@@ -82,38 +102,35 @@ def enqueue_job(queue: Queue, settings: Settings, request: JobRequest,
         failure_ttl=settings.failure_ttl_s,
     )
     job.enqueued_at = datetime.now(UTC)
-    name = tenant.name if tenant else ""
-    idem = keys.idempotency_key(queue.name, _hashed(f"{name} {idempotency_key}")) if idempotency_key else ""
+    return job
+
+
+def _parameters(queue: Queue, settings: Settings, job: Job, request: JobRequest, tenant: Tenant | None,
+                cost: float, digest: str | None) -> str:
+    """The admission script's parameters, as JSON."""
     limits = ({"rate": tenant.rate, "burst": tenant.burst, "max_queued": tenant.max_queued}
               if tenant else {})
     params = {
         "id": job.id, "queue": queue.name, "job_prefix": Job.redis_job_namespace_prefix,
         "priority": request.priority, "limit": settings.waiting_limit(request.priority),
-        "tenant": name, "cost": cost, "digest": digest if idem else None,
+        "tenant": tenant.name if tenant else "", "cost": cost, "digest": digest,
         "idempotency_ttl": IDEMPOTENCY_TTL_S, "deadline_s": request.deadline_s, "ended_at": rq_now(),
         "record_ttl": settings.record_ttl_s, "issued_ttl": settings.issued_ttl_s,
         "channel": keys.events_channel(queue.name), "outbox": keys.webhooks_key(queue.name),
         "ended": keys.ended_key(queue.name), **limits,
     }
-    # RQ's fields, which jobs this one may share a GPU execution with (see worker/batching.py), and
-    # whether its expiry in the line sends a webhook (the Lua cannot read the compressed request).
+    # cjson reads JSON null as a truthy value: leave unset parameters out instead.
+    return json.dumps({key: value for key, value in params.items() if value is not None})
+
+
+def _fields(job: Job, request: JobRequest) -> list[Any]:
+    """The job's hash as the script writes it: RQ's fields, which jobs it may share a GPU execution
+    with (worker/batching.py), and whether its expiry in the line sends a webhook (the Lua cannot
+    read the compressed request)."""
     fields = [item for pair in job.to_dict().items() for item in pair] + ["batch", request.batch_key]
     if webhooks.wants(job.kwargs["request"], "completed"):
         fields += ["webhook", "1"]
-    script_keys = [job.key, idem or job.key, keys.deadlines_key(queue.name), keys.issued_key(job.id),
-                   keys.bucket_key(queue.name, name), keys.model_key(queue.name),
-                   keys.running_key(queue.name)]
-    # cjson reads JSON null as a truthy value: leave unset parameters out instead.
-    answer = scripts.run(queue.connection, "admit", script_keys,
-                         [json.dumps({key: value for key, value in params.items() if value is not None}),
-                          *fields])
-    admission = _admission(queue, job, answer, digest, tenant)
-    if settings.min_replicas_ack:
-        _await_replicas(queue.connection, settings, admission.job.id, name)
-    log.info("%s job %s: priority %s, %dx%d, %d steps, prompt %s",
-             "replayed" if admission.replayed else "admitted", admission.job.id, request.priority,
-             request.width, request.height, request.steps, logs.prompt_for_log(settings, request.prompt))
-    return admission
+    return fields
 
 
 def _admission(queue: Queue, job: Job, answer: list[Any], digest: str, tenant: Tenant | None) -> Admission:
