@@ -158,6 +158,20 @@ def test_rq_sees_the_worker_busy_then_idle(worker_client: FlaskClient, worker_se
     connection.close()
 
 
+def test_rq_lists_the_origin_queue_with_its_finished_jobs(worker_client: FlaskClient,
+                                                         worker_settings: Settings) -> None:
+    from rq import Queue
+
+    connection = Redis.from_url(worker_settings.redis_url)
+    job_id = post_job(worker_client, width=64, height=64, steps=1).get_json()["id"]
+    wait_for_status(worker_client, job_id, "succeeded")
+    queues = Queue.all(connection=connection)
+    (origin,) = [queue for queue in queues if queue.name == worker_settings.queue_name]
+    assert job_id in origin.finished_job_registry.get_job_ids()
+    assert origin.count == 0  # what waits is in the class lists, never in the origin's own list
+    connection.close()
+
+
 def test_progress_cadence_reports_the_first_and_last_step_and_once_per_interval() -> None:
     now = [0.0]
     cadence = progress.Cadence(0.1, clock=lambda: now[0])
