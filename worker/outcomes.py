@@ -52,7 +52,7 @@ class Outcomes(RQWorker):
         super().__init__(queue, settings, name)
         # How each job that raised ends, from handle_exception to handle_job_failure (by job id:
         # the main thread and the finisher's reader thread may both be ending a job).
-        self._endings: dict[str, str] = {}
+        self._endings: dict[str, Outcome] = {}
 
     def _finished(self, members: list[Member], ended: list[Ended]) -> None:
         """On the finisher's reader thread: the finishing process's answer for one execution."""
@@ -111,10 +111,10 @@ class Outcomes(RQWorker):
         """Record why a job ended; decide whether it failed, was canceled or goes back to the queue."""
         error = exc_info[1]
         if isinstance(error, JobCanceledError):
-            self._endings[job.id] = "canceled"
+            self._endings[job.id] = Outcome.CANCELED
             return
         if isinstance(error, JobInterruptedError):
-            self._endings[job.id] = "interrupted"
+            self._endings[job.id] = Outcome.REQUEUED  # interrupted: it runs again
             return
         if is_device_fatal(error):
             # Leave the claim in place: the next worker retries the job as after a crash.
@@ -130,10 +130,10 @@ class Outcomes(RQWorker):
                            exc_string: str = "", execution: Any = None) -> None:
         """RQ marks a raised job failed; a canceled one is marked stopped, an interrupted one requeued."""
         ending = self._endings.pop(job.id, None)
-        if ending == "canceled":
+        if ending is Outcome.CANCELED:
             # RQ's own stop-job command marks a job this way: STOPPED, never retried.
             self.mark_stopped(job)
-        elif ending == "interrupted":
+        elif ending is Outcome.REQUEUED:
             job.meta["interrupted"] = int(job.meta.get("interrupted", 0)) + 1
             with self.connection.pipeline() as pipe:
                 self.cleanup_execution(job, pipeline=pipe, execution=execution)
