@@ -7,6 +7,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any, TextIO
 
+from shared.contract.jobs import SCHEDULERS
 from shared.contract.settings import load_settings
 
 if TYPE_CHECKING:
@@ -46,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument("-o", "--output", help="save the first image here (implies --wait)")
     submit.add_argument("--timeout", type=float, default=600.0, help="seconds to wait (default: 600)")
     submit.add_argument("--priority", choices=["high", "normal", "low"])
+    submit.add_argument("--scheduler", choices=SCHEDULERS, help="the sampler (default: the model's own)")
     for name, kind in [("negative-prompt", str), ("width", int), ("height", int), ("steps", int),
                        ("guidance-scale", float), ("seed", int), ("num-images", int), ("deadline-s", float)]:
         submit.add_argument(f"--{name}", type=kind)
@@ -87,7 +89,7 @@ def _run_submit(args: argparse.Namespace) -> int:
 
     client = Client(args.url, api_key=args.api_key)
     names = ["negative_prompt", "width", "height", "steps", "guidance_scale", "seed", "num_images",
-             "deadline_s", "priority"]
+             "deadline_s", "priority", "scheduler"]
     params: dict[str, Any] = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     try:
         view = client.submit(args.prompt, **params)

@@ -114,6 +114,9 @@ def test_batch_keys_separate_what_cannot_share_an_execution() -> None:
     base = JobRequest(prompt="a", width=256, height=256, steps=4, seed=1)
     same = base.model_copy(update={"prompt": "b", "seed": 2, "negative_prompt": "blur", "priority": "low"})
     assert same.batch_key == base.batch_key
-    for change in ({"width": 264}, {"steps": 5}, {"guidance_scale": 7.0}, {"num_images": 2}):
+    for change in ({"width": 264}, {"steps": 5}, {"guidance_scale": 7.0}, {"num_images": 2},
+                   {"scheduler": "euler_a"}):
         assert base.model_copy(update=change).batch_key != base.batch_key
     assert JobRequest.pixels_of_batch_key(base.batch_key) == 256 * 256
+    sampled = base.model_copy(update={"scheduler": "dpmpp_2m_karras", "num_images": 2})
+    assert JobRequest.pixels_of_batch_key(sampled.batch_key) == 2 * 256 * 256

@@ -33,7 +33,7 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from api.openapi import error_codes, openapi_document
-from shared.contract.jobs import MAX_SEED, JobRequest, JobStatus, JobView
+from shared.contract.jobs import MAX_SEED, SCHEDULERS, JobRequest, JobStatus, JobView
 from shared.contract.settings import Settings
 from tests.conftest import Process, app_client
 
@@ -110,7 +110,8 @@ def valid_requests(settings: Settings) -> st.SearchStrategy[dict[str, Any]]:
                   "steps": integral(st.integers(1, settings.max_steps)),
                   "guidance_scale": st.floats(0, 30) | st.integers(0, 30),
                   "seed": st.none() | integral(st.integers(0, MAX_SEED)),
-                  "num_images": integral(st.integers(1, 4))})
+                  "num_images": integral(st.integers(1, 4)),
+                  "scheduler": st.none() | st.sampled_from(SCHEDULERS)})
 
 
 def integral(numbers: st.SearchStrategy[int]) -> st.SearchStrategy[int | float]:

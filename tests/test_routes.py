@@ -29,7 +29,7 @@ def test_submit_answers_202_with_the_queued_view(client: FlaskClient, settings: 
     assert view["status"] == "queued" and view["position"] == 0
     assert view["request"] == {"prompt": "a red fox", "negative_prompt": None, "width": 256,
                                "height": 128, "steps": 4, "guidance_scale": 7.5, "seed": 7,
-                               "num_images": 1, "deadline_s": None, "priority": "normal",
+                               "num_images": 1, "scheduler": None, "deadline_s": None, "priority": "normal",
                                "webhook": None, "webhook_events": ["completed"]}
     assert view["progress"] is None and view["error"] is None and view["images"] == []
     assert view["created_at"].endswith("Z") or view["created_at"].endswith("+00:00")
@@ -86,6 +86,9 @@ def test_refused_job_leaves_nothing_behind(client: FlaskClient, settings: Settin
         ({"prompt": "a", "seed": 2**32}, ["seed"]),
         ({"prompt": "a", "num_images": 5}, ["num_images"]),
         ({"prompt": "a", "sampler": "euler"}, ["sampler"]),
+        ({"prompt": "a", "scheduler": "lms"}, ["scheduler"]),
+        ({"prompt": "a", "scheduler": "EULER"}, ["scheduler"]),
+        ({"prompt": "a", "scheduler": 1}, ["scheduler"]),
         ({"width": 512}, ["prompt"]),
         ([1, 2], []),
     ],

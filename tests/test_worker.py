@@ -9,6 +9,7 @@ from flask.testing import FlaskClient
 from PIL import Image
 from redis import Redis
 
+from shared.contract.jobs import SCHEDULERS
 from shared.contract.settings import Settings
 from tests.conftest import post_job, wait_for, wait_for_status
 from worker import progress
@@ -58,6 +59,26 @@ def test_same_request_and_seed_give_the_same_png(worker_client: FlaskClient) -> 
     other = image(worker_client, run_job(worker_client, **{**body, "seed": 1235})["images"][0])
     assert first == second
     assert first != other
+
+
+def test_a_sampler_per_job_is_reproducible_and_its_own(worker_client: FlaskClient) -> None:
+    body = {"width": 64, "height": 64, "steps": 4, "seed": 77}
+
+    def pixels(view: dict) -> bytes:  # not the PNG's bytes: its text chunk names the request
+        return Image.open(io.BytesIO(image(worker_client, view["images"][0]))).tobytes()
+
+    own = run_job(worker_client, **body)
+    assert own["status"] == "succeeded" and own["request"]["scheduler"] is None
+    made = {}
+    for name in SCHEDULERS:
+        view = run_job(worker_client, **body, scheduler=name)
+        assert view["status"] == "succeeded" and view["request"]["scheduler"] == name  # what ran
+        made[name] = pixels(view)
+    assert made["euler_a"] == pixels(run_job(worker_client, **body, scheduler="euler_a"))
+    # The tiny model's own scheduler is DDIM, so "ddim" makes its image; each other sampler its own.
+    assert made["ddim"] == pixels(own)
+    others = [made[name] for name in SCHEDULERS if name != "ddim"]
+    assert len(set(others)) == len(others) and pixels(own) not in others
 
 
 def test_images_of_one_job_differ_and_match_their_seeds(worker_client: FlaskClient) -> None:

@@ -1,7 +1,7 @@
 """Dynamic batching: gathering waiting jobs that can share one GPU execution with a claimed one.
 
-Jobs with the same size, steps, guidance and images per job (one worker has one model and one
-scheduler) run as one batch: still one GPU execution at a time. A batch holds at most
+Jobs with the same size, steps, guidance, sampler and images per job (one worker has one model)
+run as one batch: still one GPU execution at a time. A batch holds at most
 SLOTQ_MAX_BATCH jobs and never more pixels than the largest single job allowed
 (SLOTQ_MAX_SIDE² × 4 images), so batching cannot ask the device for more memory than one job
 may. Companions are taken from the first job's class only, among the first few of that class: a

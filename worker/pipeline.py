@@ -16,6 +16,7 @@ from PIL import Image
 
 from shared.contract.jobs import JobRequest
 from shared.contract.settings import Settings
+from worker.samplers import Samplers
 from worker.tiny_model import ensure_tiny_model
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ class ImagePipeline:
 
     pipe: DiffusionPipeline
     device: torch.device
+    samplers: Samplers
     # When each recent GPU section (denoising and decoding) began and ended, by time.perf_counter():
     # what the duty cycle is computed from.
     sections: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=10_000))
@@ -55,8 +57,8 @@ class ImagePipeline:
         return self.generate_batch([request], on_step)[0]
 
     def generate_batch(self, requests: list[JobRequest], on_step: StepCallback) -> list[list[Image.Image]]:
-        """Run requests that share size, steps, guidance and image count as one execution; the
-        images of each. Each image keeps its own generator, so it is the one it would be alone."""
+        """Run requests that share size, steps, guidance, sampler and image count as one execution;
+        the images of each. Each image keeps its own generator, so it is the one it would be alone."""
         first = requests[0]
         assert all(r.batch_key == first.batch_key and r.seed is not None for r in requests), requests
 
@@ -69,6 +71,7 @@ class ImagePipeline:
         generators = [torch.Generator("cpu").manual_seed(r.seed + index)  # type: ignore[operator]
                       for r in requests for index in range(r.num_images)]
         negatives = [r.negative_prompt or "" for r in requests]  # "" is what diffusers uses for none
+        self.pipe.scheduler = self.samplers.get(first.scheduler)
         began = self.running_since = time.perf_counter()
         try:
             with torch.inference_mode():
@@ -112,7 +115,7 @@ def load_pipeline(settings: Settings) -> ImagePipeline:
     pipe = DiffusionPipeline.from_pretrained(source, dtype=dtype)
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
-    loaded = ImagePipeline(pipe=pipe, device=device)
+    loaded = ImagePipeline(pipe=pipe, device=device, samplers=Samplers(pipe.scheduler))
     warm_up = JobRequest(prompt="warm-up", width=64, height=64, steps=1, seed=0)
     loaded.generate(warm_up, on_step=lambda step, total: None)
     return loaded

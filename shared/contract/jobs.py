@@ -58,6 +58,12 @@ class Outcome(StrEnum):
         return cls(status.value) if status.is_terminal else cls.REQUEUED
 
 
+# The samplers a job may name, as diffusers' schedulers for UNet models (SD 1.x and 2.x); built from
+# the loaded scheduler's config per job (worker/samplers.py). None: the model's own scheduler.
+Scheduler = Literal["ddim", "euler", "euler_a", "dpmpp_2m", "dpmpp_2m_karras", "unipc"]
+SCHEDULERS: tuple[str, ...] = get_args(Scheduler)
+
+
 class JobRequest(BaseModel):
     """A text-to-image request. Validate with ``validate_request`` so the size limits apply."""
 
@@ -72,6 +78,7 @@ class JobRequest(BaseModel):
     guidance_scale: float = Field(7.5, ge=0, le=30, allow_inf_nan=False)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     num_images: int = Field(1, ge=1, le=MAX_IMAGES)
+    scheduler: Scheduler | None = Field(None, description="the sampler; absent: the model's own")
     deadline_s: float | None = Field(None, gt=0, le=86_400, allow_inf_nan=False)
     priority: Priority = "normal"
     # The pattern documents the URL's shape in the schema; the validator below checks the rest.
@@ -133,8 +140,9 @@ class JobRequest(BaseModel):
 
     @property
     def batch_key(self) -> str:
-        """Jobs with equal keys can run as one batch: same size, steps, guidance and images each."""
-        return f"{self.width}x{self.height}/{self.steps}/{self.guidance_scale!r}/{self.num_images}"
+        """Jobs with equal keys can run as one batch: same size, steps, guidance, sampler and images each."""
+        return (f"{self.width}x{self.height}/{self.steps}/{self.guidance_scale!r}/{self.scheduler or ''}"
+                f"/{self.num_images}")
 
     @staticmethod
     def pixels_of_batch_key(key: str) -> int:
