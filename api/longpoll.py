@@ -24,12 +24,10 @@ from redis.client import PubSub
 from redis.exceptions import RedisError
 from rq.job import Job
 
-from shared.contract import keys
 from shared.contract.errors import InvalidRequestError
 from shared.contract.jobs import JobStatus
 from shared.contract.settings import Settings
-from shared.store import records
-from shared.store.connection import text
+from shared.store import events, records
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +40,6 @@ BACKOFF_S, MAX_BACKOFF_S = 0.5, 5.0
 # A plain decimal number ("2", "0.5", "1e1"); float() alone would also take "nan", "inf" and "1_0".
 NUMBER = re.compile(r"(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
 DIGITS = re.compile(r"[0-9]+")
-STATUS = {rq_status.value: status for rq_status, status in records.STATUS_FROM_RQ.items()}
-
 Done = Callable[[JobStatus], bool]
 
 
@@ -90,7 +86,7 @@ class Waits:
 
     def __init__(self, connection: Redis, queue_name: str, draining: threading.Event, capacity: int) -> None:
         self._connection = connection
-        self._channel = keys.events_channel(queue_name)
+        self._queue_name = queue_name
         self._draining = draining
         # Past this many waiting requests a wait is not held: threads stay free for submits and reads.
         self._slots = threading.BoundedSemaphore(capacity)
@@ -148,8 +144,7 @@ class Waits:
 
     def _status(self, job: Job) -> JobStatus | None:
         """The job's status as Redis has it now; None when its record is gone."""
-        raw = self._connection.hget(job.key, "status")
-        return None if raw is None else STATUS.get(text(raw), JobStatus.QUEUED)
+        return records.stored_status(self._connection, job.id)
 
     def _enter(self, job_id: str, wake: threading.Event) -> None:
         with self._lock:
@@ -179,9 +174,9 @@ class Waits:
         """The listener thread: relay announcements; after a Redis error, subscribe again with backoff."""
         backoff = BACKOFF_S
         while not self._draining.is_set():
-            pubsub = self._connection.pubsub()
+            pubsub: PubSub | None = None
             try:
-                pubsub.subscribe(self._channel)
+                pubsub = events.subscribe(self._connection, self._queue_name)
                 self._relay(pubsub)
                 break
             except RedisError as exc:
@@ -191,7 +186,8 @@ class Waits:
             except Exception:  # a bug here must not end the thread: waiters would fall back to re-reads
                 log.exception("long-poll listener failed; subscribing again in %.1fs", backoff)
             finally:
-                pubsub.close()
+                if pubsub is not None:
+                    pubsub.close()
             self._subscribed.clear()
             self._wake()  # announcements may have been lost meanwhile: let every waiter read again
             if self._draining.wait(backoff) or self._retire_if_idle():

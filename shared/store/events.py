@@ -9,7 +9,7 @@ it answer sooner.
 from __future__ import annotations
 
 from redis import Redis
-from redis.client import Pipeline
+from redis.client import Pipeline, PubSub
 
 from shared.contract import keys
 
@@ -17,3 +17,14 @@ from shared.contract import keys
 def announce(client: Redis | Pipeline, queue_name: str, job_id: str) -> None:
     """Publish that this job's status changed (in a pipeline: when it executes)."""
     client.publish(keys.events_channel(queue_name), job_id)
+
+
+def subscribe(connection: Redis, queue_name: str) -> PubSub:
+    """A subscription to the queue's announcements; each message's data is a job id. Close it."""
+    pubsub = connection.pubsub()
+    try:
+        pubsub.subscribe(keys.events_channel(queue_name))
+    except BaseException:
+        pubsub.close()
+        raise
+    return pubsub

@@ -7,6 +7,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
+from redis import Redis
 from redis.client import Pipeline
 from rq.exceptions import NoSuchJobError
 from rq.job import Job
@@ -33,12 +34,22 @@ STATUS_FROM_RQ = {
 }
 
 
+STATUS_BY_NAME = {rq_status.value: status for rq_status, status in STATUS_FROM_RQ.items()}
+
+
 def job_status(job: Job) -> JobStatus:
     """The client-facing status of an RQ job."""
     status = STATUS_FROM_RQ.get(job.get_status(refresh=False), JobStatus.QUEUED)
     if status is JobStatus.CANCELED and job.meta.get("expired"):
         return JobStatus.EXPIRED
     return status
+
+
+def stored_status(connection: Redis, job_id: str) -> JobStatus | None:
+    """A job's status as its hash holds it now, in one read (an expired job reads canceled); None
+    when its record is gone."""
+    raw = connection.hget(Job.key_for(job_id), "status")
+    return None if raw is None else STATUS_BY_NAME.get(text(raw), JobStatus.QUEUED)
 
 
 def attempts_used(job: Job) -> int:
