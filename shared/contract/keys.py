@@ -10,7 +10,9 @@ PREFIX = "slotq"
 # them): the waiting line is RQ's lists, so `rq info` and rq.Queue see every waiting job.
 RQ_QUEUE_PREFIX = "rq:queue:"
 RQ_QUEUES_KEY = "rq:queues"
-QUEUE_SEPARATOR = ":"  # queue names cannot hold it (settings), so a list's name splits back cleanly
+# The line's RQ queues are "<queue>:<class>" and "<queue>:<class>:<tenant>" (lua/lib/line.lua names
+# them); neither a queue name nor a tenant can hold the separator (settings), so a name splits back.
+QUEUE_SEPARATOR = ":"
 DOORBELL_TOKENS = 16  # enough to wake every idle worker of a host; more would only spin them
 JOB_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")  # use with fullmatch: "$" allows a final newline
 
@@ -43,11 +45,6 @@ def bucket_key(queue: str, tenant: str) -> str:
 def line_key(queue: str) -> str:
     """Prefix of the line's bookkeeping: the order of each class, virtual times, the doorbell."""
     return f"{PREFIX}:line:{queue}"
-
-
-def rq_queue_name(queue: str, priority: str, tenant: str = "") -> str:
-    """The RQ queue in which a class's waiting jobs of one tenant sit ("slotq:normal", "slotq:high:acme")."""
-    return QUEUE_SEPARATOR.join([queue, priority, tenant] if tenant else [queue, priority])
 
 
 def events_channel(queue: str) -> str:
