@@ -38,13 +38,29 @@ def wait_for(condition: Callable[[], Any], timeout: float = DEADLINE_S, what: st
         time.sleep(0.02)
 
 
+# The line's order and RQ's lists, read in one step (a worker may claim between two reads).
+LINE_SNAPSHOT_LUA = """
+local ordered, listed = {}, {}
+for i = 2, #ARGV do
+  for _, id in ipairs(redis.call('ZRANGE', KEYS[1] .. ':' .. ARGV[i], 0, -1)) do table.insert(ordered, id) end
+end
+for _, key in ipairs(redis.call('SMEMBERS', KEYS[2])) do
+  if string.sub(key, 1, #ARGV[1]) == ARGV[1] then
+    for _, id in ipairs(redis.call('LRANGE', key, 0, -1)) do table.insert(listed, id) end
+  end
+end
+return {ordered, listed}
+"""
+
+
 def waiting_ids(redis: Redis, settings: Settings) -> list[str]:
     """The ids of the waiting jobs, in the order a worker takes them; checks that RQ's lists hold
     exactly these ids (the line's order and its lists never disagree)."""
-    line = keys.line_key(settings.queue_name)
-    ordered = [raw.decode() for priority in PRIORITIES for raw in redis.zrange(f"{line}:{priority}", 0, -1)]
-    in_rq = [raw.decode() for queue in rq_queues(redis, settings) for raw in redis.lrange(queue.key, 0, -1)]
-    assert sorted(in_rq) == sorted(ordered), f"RQ's lists hold {in_rq}, the line's order {ordered}"
+    lists = keys.RQ_QUEUE_PREFIX + settings.queue_name + keys.QUEUE_SEPARATOR
+    ordered, listed = redis.eval(LINE_SNAPSHOT_LUA, 2, keys.line_key(settings.queue_name), keys.RQ_QUEUES_KEY,
+                                 lists, *PRIORITIES)
+    ordered, listed = [raw.decode() for raw in ordered], [raw.decode() for raw in listed]
+    assert sorted(listed) == sorted(ordered), f"RQ's lists hold {listed}, the line's order {ordered}"
     return ordered
 
 
