@@ -17,6 +17,7 @@ from typing import Any
 from redis import Redis
 from rq import Queue
 from rq.job import Job
+from rq.utils import utcformat
 
 from shared.contract import keys, logs, webhooks
 from shared.contract.errors import (
@@ -33,7 +34,6 @@ from shared.contract.tenants import Tenant, job_cost
 from shared.store import scripts
 from shared.store.connection import text
 from shared.store.records import fetch_job
-from shared.store.waiting import rq_now
 
 log = logging.getLogger(__name__)
 IDEMPOTENCY_TTL_S = 24 * 3600
@@ -114,7 +114,8 @@ def _parameters(queue: Queue, settings: Settings, job: Job, request: JobRequest,
         "id": job.id, "queue": queue.name, "job_prefix": Job.redis_job_namespace_prefix,
         "priority": request.priority, "limit": settings.waiting_limit(request.priority),
         "tenant": tenant.name if tenant else "", "cost": cost, "digest": digest,
-        "idempotency_ttl": IDEMPOTENCY_TTL_S, "deadline_s": request.deadline_s, "ended_at": rq_now(),
+        "idempotency_ttl": IDEMPOTENCY_TTL_S, "deadline_s": request.deadline_s,
+        "ended_at": utcformat(datetime.now(UTC)),
         "record_ttl": settings.record_ttl_s, "issued_ttl": settings.issued_ttl_s,
         "channel": keys.events_channel(queue.name), "outbox": keys.webhooks_key(queue.name),
         "ended": keys.ended_key(queue.name), **limits,

@@ -17,6 +17,7 @@ from redis.client import Pipeline
 from rq.job import Job
 from rq.job import JobStatus as RQStatus
 from rq.queue import Queue
+from rq.utils import utcformat
 
 from shared.contract import keys
 from shared.contract.errors import AlreadyFinishedError
@@ -25,7 +26,6 @@ from shared.contract.settings import Settings
 from shared.store import events, outbox, waiting
 from shared.store.connection import text
 from shared.store.records import attempts_used, job_status, save_meta
-from shared.store.waiting import RQ_TIME_FORMAT
 
 
 def end_job(job: Job, queue: Queue, settings: Settings, pipe: Pipeline, status: RQStatus,
@@ -35,7 +35,7 @@ def end_job(job: Job, queue: Queue, settings: Settings, pipe: Pipeline, status: 
         job.meta["error"] = error
     job.ended_at = datetime.now(UTC)
     job.set_status(status, pipeline=pipe)
-    pipe.hset(job.key, mapping={"ended_at": job.ended_at.strftime(RQ_TIME_FORMAT),
+    pipe.hset(job.key, mapping={"ended_at": utcformat(job.ended_at),
                                 "meta": job.serializer.dumps(job.meta)})
     _forget_executions(job, queue, pipe)
     failed = status is RQStatus.FAILED

@@ -24,13 +24,12 @@ from redis import Redis
 from redis.client import Pipeline
 from rq.job import Job
 from rq.queue import Queue
+from rq.utils import utcformat
 
 from shared.contract import keys
 from shared.contract.jobs import PRIORITIES
 from shared.contract.settings import Settings
 from shared.store import scripts
-
-RQ_TIME_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
 
 
 @dataclass(frozen=True)
@@ -41,11 +40,6 @@ class Claimed:
     job_id: str
     record: dict[bytes, bytes]
     at: float
-
-
-def rq_now() -> str:
-    """Now, as RQ writes its times into a job's hash."""
-    return datetime.now(UTC).strftime(RQ_TIME_FORMAT)
 
 
 def claim(connection: Redis, queue_name: str, claims_key: str) -> Claimed | None:
@@ -98,9 +92,9 @@ def position(connection: Redis, queue_name: str, job_id: str) -> int | None:
 def expire_due(queue: Queue, settings: Settings) -> float:
     """End the waiting jobs whose deadline has passed; returns Redis's clock."""
     now = scripts.run(queue.connection, "expire", [keys.deadlines_key(queue.name)],
-                      [queue.name, Job.redis_job_namespace_prefix, rq_now(), settings.record_ttl_s,
-                       keys.events_channel(queue.name), keys.webhooks_key(queue.name),
-                       keys.ended_key(queue.name)])
+                      [queue.name, Job.redis_job_namespace_prefix, utcformat(datetime.now(UTC)),
+                       settings.record_ttl_s, keys.events_channel(queue.name),
+                       keys.webhooks_key(queue.name), keys.ended_key(queue.name)])
     return float(now)
 
 
