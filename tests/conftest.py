@@ -204,7 +204,7 @@ def start_api(tmp_path: Path) -> Iterator[Callable[..., Process]]:
                         tmp_path / f"api-{port}.log")
         process.url = f"http://127.0.0.1:{port}"
         started.append(process)
-        wait_for(lambda: _answers(process), what=f"API on port {port}")
+        wait_for(lambda: _answers(process), what=f"API on port {port}")  # stopped at teardown if not
         return process
 
     yield start
@@ -225,7 +225,8 @@ def _answers(process: Process) -> bool:
 
 
 def start_worker(settings: Settings, log: Path, **extra: Any) -> Process:
-    """Start a real ``slotq worker`` and wait until it listens on its queue."""
+    """Start a real ``slotq worker`` and wait until it listens on its queue. One that does not in
+    time is stopped before the test fails: left running, it would take the next tests' jobs."""
     process = spawn(["worker"], slotq_env(settings, **extra), log)
 
     def registered() -> bool:
@@ -233,8 +234,12 @@ def start_worker(settings: Settings, log: Path, **extra: Any) -> Process:
             raise AssertionError(f"worker exited early:\n{process.output()}")
         return any(w.pid == process.popen.pid for w in Worker.all(connection=connection))
 
-    with Redis.from_url(settings.redis_url) as connection:
-        wait_for(registered, timeout=120, what="worker registration")
+    try:
+        with Redis.from_url(settings.redis_url) as connection:
+            wait_for(registered, timeout=120, what="worker registration")
+    except BaseException:  # pytest-timeout's Failed among them
+        process.stop()
+        raise
     return process
 
 

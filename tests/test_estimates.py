@@ -23,11 +23,13 @@ LONGER = {"width": 512, "height": 512, "steps": 48}  # 48 units: seconds to run 
 def trained(settings: Settings, client: FlaskClient, tmp_path: Path) -> Iterator[Process]:
     """A worker whose model has seen a few jobs of both sizes."""
     worker = start_worker(settings, tmp_path / "worker.log")
-    for body in [SMALL, LARGE, SMALL, LARGE, SMALL, LARGE]:
-        job_id = post_job(client, **body).get_json()["id"]
-        wait_for_status(client, job_id, "succeeded")
-    yield worker
-    worker.stop()
+    try:
+        for body in [SMALL, LARGE, SMALL, LARGE, SMALL, LARGE]:
+            job_id = post_job(client, **body).get_json()["id"]
+            wait_for_status(client, job_id, "succeeded")
+        yield worker
+    finally:
+        worker.stop()
 
 
 def seconds_from(moment: str, origin: float) -> float:

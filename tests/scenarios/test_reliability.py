@@ -25,7 +25,8 @@ from tests.conftest import (
     waiting_ids,
 )
 
-pytestmark = pytest.mark.slow
+# Several real workers a test, each loading torch and the model: slow on a busy 2-core machine.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 LONG = {"width": 1024, "height": 1024, "steps": 100}  # about half a second a step on a small CPU
 
 
@@ -217,6 +218,7 @@ def test_random_kills_lose_nothing(settings: Settings, tmp_path: Path) -> None:
     # Each request twice with the same seed: twins must end with identical bytes if both succeed.
     bodies = [{"width": 64, "height": 64, "steps": 1 + i % 3, "seed": i} for i in range(100)]
     ids = [post_job(client, **body).get_json()["id"] for body in bodies for _ in range(2)]
+    survivor = None
     try:
         for round_ in range(8):
             worker = start_worker(settings, tmp_path / f"kill-{round_}.log")
@@ -232,6 +234,8 @@ def test_random_kills_lose_nothing(settings: Settings, tmp_path: Path) -> None:
                 png = client.get(current["images"][0]).data
                 images.setdefault(current["request"]["seed"], set()).add(png)
     finally:
+        if survivor is not None:
+            survivor.stop()  # a no-op once it has stopped; left running, it would take later tests' jobs
         clients.close()
     with Redis.from_url(settings.redis_url) as redis:
         assert len(waiting_ids(redis, settings)) == 0
