@@ -3,6 +3,7 @@ where a client asked to wait, the long-poll waits, and returns a shared model or
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,7 +11,9 @@ from rq import Queue
 
 from api import longpoll
 from api.longpoll import Waits
-from shared.contract.jobs import PRIORITIES, JobRequest, JobView
+from shared.contract.images import ImageRef, InputName
+from shared.contract.jobs import PRIORITIES, JobView, Submission
+from shared.contract.models import ModelInfo, model_info
 from shared.contract.settings import Settings
 from shared.contract.tenants import Tenant
 from shared.store import admission, endings, records, waiting, workers
@@ -35,16 +38,21 @@ class Ticket:
     request_id: str | None = None
 
 
+MODELS_TTL_S = 2.0  # how long a process reuses what the heartbeats say of the models
+
+
 class Jobs:
     """The jobs of one queue, with these settings; a request that waits is held by ``waits``."""
 
     def __init__(self, queue: Queue, settings: Settings, waits: Waits) -> None:
         self.queue, self.settings, self.waits = queue, settings, waits
+        self._models: tuple[float, list[ModelInfo]] = (-MODELS_TTL_S, [])
 
-    def submit(self, request: JobRequest, ticket: Ticket, wait: int | None = None) -> Submitted:
+    def submit(self, submission: Submission, ticket: Ticket, wait: int | None = None) -> Submitted:
         """Admit a job or replay an idempotent retry; with ``wait``, once it ends or ``wait`` s pass."""
-        admitted = admission.enqueue_job(self.queue, self.settings, request, ticket.idempotency_key,
-                                         ticket.tenant, ticket.request_id)
+        admitted = admission.enqueue_job(self.queue, self.settings, submission.request,
+                                         ticket.idempotency_key, ticket.tenant, ticket.request_id,
+                                         submission.inputs)
         if wait and self.waits.hold(admitted.job, wait, longpoll.finished):
             view = self.read(admitted.job.id, ticket.tenant)
         elif admitted.replayed:
@@ -65,6 +73,12 @@ class Jobs:
         """One finished image of a job, as PNG."""
         return records.fetch_image(records.fetch_job(self.queue, job_id, tenant), index)
 
+    def input(self, job_id: str, name: InputName, tenant: Tenant | None = None) -> tuple[bytes, str]:
+        """One input image of a job as the client sent it, and its media type."""
+        job = records.fetch_job(self.queue, job_id, tenant)
+        data = records.fetch_input(job, name)
+        return data, ImageRef.model_validate(job.kwargs["request"][name]).media_type
+
     def cancel(self, job_id: str, tenant: Tenant | None = None) -> tuple[JobView, bool]:
         """Cancel a job, keeping its record; its view, and whether it ended now (not at its next step)."""
         ended = endings.cancel(self.queue, self.settings, records.fetch_job(self.queue, job_id, tenant))
@@ -79,3 +93,17 @@ class Jobs:
     def workers(self) -> list[WorkerView]:
         """The live workers of this queue."""
         return workers.live_workers(self.queue.connection, self.settings.queue_name)
+
+    def models(self) -> list[ModelInfo]:
+        """What the service can run: the models its live workers hold, else the configured one."""
+        read_at, live = self._models
+        if time.monotonic() - read_at > MODELS_TTL_S:  # a submit costs no heartbeat read as a rule
+            live = workers.live_models(self.queue.connection, self.settings.queue_name)
+            self._models = time.monotonic(), live
+        held = live or [model_info(self.settings.model, self.settings.assumed_family)]
+        return [info.within(self.settings.max_side) for info in held]
+
+    def model(self) -> ModelInfo:
+        """The model a job submitted now is checked for: SLOTQ_MODEL's, as a live worker says."""
+        held = self.models()
+        return next((info for info in held if info.name == self.settings.model), held[0])

@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import copy
+import json
 from functools import lru_cache
 from typing import Any
 
 from api.longpoll import MAX_WAIT_S
 from api.routes import MAX_IDEMPOTENCY_KEY
 from shared.contract import errors
+from shared.contract.images import FORMATS, INPUT_NAMES
 from shared.contract.jobs import PRIORITIES, JobRequest, JobView
+from shared.contract.models import Family, ModelInfo, model_info
 from shared.contract.settings import Settings
 from shared.store.workers import WorkerView
 
 REF = "#/components/schemas/{model}"
 JSON = "application/json"
-MIN_SIDE, SIDE_STEP = 64, 8
+MIN_SIDE = 64
 RETRY_AFTER_STATUSES = (429, 503)
 # Printable characters, as the route checks them (str.isprintable) on a header that WSGI reads as
 # Latin-1; not starting with a space, as HTTP strips the spaces around a field value.
@@ -52,12 +55,19 @@ WORKERS_SCHEMA: dict[str, Any] = {
     "type": "object", "required": ["workers"],
     "properties": {"workers": {"type": "array", "items": {"$ref": REF.format(model="WorkerView")}}},
 }
+MODELS_SCHEMA: dict[str, Any] = {
+    "type": "object", "required": ["models"],
+    "properties": {"models": {"type": "array", "items": {"$ref": REF.format(model="ModelInfo")}}},
+}
+# A job's request as its view shows it: its input images are references, never data: URLs.
+STORED_REQUEST = "StoredRequest"
 
 
 def openapi_document(settings: Settings) -> dict[str, Any]:
     """The OpenAPI 3.1 document with these settings' limits and features (a copy the caller may change)."""
     webhooks = settings.webhook_secret is not None
-    return copy.deepcopy(_document(settings.max_side, settings.max_steps, webhooks))
+    family = settings.assumed_family
+    return copy.deepcopy(_document(settings.max_side, settings.max_steps, webhooks, settings.model, family))
 
 
 def error_codes() -> dict[int, list[str]]:
@@ -85,6 +95,9 @@ def _text(description: str, media_type: str) -> dict[str, Any]:
 
 JOB_ID = {"name": "id", "in": "path", "required": True, "schema": _STRING,
           "description": "The job id that POST /v1/jobs returned."}
+INPUT_NAME = {"name": "name", "in": "path", "required": True,
+              "schema": {"type": "string", "enum": list(INPUT_NAMES)},
+              "description": "`image` (the start image) or `mask`."}
 IMAGE_INDEX = {"name": "index", "in": "path", "required": True, "schema": {"type": "integer", "minimum": 0},
                "description": "The image's index, from 0."}
 IDEMPOTENCY_KEY = {"name": "Idempotency-Key", "in": "header", "required": False,
@@ -112,15 +125,16 @@ JOB_LINKS = {"getJob": {"operationId": "getJob", "parameters": _OF_THE_JOB},
 
 
 @lru_cache(maxsize=8)
-def _document(max_side: int, max_steps: int, webhooks: bool) -> dict[str, Any]:
-    """Build the document once per distinct set of limits and features."""
-    codes = _served_codes(webhooks)
+def _document(max_side: int, max_steps: int, webhooks: bool, name: str, family: Family) -> dict[str, Any]:
+    """Build the document once per distinct set of limits, features and model family."""
+    codes, model = _served_codes(webhooks), model_info(name, family)
     return {
         "openapi": "3.1.0",
         "info": {"title": "slotq", "version": "1",
                  "description": "A GPU image-generation job service with capped admission."},
         "paths": {**_job_paths(codes), **_service_paths(codes)},
-        "components": {"schemas": {**_model_schemas(max_side, max_steps, webhooks), "Error": ERROR_SCHEMA},
+        "components": {"schemas": {**_model_schemas(max_side, max_steps, webhooks, model),
+                                   "Error": ERROR_SCHEMA},
                        # No operation answers 405 itself; any other method on a documented path does.
                        "responses": {"MethodNotAllowed": _not_allowed(codes[405])}},
     }
@@ -158,6 +172,15 @@ def _job_paths(codes: dict[int, list[str]]) -> dict[str, Any]:
             "get": _operation(codes, "getImage", "One finished image as PNG.",
                               {"200": {"description": "The image.", "content": png}}, (404, 409, 410, 503)),
         },
+        "/v1/jobs/{id}/inputs/{name}": {
+            "parameters": [JOB_ID, INPUT_NAME],
+            "get": _operation(codes, "getInput", "One input image of a job, as it was sent.",
+                              {"200": {"description": "The image, in the media type it was sent as.",
+                                       "content": {media_type: {"schema": {"type": "string",
+                                                                           "contentMediaType": media_type}}
+                                                   for media_type in FORMATS}}},
+                              (404, 410, 503)),
+        },
     }
 
 
@@ -173,6 +196,8 @@ def _service_paths(codes: dict[int, list[str]]) -> dict[str, Any]:
                          _json("The queue.", QUEUE_SCHEMA), 503),
         "/v1/workers": get("listWorkers", "The live workers, their device, state and job ids.",
                            _json("The workers.", WORKERS_SCHEMA), 503),
+        "/v1/models": get("listModels", "The models the service runs: family, samplers and defaults.",
+                          _json("The models.", MODELS_SCHEMA), 503),
         "/healthz": get("healthz", "The process is alive.", _json("Alive.", _status("ok"))),
         "/readyz": get("readyz", "Redis answers and the process is not draining.",
                        _json("Ready.", _status("ready")), 503),
@@ -187,24 +212,46 @@ def _service_paths(codes: dict[int, list[str]]) -> dict[str, Any]:
     }
 
 
-def _model_schemas(max_side: int, max_steps: int, webhooks: bool) -> dict[str, Any]:
-    """The models' JSON schemas, plus the limits their validators take from the settings."""
+def _model_schemas(max_side: int, max_steps: int, webhooks: bool, model: ModelInfo) -> dict[str, Any]:
+    """The models' JSON schemas, plus the limits their validators take from the settings and the
+    model (its family's sampler names and side multiple; the defaults are the family's too)."""
     schemas: dict[str, Any] = {}
-    for model in (JobRequest, JobView, WorkerView):
-        schema = model.model_json_schema(ref_template=REF)
+    for kind in (JobRequest, JobView, WorkerView, ModelInfo):
+        # What a client sends, as it may send it; what it reads, as the service writes it.
+        schema = kind.model_json_schema(ref_template=REF,
+                                        mode="validation" if kind is JobRequest else "serialization")
+        if kind is JobView:
+            schema = _renamed(schema, JobRequest.__name__, STORED_REQUEST)
         schemas.update(schema.pop("$defs", {}))
-        schemas[model.__name__] = schema
-    side = {"minimum": MIN_SIDE, "maximum": max_side, "multipleOf": SIDE_STEP}
+        schemas[kind.__name__] = schema
+    side = {"minimum": MIN_SIDE, "maximum": max_side, "multipleOf": model.side_multiple}
     limits = {"width": side, "height": side, "steps": {"maximum": max_steps}}
     fields = schemas["JobRequest"]["properties"]
     for name in limits.keys() & fields.keys():
         fields[name] = {**fields[name], **limits[name]}
+    fields["scheduler"] = {**fields["scheduler"], "anyOf": [{"enum": model.schedulers, "type": "string"},
+                                                            {"type": "null"}]}
+    for name, value in model.within(max_side).defaults.model_dump().items():
+        fields[name] = {**fields[name], "default": value}
+    # A mask repaints an image: sent without one, it is refused.
+    schemas["JobRequest"]["dependentSchemas"] = {"mask": {"anyOf": [
+        {"properties": {"mask": {"type": "null"}}},
+        {"required": ["image"], "properties": {"image": {"type": "string"}}}]}}
     if not webhooks:
         # Without SLOTQ_WEBHOOK_SECRET no webhook is sent, so none is offered: a URL is refused.
         fields["webhook"] = {"type": "null", "default": None, "title": fields["webhook"].get("title"),
                              "description": "Always null: " + WEBHOOKS_OFF}
         fields["webhook_events"] = {**fields["webhook_events"], "description": "Ignored: " + WEBHOOKS_OFF}
     return schemas
+
+
+def _renamed(schema: dict[str, Any], old: str, new: str) -> dict[str, Any]:
+    """The schema with the component ``old`` (in its ``$defs`` and every reference to it) named ``new``."""
+    defs = schema.get("$defs", {})
+    if old in defs:
+        defs[new] = defs.pop(old)
+    before, after = json.dumps(REF.format(model=old)), json.dumps(REF.format(model=new))
+    return json.loads(json.dumps(schema).replace(before, after))
 
 
 def _error(status: int, codes: list[str]) -> dict[str, Any]:

@@ -19,9 +19,11 @@ from shared.contract.errors import (
     DrainingError,
     InvalidJSONError,
     InvalidRequestError,
+    NotFoundError,
     UnsupportedMediaTypeError,
 )
-from shared.contract.jobs import JobRequest, validate_request
+from shared.contract.images import INPUT_NAMES
+from shared.contract.jobs import Submission, validate_submission
 from shared.contract.settings import Settings
 from shared.contract.tenants import Tenant
 
@@ -57,8 +59,8 @@ def authenticate() -> None:
 def submit_job() -> tuple[Response, int, dict[str, str]]:
     """Admit a job (202), replay an earlier submit with the same Idempotency-Key (200), or refuse."""
     # With ``Prefer: wait=N``, a job that ends within N seconds answers 200 with its final view.
-    job_request, wait = _job_request(), longpoll.preferred_wait(request.headers.getlist("Prefer"))
-    submitted = _jobs().submit(job_request, Ticket(_idempotency_key(), _tenant(), g.get("request_id")), wait)
+    submission, wait = _submission(), longpoll.preferred_wait(request.headers.getlist("Prefer"))
+    submitted = _jobs().submit(submission, Ticket(_idempotency_key(), _tenant(), g.get("request_id")), wait)
     g.admission = "replayed" if submitted.replayed else "admitted"
     headers = {"Location": f"/v1/jobs/{submitted.view.id}"}
     if submitted.waited:
@@ -80,6 +82,15 @@ def get_image(job_id: str, index: int) -> Response:
                     headers={"Cache-Control": "private, max-age=3600"})
 
 
+@bp.get("/v1/jobs/<job_id>/inputs/<name>")
+def get_input(job_id: str, name: str) -> Response:
+    """One input image of a job (``image`` or ``mask``), as the client sent it."""
+    if name not in INPUT_NAMES:
+        raise NotFoundError("A job's inputs are `image` and `mask`.")
+    data, media_type = _jobs().input(job_id, name, _tenant())
+    return Response(data, mimetype=media_type, headers={"Cache-Control": "private, max-age=3600"})
+
+
 @bp.delete("/v1/jobs/<job_id>")
 def cancel_job(job_id: str) -> tuple[Response, int]:
     """Cancel a job, which keeps its record: 200 once it is canceled, 202 while its worker stops it."""
@@ -97,6 +108,12 @@ def queue_state() -> Response:
 def list_workers() -> Response:
     """The live workers of this queue: host, device, state and the ids of the jobs they hold."""
     return jsonify({"workers": [view.model_dump(mode="json") for view in _jobs().workers()]})
+
+
+@bp.get("/v1/models")
+def list_models() -> Response:
+    """The models this service runs: family, samplers, defaults and how many live workers hold each."""
+    return jsonify({"models": [info.model_dump(mode="json") for info in _jobs().models()]})
 
 
 @bp.get("/metrics")
@@ -134,11 +151,13 @@ def _json(view: BaseModel) -> Response:
     return jsonify(view.model_dump(mode="json"))
 
 
-def _job_request() -> JobRequest:
-    """The body as a job request, with this service's limits, or ``InvalidRequestError``."""
+def _submission() -> Submission:
+    """The body as a job request, with this service's limits, or ``InvalidRequestError`` (or
+    ``InvalidImageError`` for an input image)."""
     settings = _settings()
     try:
-        return validate_request(_json_body(), max_side=settings.max_side, max_steps=settings.max_steps)
+        return validate_submission(_json_body(), max_side=settings.max_side, max_steps=settings.max_steps,
+                                   max_image_bytes=settings.max_image_bytes, model=_jobs().model())
     except ValidationError as exc:
         raise InvalidRequestError(details=_details(exc)) from None
 

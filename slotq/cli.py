@@ -7,7 +7,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any, TextIO
 
-from shared.contract.jobs import SCHEDULERS
+from shared.contract.models import SCHEDULERS
 from shared.contract.settings import load_settings
 
 if TYPE_CHECKING:

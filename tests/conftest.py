@@ -286,6 +286,37 @@ def http_post_job(url: str, body: dict[str, Any], key: str | None = None,
         return exc.code, json.loads(exc.read()), exc.headers
 
 
+def data_url(image: Any, format: str = "PNG") -> str:
+    """A Pillow image as the base64 ``data:`` URL a client sends as a job's ``image`` or ``mask``."""
+    import base64
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, format)
+    return f"data:image/{format.lower()};base64,{base64.b64encode(buffer.getvalue()).decode()}"
+
+
+def start_image(width: int = 256, height: int = 256, seed: int = 0) -> Any:
+    """A start image with structure (noise over a gradient), the same for the same arguments."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    gradient = np.linspace(0, 255, width, dtype=np.float32)[None, :, None].repeat(height, 0).repeat(3, 2)
+    pixels = np.clip(gradient + rng.normal(0, 40, (height, width, 3)), 0, 255).astype(np.uint8)
+    return Image.fromarray(pixels, "RGB")
+
+
+def box_mask(width: int = 256, height: int = 256) -> Any:
+    """A mask that repaints the middle of the image (white) and keeps the rest (black)."""
+    from PIL import Image, ImageDraw
+
+    mask = Image.new("L", (width, height), 0)
+    box = (width // 4, height // 4, 3 * width // 4 - 1, 3 * height // 4 - 1)
+    ImageDraw.Draw(mask).rectangle(box, fill=255)
+    return mask
+
+
 def post_job(client: FlaskClient, **body: Any) -> Any:
     """POST a job and return the response."""
     return client.post("/v1/jobs", data=json.dumps({"prompt": "a red fox", **body}),

@@ -415,7 +415,8 @@ def test_nginx_balances_over_api_replicas() -> None:
 def test_nginx_limits_and_forwards_headers() -> None:
     """The proxy caps request bodies and forwards request id and client address."""
     conf = NGINX_CONF.read_text()
-    assert re.search(r"^\s*client_max_body_size\s+64k;", conf, re.M)
+    # The API's own limit (SLOTQ_MAX_BODY_BYTES, 12 MiB by default) answers 413 in its envelope.
+    assert re.search(r"^\s*client_max_body_size\s+12m;", conf, re.M)
     assert re.search(r"^\s*proxy_set_header\s+X-Request-ID\s+\S+;", conf, re.M)
     assert re.search(r"^\s*proxy_set_header\s+X-Forwarded-For\s+\$proxy_add_x_forwarded_for;", conf, re.M)
     assert re.search(r"^\s*proxy_read_timeout\s+\d+s?;", conf, re.M)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,3 +27,13 @@ def test_readme_is_short_and_links_to_docs() -> None:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert len(readme.splitlines()) <= README_MAX_LINES
     assert "](docs/" in readme
+
+
+def test_every_setting_is_documented_and_in_the_example_env() -> None:
+    from shared.contract.settings import Settings
+
+    reference = (ROOT / "docs" / "settings.md").read_text()
+    example = (ROOT / ".env.example").read_text()
+    names = [f"SLOTQ_{name.upper()}" for name in Settings.model_fields]
+    assert [name for name in names if f"`{name}`" not in reference] == []
+    assert [name for name in names if not re.search(rf"^#? ?{name}=", example, re.M)] == []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from diffusers import DDIMScheduler, DPMSolverMultistepScheduler, EulerAncestralDiscreteScheduler
 
-from shared.contract.jobs import SCHEDULERS
+from shared.contract.models import SCHEDULERS
 from worker.samplers import BUILDERS, Samplers
 
 

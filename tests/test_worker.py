@@ -9,7 +9,7 @@ from flask.testing import FlaskClient
 from PIL import Image
 from redis import Redis
 
-from shared.contract.jobs import SCHEDULERS
+from shared.contract.models import UNET_SCHEDULERS
 from shared.contract.settings import Settings
 from tests.conftest import post_job, wait_for, wait_for_status
 from worker import progress
@@ -70,14 +70,14 @@ def test_a_sampler_per_job_is_reproducible_and_its_own(worker_client: FlaskClien
     own = run_job(worker_client, **body)
     assert own["status"] == "succeeded" and own["request"]["scheduler"] is None
     made = {}
-    for name in SCHEDULERS:
+    for name in UNET_SCHEDULERS:
         view = run_job(worker_client, **body, scheduler=name)
         assert view["status"] == "succeeded" and view["request"]["scheduler"] == name  # what ran
         made[name] = pixels(view)
     assert made["euler_a"] == pixels(run_job(worker_client, **body, scheduler="euler_a"))
     # The tiny model's own scheduler is DDIM, so "ddim" makes its image; each other sampler its own.
     assert made["ddim"] == pixels(own)
-    others = [made[name] for name in SCHEDULERS if name != "ddim"]
+    others = [made[name] for name in UNET_SCHEDULERS if name != "ddim"]
     assert len(set(others)) == len(others) and pixels(own) not in others
 
 

@@ -234,7 +234,8 @@ class SlotWorker(Outcomes):
             self.connection.delete(self.key)
         self.register_birth()
         # The device the pipeline resolved, named as in slotq_worker_info ("cuda", "cuda:1", "cpu").
-        self.claims.describe(self.hostname, self.pid, str(current_pipeline().device))
+        loaded = current_pipeline()
+        self.claims.describe(self.hostname, self.pid, str(loaded.device), loaded.info.family)
         self.claims.beat()
         log.info("worker %s ready on %s", self.name, self.queue.name)
 

@@ -1,20 +1,26 @@
-"""Loading the diffusers pipeline once and running one request through it."""
+"""Loading the diffusers pipeline once and running requests through it.
+
+Image-to-image and inpainting run on pipelines made with diffusers' ``from_pipe`` from the loaded
+one: they share its modules, so the weights are on the device once whatever a job does.
+"""
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from diffusers import DiffusionPipeline
+from diffusers import AutoPipelineForImage2Image, AutoPipelineForInpainting, DiffusionPipeline
 from diffusers.utils import logging as diffusers_logging
 from PIL import Image
 
-from shared.contract.jobs import JobRequest
+from shared.contract.jobs import JobKind, JobRequest
+from shared.contract.models import PIPELINE_CLASSES, TINY_MODELS, Family, ModelInfo, model_info
 from shared.contract.settings import Settings
 from worker.samplers import Samplers
 from worker.tiny_model import ensure_tiny_model
@@ -22,6 +28,8 @@ from worker.tiny_model import ensure_tiny_model
 log = logging.getLogger(__name__)
 
 StepCallback = Callable[[int, int], None]
+Inputs = Mapping[str, Image.Image]  # a request's decoded input images: "image" (RGB), "mask" (L)
+VARIANTS = {"image": AutoPipelineForImage2Image, "inpaint": AutoPipelineForInpainting}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -46,47 +54,43 @@ class ImagePipeline:
     pipe: DiffusionPipeline
     device: torch.device
     samplers: Samplers
+    info: ModelInfo
+    variants: dict[JobKind, DiffusionPipeline] = field(default_factory=dict)
     # When each recent GPU section (denoising and decoding) began and ended, by time.perf_counter():
     # what the duty cycle is computed from.
     sections: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=10_000))
     busy_s: float = 0.0  # the sum of every section, the warm-up's included
     running_since: float | None = None  # when the section in progress began
 
-    def generate(self, request: JobRequest, on_step: StepCallback) -> list[Image.Image]:
+    def generate(self, request: JobRequest, on_step: StepCallback, inputs: Inputs | None = None
+                 ) -> list[Image.Image]:
         """Run one request; ``on_step(step, total)`` runs after each denoising step and may raise."""
-        return self.generate_batch([request], on_step)[0]
+        return self.generate_batch([request], on_step, [inputs or {}])[0]
 
-    def generate_batch(self, requests: list[JobRequest], on_step: StepCallback) -> list[list[Image.Image]]:
-        """Run requests that share size, steps, guidance, sampler and image count as one execution;
-        the images of each. Each image keeps its own generator, so it is the one it would be alone."""
+    def generate_batch(self, requests: list[JobRequest], on_step: StepCallback,
+                       inputs: Sequence[Inputs] = ()) -> list[list[Image.Image]]:
+        """Run requests of one batch key (kind, size, steps, strength, guidance, sampler, image count)
+        as one execution; the images of each. Each image keeps its own generator, so it is the one it
+        would be alone. ``inputs`` holds each request's input images, in order, for an image job."""
         first = requests[0]
         assert all(r.batch_key == first.batch_key and r.seed is not None for r in requests), requests
+        pipe = self._pipeline_for(first.kind)
 
         def step_end(pipe: DiffusionPipeline, step: int, timestep: object, kwargs: dict) -> dict:
-            on_step(step + 1, first.steps)
+            on_step(step + 1, first.steps_run)
             return kwargs  # diffusers expects the callback's tensors back
 
         # One CPU generator per image, in diffusers' order (each prompt's images together): image i
         # of a job is reproducible from its seed + i, on any device and in any batch.
         generators = [torch.Generator("cpu").manual_seed(r.seed + index)  # type: ignore[operator]
                       for r in requests for index in range(r.num_images)]
-        negatives = [r.negative_prompt or "" for r in requests]  # "" is what diffusers uses for none
-        self.pipe.scheduler = self.samplers.get(first.scheduler)
+        pipe.scheduler = self.samplers.get(first.scheduler)
+        arguments = self._arguments(pipe, requests, inputs)
         began = self.running_since = time.perf_counter()
         try:
             with torch.inference_mode():
-                output = self.pipe(
-                    prompt=[r.prompt for r in requests],
-                    negative_prompt=negatives if any(negatives) else None,
-                    width=first.width,
-                    height=first.height,
-                    num_inference_steps=first.steps,
-                    guidance_scale=first.guidance_scale,
-                    num_images_per_prompt=first.num_images,
-                    generator=generators,
-                    output_type="pil",
-                    callback_on_step_end=step_end,
-                )
+                output = pipe(**arguments, generator=generators, output_type="pil",
+                              callback_on_step_end=step_end)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the section ends when the device is done
         finally:  # a canceled or failed execution held the device too
@@ -96,6 +100,41 @@ class ImagePipeline:
             self.running_since = None
         images, per_job = list(output.images), first.num_images
         return [images[index * per_job:(index + 1) * per_job] for index in range(len(requests))]
+
+    def _pipeline_for(self, kind: JobKind) -> DiffusionPipeline:
+        """The loaded pipeline, or its image-to-image or inpainting twin over the same modules."""
+        if kind == "text":
+            return self.pipe
+        if kind not in self.variants:
+            variant = VARIANTS[kind].from_pipe(self.pipe)
+            variant.set_progress_bar_config(disable=True)
+            self.variants[kind] = variant
+        return self.variants[kind]
+
+    def _arguments(self, pipe: DiffusionPipeline, requests: list[JobRequest],
+                   inputs: Sequence[Inputs]) -> dict[str, object]:
+        """The call's arguments that this pipeline takes, from requests of one batch key."""
+        first = requests[0]
+        negatives = [r.negative_prompt or "" for r in requests]  # "" is what diffusers uses for none
+        arguments: dict[str, object] = {
+            "prompt": [r.prompt for r in requests],
+            "negative_prompt": negatives if any(negatives) else None,
+            # Always the request's size: Flux's image-to-image would otherwise make 1024x1024.
+            "width": first.width,
+            "height": first.height,
+            "num_inference_steps": first.steps,
+            "guidance_scale": first.guidance_scale,
+            "num_images_per_prompt": first.num_images,
+        }
+        if first.kind != "text":
+            arguments["image"] = [each["image"] for each in inputs]
+            arguments["strength"] = first.strength
+        if first.kind == "inpaint":
+            arguments["mask_image"] = [each["mask"] for each in inputs]
+        accepted = _parameters(type(pipe))
+        if arguments["negative_prompt"] is not None and "negative_prompt" not in accepted:
+            raise ValueError(f"a {self.info.family} model takes no negative_prompt")
+        return {name: value for name, value in arguments.items() if name in accepted}
 
     def release_memory(self) -> None:
         """Give cached device memory back after a failure such as out-of-memory."""
@@ -108,17 +147,33 @@ def load_pipeline(settings: Settings) -> ImagePipeline:
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
     source: str | Path = settings.model
-    if settings.model == "tiny":
-        source = ensure_tiny_model(settings.cache_dir)
+    if settings.model in TINY_MODELS:
+        source = ensure_tiny_model(settings.cache_dir, settings.model)
     log.info("loading %s on %s as %s", source, device, dtype)
     diffusers_logging.disable_progress_bar()  # a log file is no place for progress bars
     pipe = DiffusionPipeline.from_pretrained(source, dtype=dtype)
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
-    loaded = ImagePipeline(pipe=pipe, device=device, samplers=Samplers(pipe.scheduler))
-    warm_up = JobRequest(prompt="warm-up", width=64, height=64, steps=1, seed=0)
+    info = model_info(settings.model, family_of(pipe))
+    loaded = ImagePipeline(pipe=pipe, device=device, samplers=Samplers(pipe.scheduler), info=info)
+    side = max(64, info.side_multiple * 4)
+    warm_up = JobRequest(prompt="warm-up", width=side, height=side, steps=1, seed=0)
     loaded.generate(warm_up, on_step=lambda step, total: None)
     return loaded
+
+
+def family_of(pipe: DiffusionPipeline) -> Family:
+    """The model family of a loaded text-to-image pipeline, from its class."""
+    name = type(pipe).__name__
+    if name not in PIPELINE_CLASSES:
+        known = ", ".join(sorted(PIPELINE_CLASSES))
+        raise ValueError(f"{name} is not a text-to-image pipeline of a known family ({known})")
+    return PIPELINE_CLASSES[name]
+
+
+def _parameters(kind: type) -> frozenset[str]:
+    """The keyword arguments a pipeline class's ``__call__`` takes."""
+    return frozenset(inspect.signature(kind.__call__).parameters)
 
 
 _current: ImagePipeline | None = None

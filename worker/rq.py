@@ -91,7 +91,8 @@ class RQWorker(SimpleWorker):
 
     def settle(self, job: Job, fence: Fence) -> JobStatus:
         """The job's end is recorded: drop its claim and the attempt's fence; its status."""
-        return endings.settle(self.connection, self.queue.name, keys.claims_key(self.name), job, fence.key)
+        return endings.settle(self.connection, self.queue.name, keys.claims_key(self.name), job, fence.key,
+                              self.settings.result_ttl_s)
 
 
 def run_seconds(job: Job) -> float:

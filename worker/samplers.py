@@ -2,7 +2,8 @@
 
 Swapping a scheduler costs no reload: a diffusers scheduler is a small object made from the
 model's scheduler config (its noise schedule), and the pipeline takes whichever it is given. The
-names are the contract's (``shared/contract/jobs.py``); the table below says what each one is.
+names are the contract's (``shared/contract/models.py``, with the family each suits); the table
+below says what each one is.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from diffusers import (
     DPMSolverMultistepScheduler,
     EulerAncestralDiscreteScheduler,
     EulerDiscreteScheduler,
+    FlowMatchEulerDiscreteScheduler,
     UniPCMultistepScheduler,
 )
 
@@ -26,6 +28,7 @@ BUILDERS: dict[str, tuple[Any, dict[str, Any]]] = {
     "dpmpp_2m_karras": (DPMSolverMultistepScheduler,
                         {"algorithm_type": "dpmsolver++", "solver_order": 2, "use_karras_sigmas": True}),
     "unipc": (UniPCMultistepScheduler, {}),
+    "flow_euler": (FlowMatchEulerDiscreteScheduler, {}),  # flow matching (Flux): its own Euler
 }
 
 

@@ -16,14 +16,15 @@ from redis.exceptions import RedisError
 from rq import get_current_job
 from rq.job import Job
 
-from shared.contract.errors import JobCanceledError, JobFailedError, JobInterruptedError
+from shared.contract import images
+from shared.contract.errors import InvalidImageError, JobCanceledError, JobFailedError, JobInterruptedError
 from shared.contract.jobs import JobRequest, validate_request
 from shared.contract.settings import get_settings
 from shared.store import records
 from worker import lifecycle, progress
 from worker.finisher import store_result
 from worker.messages import Rendered
-from worker.pipeline import current_pipeline
+from worker.pipeline import Inputs, current_pipeline
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +48,13 @@ def render(jobs: list[Job]) -> list[RenderResult]:
     A member canceled while the batch runs ends canceled and its images are dropped; the others go
     on (the batch stops only when every member is canceled). Any other error ends the whole batch.
     """
-    outcomes: list[RenderResult | None] = [_validated(job) for job in jobs]
-    members = [index for index, outcome in enumerate(outcomes) if isinstance(outcome, tuple)]
+    prepared = [_prepared(job) for job in jobs]
+    outcomes: list[RenderResult | None] = [each if isinstance(each, Exception) else None for each in prepared]
+    members = [index for index, each in enumerate(prepared) if not isinstance(each, Exception)]
     if not members:
         return outcomes  # type: ignore[return-value]
-    requests = [outcomes[index][0] for index in members]  # type: ignore[index]
+    requests = [prepared[index][0] for index in members]  # type: ignore[index]
+    inputs = [prepared[index][1] for index in members]  # type: ignore[index]
     live = list(members)
     settings = get_settings()
     faults, cadence = settings.fault_injection, progress.Cadence(settings.progress_interval_ms / 1000)
@@ -66,23 +69,51 @@ def render(jobs: list[Job]) -> list[RenderResult]:
             for request in requests:
                 inject_fault(request)
 
-    on_step(0, requests[0].steps)
-    images = current_pipeline().generate_batch(requests, on_step=on_step)
-    for index, request, made in zip(members, requests, images, strict=True):
+    on_step(0, requests[0].steps_run)
+    made_by_job = current_pipeline().generate_batch(requests, on_step, inputs)
+    for index, request, made in zip(members, requests, made_by_job, strict=True):
         if index in live:
             outcomes[index] = (request, made)
     return outcomes  # type: ignore[return-value]
 
 
-def _validated(job: Job) -> RenderResult:
-    settings = get_settings()
+def _prepared(job: Job) -> tuple[JobRequest, Inputs] | Exception:
+    """A claimed job's request and its decoded input images, or the failure that ends it now."""
+    request = _validated(job)
+    return request if isinstance(request, Exception) else _with_inputs(job, request)
+
+
+def _validated(job: Job) -> JobRequest | Exception:
+    settings, info = get_settings(), current_pipeline().info
     try:
-        # The queue is a trust boundary too: re-validate what came out of Redis.
+        # The queue is a trust boundary too: re-validate what came out of Redis, for this model.
         request = validate_request(job.kwargs["request"], max_side=settings.max_side,
-                                   max_steps=settings.max_steps)
+                                   max_steps=settings.max_steps, side_multiple=info.side_multiple)
     except (ValidationError, KeyError) as exc:
         return JobFailedError("invalid_request", f"the stored request is invalid: {exc}")
-    return request, []
+    if request.scheduler is not None and request.scheduler not in info.schedulers:
+        return JobFailedError("invalid_request", f"a {info.family} model cannot use the "
+                              f"{request.scheduler} sampler; it takes {', '.join(info.schedulers)}")
+    return request
+
+
+def _with_inputs(job: Job, request: JobRequest) -> tuple[JobRequest, Inputs] | Exception:
+    """A request with its input images decoded, or the failure of a job whose inputs are gone or bad."""
+    if request.kind == "text":
+        return request, {}
+    stored = records.fetch_inputs(job)
+    modes = {"image": "RGB", "mask": "L"} if request.kind == "inpaint" else {"image": "RGB"}
+    if set(modes) - set(stored):
+        return JobFailedError("inputs_missing", "the job's input images are no longer stored")
+    settings = get_settings()
+    try:
+        decoded = {name: images.decode(stored[name], mode, settings.max_side ** 2)  # type: ignore[arg-type]
+                   for name, mode in modes.items()}
+    except InvalidImageError as exc:
+        return JobFailedError("invalid_image", str(exc))
+    if any(image.size != (request.width, request.height) for image in decoded.values()):
+        return JobFailedError("invalid_image", "the stored input images do not have the job's size")
+    return request, decoded
 
 
 def check_in(jobs: list[Job], step: int, total: int, cadence: progress.Cadence) -> list[int]:

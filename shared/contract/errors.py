@@ -82,6 +82,10 @@ class InvalidRequestError(ServiceError):
     status, code, message = 422, "invalid_request", "The request failed validation."
 
 
+class InvalidImageError(ServiceError):
+    status, code, message = 422, "invalid_image", "An input image is invalid."
+
+
 class QueueFullError(ServiceError):
     status, code, message = 429, "queue_full", "The queue is full; retry later."
 

@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 import secrets
+from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+
+from shared.contract.errors import InvalidImageError, InvalidRequestError
+from shared.contract.images import INPUT_NAMES, ImageRef, InputName, read_data_url
+from shared.contract.models import ModelInfo, Scheduler, model_info
 
 MAX_SEED = 2**32 - 1
 MAX_IMAGES = 4  # per job
@@ -17,6 +30,8 @@ Priority = Literal["high", "normal", "low"]
 PRIORITIES: tuple[Priority, ...] = get_args(Priority)  # the order a worker serves them in
 WebhookEvent = Literal["started", "completed"]  # completed: succeeded, failed, canceled or expired
 MAX_URL = 2048
+MIN_SIDE = 64
+JobKind = Literal["text", "image", "inpaint"]  # text-to-image, image-to-image, inpainting
 WEBHOOK_PATTERN = r"^[Hh][Tt][Tt][Pp][Ss]?://[A-Za-z0-9._~%!$&'()*+,;=:\[\]-]+([/?#][!-~]*)?$"
 
 
@@ -58,14 +73,19 @@ class Outcome(StrEnum):
         return cls(status.value) if status.is_terminal else cls.REQUEUED
 
 
-# The samplers a job may name, as diffusers' schedulers for UNet models (SD 1.x and 2.x); built from
-# the loaded scheduler's config per job (worker/samplers.py). None: the model's own scheduler.
-Scheduler = Literal["ddim", "euler", "euler_a", "dpmpp_2m", "dpmpp_2m_karras", "unipc"]
-SCHEDULERS: tuple[str, ...] = get_args(Scheduler)
+
+# A client sends an input image as a data: URL; the stored request and the job's view hold its
+# reference instead (validate_submission makes the swap). The schema shows what a client sends.
+InputField = Annotated[str | ImageRef | None,
+                       WithJsonSchema({"type": "string", "format": "data-url",
+                                       "pattern": "^data:image/(png|jpeg|webp);base64,"}, mode="validation")]
 
 
 class JobRequest(BaseModel):
-    """A text-to-image request. Validate with ``validate_request`` so the size limits apply."""
+    """A job's request: text-to-image, or with ``image`` (and ``mask``) image-to-image or inpainting.
+
+    From a client, parse with ``validate_submission``; stored, with ``validate_request``.
+    """
 
     # strict: "512" or true are not numbers; forbid: a misspelt field is an error, not a no-op.
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
@@ -79,6 +99,11 @@ class JobRequest(BaseModel):
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     num_images: int = Field(1, ge=1, le=MAX_IMAGES)
     scheduler: Scheduler | None = Field(None, description="the sampler; absent: the model's own")
+    image: InputField = Field(None, description="the start image, a base64 data: URL of a PNG, JPEG or "
+                              "WebP; its size is the job's. In a job's view: its size and sha256")
+    mask: InputField = Field(None, description="with `image`: white repaints, black keeps; the image's size")
+    strength: float = Field(0.8, gt=0, le=1, allow_inf_nan=False,
+                            description="with `image`: the share of the schedule that is run again")
     deadline_s: float | None = Field(None, gt=0, le=86_400, allow_inf_nan=False)
     priority: Priority = "normal"
     # The pattern documents the URL's shape in the schema; the validator below checks the rest.
@@ -100,9 +125,9 @@ class JobRequest(BaseModel):
     @field_validator("width", "height")
     @classmethod
     def _side_in_range(cls, value: int, info: ValidationInfo) -> int:
-        max_side = (info.context or {}).get("max_side", 1024)
-        if value % 8 or not 64 <= value <= max_side:
-            raise ValueError(f"must be a multiple of 8 between 64 and {max_side}")
+        max_side, multiple = _side_limits(info)
+        if value % multiple or not MIN_SIDE <= value <= max_side:
+            raise ValueError(f"must be a multiple of {multiple} between {MIN_SIDE} and {max_side}")
         return value
 
     @field_validator("steps")
@@ -138,11 +163,36 @@ class JobRequest(BaseModel):
             raise ValueError("must not repeat an event")
         return value
 
+    @model_validator(mode="after")
+    def _inputs_fit(self) -> JobRequest:
+        if self.mask is not None and self.image is None:
+            raise ValueError("a `mask` needs an `image` to repaint")
+        if self.image is not None and self.steps_run < 1:
+            raise ValueError(f"{self.steps} steps at strength {self.strength} run none: raise either")
+        return self
+
+    @property
+    def kind(self) -> JobKind:
+        """What the job does with its inputs."""
+        if self.image is None:
+            return "text"
+        return "image" if self.mask is None else "inpaint"
+
+    @property
+    def steps_run(self) -> int:
+        """The denoising steps that run: with a start image, the last ``strength`` of the schedule
+        (diffusers' own rounding, so that progress counts exactly the steps taken)."""
+        if self.image is None:
+            return self.steps
+        return min(int(self.steps * self.strength), self.steps)
+
     @property
     def batch_key(self) -> str:
-        """Jobs with equal keys can run as one batch: same size, steps, guidance, sampler and images each."""
+        """Jobs with equal keys can run as one batch: same kind, size, steps, strength, guidance,
+        sampler and images each."""
+        strength = f"{self.strength!r}" if self.image is not None else ""
         return (f"{self.width}x{self.height}/{self.steps}/{self.guidance_scale!r}/{self.scheduler or ''}"
-                f"/{self.num_images}")
+                f"/{self.kind}{strength}/{self.num_images}")
 
     @staticmethod
     def pixels_of_batch_key(key: str) -> int:
@@ -158,9 +208,72 @@ class JobRequest(BaseModel):
         return self.model_copy(update={"seed": secrets.randbelow(MAX_SEED + 1)})
 
 
-def validate_request(data: Any, *, max_side: int, max_steps: int) -> JobRequest:
-    """Parse untrusted JSON data into a request, with the service's limits."""
-    return JobRequest.model_validate(data, context={"max_side": max_side, "max_steps": max_steps})
+def _side_limits(info: ValidationInfo) -> tuple[int, int]:
+    context = info.context or {}
+    return context.get("max_side", 1024), context.get("side_multiple", 8)
+
+
+def validate_request(data: Any, *, max_side: int, max_steps: int, side_multiple: int = 8) -> JobRequest:
+    """Parse a stored request (its inputs already references), with the service's limits."""
+    return JobRequest.model_validate(data, context={"max_side": max_side, "max_steps": max_steps,
+                                                    "side_multiple": side_multiple})
+
+
+@dataclass(frozen=True)
+class Submission:
+    """A client's request, checked: its inputs replaced by references, and their bytes."""
+
+    request: JobRequest
+    inputs: dict[InputName, bytes] = field(default_factory=dict)
+
+
+def validate_submission(data: Any, *, max_side: int, max_steps: int, max_image_bytes: int,
+                        model: ModelInfo | None = None) -> Submission:
+    """Parse a client's JSON body into a request for ``model`` (default: a tiny SD), decoding and
+    checking its input images first (``InvalidImageError``). An image's size is the job's; what the
+    body leaves out comes from the model's defaults; a sampler the model cannot use is refused."""
+    model = model or model_info("tiny", "sd")
+    side_multiple = model.side_multiple
+    inputs: dict[InputName, bytes] = {}
+    if isinstance(data, dict) and any(data.get(name) is not None for name in INPUT_NAMES):
+        data = dict(data)
+        refs: dict[InputName, ImageRef] = {}
+        for name in INPUT_NAMES:
+            value = data.get(name)
+            if value is None:
+                continue
+            if not isinstance(value, str):  # a reference as a view shows it cannot stand in for the bytes
+                raise InvalidRequestError(details=[{"loc": [name], "msg": "must be a data: URL such as "
+                                                    "data:image/png;base64,..."}])
+            checked = read_data_url(name, value, max_bytes=max_image_bytes, max_pixels=max_side * max_side)
+            inputs[name], refs[name] = checked.data, checked.ref
+            data[name] = checked.ref.model_dump()
+        if "image" in refs:
+            _fit_size(data, refs, max_side, side_multiple)
+    if isinstance(data, dict):
+        data = model.within(max_side).defaults.model_dump() | data
+    request = validate_request(data, max_side=max_side, max_steps=max_steps, side_multiple=side_multiple)
+    if request.scheduler is not None and request.scheduler not in model.schedulers:
+        message = f"a {model.family} model cannot use it; it takes {', '.join(model.schedulers)}"
+        raise InvalidRequestError(details=[{"loc": ["scheduler"], "msg": message}])
+    return Submission(request, inputs)
+
+
+def _fit_size(data: dict[str, Any], refs: dict[InputName, ImageRef], max_side: int, multiple: int) -> None:
+    """The job's size from its start image: sides the model can keep, a mask of the same size."""
+    image = refs["image"]
+    if image.width % multiple or image.height % multiple or not (
+            MIN_SIDE <= min(image.width, image.height) and max(image.width, image.height) <= max_side):
+        raise InvalidImageError(f"`image` is {image.width}x{image.height}: its sides must be multiples of "
+                                f"{multiple} between {MIN_SIDE} and {max_side}; resize or crop it first")
+    mask = refs.get("mask")
+    if mask is not None and (mask.width, mask.height) != (image.width, image.height):
+        raise InvalidImageError(f"`mask` is {mask.width}x{mask.height} and the image "
+                                f"{image.width}x{image.height}: they must be the same size")
+    for side, value in (("width", image.width), ("height", image.height)):
+        if data.setdefault(side, value) != value:
+            raise InvalidImageError(f"`{side}` is {data[side]} but the image's is {value}: leave it out, "
+                                    "or resize the image")
 
 
 class Progress(BaseModel):

@@ -32,6 +32,11 @@ def images_key(job_id: str) -> str:
     return f"{PREFIX}:images:{job_id}"
 
 
+def inputs_key(job_id: str) -> str:
+    """Hash of a job's input images (``image``, ``mask``) as the client sent them."""
+    return f"{PREFIX}:inputs:{job_id}"
+
+
 def idempotency_key(queue: str, digest: str) -> str:
     """The job admitted for one Idempotency-Key (stored hashed)."""
     return f"{PREFIX}:idempotency:{queue}:{digest}"

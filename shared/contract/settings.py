@@ -22,6 +22,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from shared.contract.jobs import MAX_IMAGES, Priority
+from shared.contract.models import TINY_MODELS, Family
 
 DEVICE_PATTERN = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 # host:port, the host a name, an IPv4 address or a bracketed IPv6 address.
@@ -63,13 +64,17 @@ class Settings(BaseSettings):
     high_reserve: float = Field(0.1, ge=0, le=10)
 
     model: str = Field("tiny", min_length=1)
+    # What the API assumes of SLOTQ_MODEL while no worker says (a tiny model's family is known).
+    model_family: Family | None = None
     device: str = "auto"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     cache_dir: Path = Path.home() / ".cache" / "slotq"
 
     max_side: int = Field(1024, ge=64, le=4096)
     max_steps: int = Field(100, ge=1, le=1000)
-    max_body_bytes: int = Field(65_536, ge=1024, le=10_485_760)
+    # Room for a start image and a mask of SLOTQ_MAX_IMAGE_BYTES each, base64-encoded (4/3).
+    max_body_bytes: int = Field(12 * 2**20, ge=1024, le=64 * 2**20)
+    max_image_bytes: int = Field(4 * 2**20, ge=1024, le=32 * 2**20)
     job_timeout_s: int = Field(900, ge=1)
     max_batch: int = Field(1, ge=1, le=64)
     batch_wait_ms: int = Field(0, ge=0, le=10_000)
@@ -105,6 +110,12 @@ class Settings(BaseSettings):
     webhook_allow: list[str] = []
     webhook_timeout_s: float = Field(5.0, gt=0, le=60)
     webhook_retry_s: float = Field(3600.0, ge=0, le=7 * 86_400)
+
+    @property
+    def assumed_family(self) -> Family:
+        """The family of SLOTQ_MODEL as the API takes it while no worker says: SLOTQ_MODEL_FAMILY,
+        a tiny model's own, else SD's."""
+        return self.model_family or TINY_MODELS.get(self.model, "sd")
 
     @field_validator("redis_url")
     @classmethod

@@ -28,6 +28,7 @@ from shared.contract.errors import (
     RateLimitedError,
     TenantQueueFullError,
 )
+from shared.contract.images import InputName
 from shared.contract.jobs import JobRequest
 from shared.contract.settings import Settings
 from shared.contract.tenants import Tenant, job_cost
@@ -57,8 +58,11 @@ def request_digest(request: JobRequest) -> str:
 
 def enqueue_job(queue: Queue, settings: Settings, request: JobRequest,
                 idempotency_key: str | None = None, tenant: Tenant | None = None,
-                request_id: str | None = None) -> Admission:
+                request_id: str | None = None, inputs: dict[InputName, bytes] | None = None) -> Admission:
     """Admit one job atomically, replay an idempotent retry, or raise a typed refusal.
+
+    ``inputs`` are the bytes of the request's input images (``request.image`` and ``request.mask``
+    are their references): written by the same script, so a refused job leaves none behind.
 
     With SLOTQ_MIN_REPLICAS_ACK set, either answer stands only once that many replicas have the job.
 
@@ -77,9 +81,11 @@ def enqueue_job(queue: Queue, settings: Settings, request: JobRequest,
     idem = keys.idempotency_key(queue.name, _hashed(f"{name} {idempotency_key}")) if idempotency_key else ""
     script_keys = [job.key, idem or job.key, keys.deadlines_key(queue.name), keys.issued_key(job.id),
                    keys.bucket_key(queue.name, name), keys.model_key(queue.name),
-                   keys.running_key(queue.name)]
-    params = _parameters(queue, settings, job, request, tenant, cost, digest if idem else None)
-    answer = scripts.run(queue.connection, "admit", script_keys, [params, *_fields(job, request)])
+                   keys.running_key(queue.name), keys.inputs_key(job.id)]
+    fields, inputs = _fields(job, request), inputs or {}
+    params = _parameters(queue, settings, job, request, tenant, cost, digest if idem else None,
+                         len(fields), list(inputs))
+    answer = scripts.run(queue.connection, "admit", script_keys, [params, *fields, *inputs.values()])
     admission = _admission(queue, job, answer, digest, tenant)
     if settings.min_replicas_ack:
         _await_replicas(queue.connection, settings, admission.job.id, name)
@@ -106,7 +112,7 @@ def _new_job(queue: Queue, settings: Settings, request: JobRequest, tenant: Tena
 
 
 def _parameters(queue: Queue, settings: Settings, job: Job, request: JobRequest, tenant: Tenant | None,
-                cost: float, digest: str | None) -> str:
+                cost: float, digest: str | None, fields: int, inputs: list[InputName]) -> str:
     """The admission script's parameters, as JSON."""
     limits = ({"rate": tenant.rate, "burst": tenant.burst, "max_queued": tenant.max_queued}
               if tenant else {})
@@ -118,7 +124,8 @@ def _parameters(queue: Queue, settings: Settings, job: Job, request: JobRequest,
         "ended_at": utcformat(datetime.now(UTC)),
         "record_ttl": settings.record_ttl_s, "issued_ttl": settings.issued_ttl_s,
         "channel": keys.events_channel(queue.name), "outbox": keys.webhooks_key(queue.name),
-        "ended": keys.ended_key(queue.name), **limits,
+        "ended": keys.ended_key(queue.name), "inputs_ttl": settings.result_ttl_s,
+        "fields": fields, "inputs": inputs or None, **limits,
     }
     # cjson reads JSON null as a truthy value: leave unset parameters out instead.
     return json.dumps({key: value for key, value in params.items() if value is not None})

@@ -20,6 +20,7 @@ from rq.queue import Queue
 
 from shared.contract import keys
 from shared.contract.jobs import Outcome
+from shared.contract.models import Family
 from shared.contract.settings import Settings
 from shared.store import endings, fencing, waiting, workers
 from shared.store.connection import text
@@ -41,10 +42,11 @@ class Claims:
         self._held: set[str] = set()
         self.identity: workers.WorkerIdentity | None = None
 
-    def describe(self, host: str | None, pid: int | None, device: str) -> None:
-        """Say where this worker runs; each heartbeat from now on carries it (GET /v1/workers)."""
+    def describe(self, host: str | None, pid: int | None, device: str, family: Family) -> None:
+        """Say where this worker runs and what it holds; each heartbeat from now on carries it
+        (GET /v1/workers, GET /v1/models)."""
         self.identity = workers.WorkerIdentity(name=self.worker, queue=self.queue.name, host=host, pid=pid,
-                                               device=device, model=self.settings.model)
+                                               device=device, model=self.settings.model, family=family)
 
     def beat(self) -> None:
         """Tell the others this worker lives, where it runs and which jobs it holds."""

@@ -40,14 +40,16 @@ def end_job(job: Job, queue: Queue, settings: Settings, pipe: Pipeline, status: 
     _forget_executions(job, queue, pipe)
     failed = status is RQStatus.FAILED
     pipe.expire(job.key, settings.failure_ttl_s if failed else settings.record_ttl_s)
-    ended(pipe, queue.name, job)
+    ended(pipe, queue.name, job, settings.result_ttl_s)
     events.announce(pipe, queue.name, job.id)  # after the writes: a woken reader sees them
 
 
-def ended(pipe: Pipeline, queue_name: str, job: Job) -> None:
-    """Queue what follows a job's final status: its count by status, and its `completed` webhook."""
+def ended(pipe: Pipeline, queue_name: str, job: Job, inputs_ttl_s: int) -> None:
+    """Queue what follows a job's final status: its count by status, its `completed` webhook, and
+    the expiry of its input images, which are kept as long as its images."""
     pipe.hincrby(keys.ended_key(queue_name), job_status(job).value, 1)
     outbox.schedule(pipe, queue_name, job, "completed")
+    pipe.expire(keys.inputs_key(job.id), inputs_ttl_s)
 
 
 def ended_counts(queue: Queue) -> dict[str, int]:
@@ -83,14 +85,15 @@ def expire_claimed(job: Job, queue: Queue, settings: Settings, claims_key: str) 
         pipe.execute()
 
 
-def settle(connection: Redis, queue_name: str, claims_key: str, job: Job, fence_key: str) -> JobStatus:
+def settle(connection: Redis, queue_name: str, claims_key: str, job: Job, fence_key: str,
+           inputs_ttl_s: int) -> JobStatus:
     """A run's end is recorded (RQ's success or failure path): drop the claim and the attempt's
     fence, count it and tell whoever waits on it; its status."""
     status = job_status(job)
     with connection.pipeline(transaction=False) as pipe:
         pipe.lrem(claims_key, 1, job.id)
         if status.is_terminal:  # not an interrupted job, which runs again
-            ended(pipe, queue_name, job)
+            ended(pipe, queue_name, job, inputs_ttl_s)
         events.announce(pipe, queue_name, job.id)
         pipe.delete(fence_key)  # the attempt is over: the last write it makes
         pipe.execute()

@@ -105,8 +105,7 @@ def save_meta(job: Job, pipe: Pipeline | None = None) -> None:
 def begin_attempt(job: Job, pipe: Pipeline | None = None) -> None:
     """Count a start and show step 0, before RQ marks the job running (never running without progress)."""
     job.meta["attempt"] = int(job.meta.get("attempt", 0)) + 1
-    steps = job.kwargs.get("request", {}).get("steps")
-    job.meta["progress"] = {"step": 0, "total": steps} if isinstance(steps, int) else None
+    job.meta["progress"] = {"step": 0, "total": steps_run_of(job.kwargs.get("request", {}))}
     save_meta(job, pipe)
 
 
@@ -164,6 +163,30 @@ def _report_step(jobs: list[Job]) -> list[bool]:
     if stale:
         raise fencing.StaleAttemptError(f"a newer attempt took over job(s) {', '.join(stale)}")
     return [bool(answer) for answer in answers]
+
+
+def steps_run_of(request: dict[str, Any]) -> int | None:
+    """The steps a stored request runs (its progress's total), or None when it is malformed."""
+    try:
+        return JobRequest.model_validate(request, strict=False).steps_run
+    except ValueError:  # pydantic's ValidationError among them: the worker fails such a job
+        return None
+
+
+def fetch_inputs(job: Job) -> dict[str, bytes]:
+    """The bytes of a job's input images by name (``image``, ``mask``): those its record still has."""
+    stored = job.connection.hgetall(keys.inputs_key(job.id))
+    return {text(name): data if isinstance(data, bytes) else data.encode() for name, data in stored.items()}
+
+
+def fetch_input(job: Job, name: str) -> bytes:
+    """One input image of a job as the client sent it, or the error that explains why there is none."""
+    if name not in job.kwargs.get("request", {}) or job.kwargs["request"][name] is None:
+        raise JobNotFoundError(f"The job has no input named {name!r}.")
+    data = job.connection.hget(keys.inputs_key(job.id), name)
+    if data is None:
+        raise ResultExpiredError("The job's input images have expired.")
+    return data if isinstance(data, bytes) else data.encode()
 
 
 def store_images(job: Job, settings: Settings, pngs: list[bytes]) -> None:

@@ -24,6 +24,7 @@ LUA = Path(__file__).with_name("lua")
 USES = re.compile(r"^-- uses:(.*)$", re.M)
 CONSTANTS = {
     "LINE_PREFIX": keys.line_key(""),
+    "INPUTS_PREFIX": keys.inputs_key(""),
     "SEP": keys.QUEUE_SEPARATOR,
     "RQ_QUEUE_PREFIX": keys.RQ_QUEUE_PREFIX,
     "RQ_QUEUES_KEY": keys.RQ_QUEUES_KEY,

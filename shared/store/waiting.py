@@ -94,7 +94,7 @@ def expire_due(queue: Queue, settings: Settings) -> float:
     now = scripts.run(queue.connection, "expire", [keys.deadlines_key(queue.name)],
                       [queue.name, Job.redis_job_namespace_prefix, utcformat(datetime.now(UTC)),
                        settings.record_ttl_s, keys.events_channel(queue.name),
-                       keys.webhooks_key(queue.name), keys.ended_key(queue.name)])
+                       keys.webhooks_key(queue.name), keys.ended_key(queue.name), settings.result_ttl_s])
     return float(now)
 
 

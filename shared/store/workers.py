@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from redis import Redis
 
 from shared.contract import keys
+from shared.contract.models import Family, ModelInfo, model_info
 from shared.store import scripts
 from shared.store.connection import text
 
@@ -30,6 +31,7 @@ class WorkerIdentity(BaseModel):
     pid: int | None
     device: str = Field(description="The torch device the model is on, e.g. `cuda:1` or `cpu`.")
     model: str
+    family: Family | None = Field(None, description="The model's family (`sd`, `sdxl`, `flux`).")
 
 
 class WorkerView(WorkerIdentity):
@@ -65,3 +67,12 @@ def live_workers(connection: Redis, queue_name: str) -> list[WorkerView]:
         if view.queue == queue_name:  # a fixed name may be reused on another queue
             views.append(view)
     return views
+
+
+def live_models(connection: Redis, queue_name: str) -> list[ModelInfo]:
+    """The models the live workers of a queue hold, by name, each with its count of workers."""
+    held: dict[tuple[str, Family], int] = {}
+    for view in live_workers(connection, queue_name):
+        if view.family is not None:  # a worker of an older version does not say
+            held[view.model, view.family] = held.get((view.model, view.family), 0) + 1
+    return [model_info(name, family, count) for (name, family), count in sorted(held.items())]

@@ -2,13 +2,15 @@
 -- Admission in one script call: every check first, and only an admitted job writes anything, so
 -- a refusal costs one round trip and no writes however hard the service is flooded. Redis runs
 -- scripts one at a time, so the limits hold exactly however many API processes admit at once.
--- KEYS: job, idempotency (or job), deadlines, issued, bucket, model, running.
--- ARGV[1]: the parameters as JSON; ARGV[2..]: the RQ job's fields, as Job.save would write them.
+-- KEYS: job, idempotency (or job), deadlines, issued, bucket, model, running, inputs.
+-- ARGV[1]: the parameters as JSON; ARGV[2..]: the RQ job's fields, as Job.save would write them
+-- (`p.fields` of them), then the bytes of each input image that `p.inputs` names.
 -- Answers {position, starts in, finishes in, deadline}, or a refusal: {-1 full, -2 replay,
 -- -3 rate limited, -4 tenant full; detail}.
 local p = cjson.decode(ARGV[1])
 local line, prefix = line_of(p.queue), p.job_prefix
-local now = expire_due(line, KEYS[3], prefix, p.ended_at, p.record_ttl, p.channel, p.outbox, p.ended)
+local now = expire_due(line, KEYS[3], prefix, p.ended_at, p.record_ttl, p.channel, p.outbox, p.ended,
+                       p.inputs_ttl)
 local function frees_in(index) return num(starts_in(line, prefix, KEYS[6], KEYS[7], now, index)) end
 if p.digest then
   local prior = redis.call('GET', KEYS[2])
@@ -31,7 +33,10 @@ if p.max_queued and line_tenant_count(line, p.tenant) >= p.max_queued then
 end
 -- The class's share of the line: `limit` places for normal, fewer for low, more for high.
 if total >= p.limit then return {-1, frees_in(total - p.limit)} end
-redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+redis.call('HSET', KEYS[1], unpack(ARGV, 2, 1 + p.fields))
+for index, name in ipairs(p.inputs or {}) do
+  redis.call('HSET', KEYS[8], name, ARGV[1 + p.fields + index])
+end
 line_push(line, KEYS[1], p.id, p.priority, p.tenant, p.cost)
 if p.rate then
   redis.call('HSET', KEYS[5], 'tokens', num(tokens - p.cost), 'at', num(now))

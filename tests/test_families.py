@@ -1,0 +1,157 @@
+"""Every model family end to end: a real worker per family (tiny SD, SDXL and Flux pipelines) runs
+text-to-image, image-to-image and inpainting jobs, batches, cancels, reports progress and repeats
+itself; the API learns the family from the worker's heartbeat (GET /v1/models)."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flask.testing import FlaskClient
+from PIL import Image
+from redis import Redis
+
+from shared.contract.models import TINY_MODELS, UNET_SCHEDULERS
+from shared.contract.settings import Settings
+from tests.conftest import (
+    Process,
+    app_client,
+    box_mask,
+    data_url,
+    post_job,
+    start_image,
+    start_worker,
+    wait_for,
+    wait_for_status,
+)
+
+pytestmark = pytest.mark.timeout(300)  # a worker per family: torch, the model and its warm-up
+DATABASE = 5  # the others: 0 per test, 1 the worker, 2 batching and fuzz, 3 schemathesis
+
+
+@pytest.fixture(scope="module", params=list(TINY_MODELS))
+def family_settings(request: pytest.FixtureRequest, redis_url: str, model_cache: Path) -> Settings:
+    """A queue of its own (database 3, flushed per family) for one tiny model, batching up to 4."""
+    url = redis_url.removesuffix("/0") + f"/{DATABASE}"
+    Redis.from_url(url).flushdb()
+    return Settings(redis_url=url, queue_name=f"family-{request.param}", queue_capacity=50,
+                    cache_dir=model_cache, model=request.param, max_batch=4, batch_wait_ms=0, drain_s=0,
+                    max_side=512)
+
+
+@pytest.fixture(scope="module")
+def family_worker(family_settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Process]:
+    log = tmp_path_factory.mktemp(family_settings.model) / "worker.log"
+    process = start_worker(family_settings, log)
+    yield process
+    assert process.stop() == 0, process.output()
+
+
+@pytest.fixture
+def client(family_worker: Process, family_settings: Settings) -> Iterator[FlaskClient]:
+    yield from app_client(family_settings)
+
+
+def run(client: FlaskClient, **body: object) -> dict:
+    response = post_job(client, **body)
+    assert response.status_code == 202, response.get_json()
+    return wait_for_status(client, response.get_json()["id"], "succeeded", "failed", "canceled")
+
+
+def picture(client: FlaskClient, view: dict) -> Image.Image:
+    assert view["status"] == "succeeded", view
+    return Image.open(io.BytesIO(client.get(view["images"][0]).data))
+
+
+def pixels(client: FlaskClient, view: dict) -> bytes:
+    """The image's pixels (not the PNG's bytes, whose text chunk names the request)."""
+    return picture(client, view).tobytes()
+
+
+def started(view: dict) -> float:
+    return datetime.fromisoformat(view["started_at"]).timestamp()
+
+
+def test_the_api_learns_the_family_from_the_worker(client: FlaskClient, family_settings: Settings) -> None:
+    family = TINY_MODELS[family_settings.model]
+    (model,) = client.get("/v1/models").get_json()["models"]
+    assert (model["name"], model["family"], model["workers"]) == (family_settings.model, family, 1)
+    assert model["side_multiple"] == (16 if family == "flux" else 8)
+    assert model["schedulers"] == (["flow_euler"] if family == "flux" else list(UNET_SCHEDULERS))
+    # What a request leaves out comes from the family: Flux's low guidance, SDXL's 1024 side.
+    view = post_job(client, prompt="defaults only").get_json()
+    request = view["request"]
+    assert {key: request[key] for key in model["defaults"]} == model["defaults"]
+    assert client.delete(f"/v1/jobs/{view['id']}").status_code in (200, 202)
+    # A sampler of another family is refused at the door, with nothing admitted.
+    foreign = "euler" if family == "flux" else "flow_euler"
+    refused = post_job(client, scheduler=foreign, width=64, height=64, steps=1)
+    assert refused.status_code == 422 and refused.get_json()["error"]["details"][0]["loc"] == ["scheduler"]
+
+
+def test_text_to_image_with_progress_and_the_same_seed_twice(client: FlaskClient) -> None:
+    body = {"width": 128, "height": 64, "steps": 3, "seed": 21}
+    first, second = run(client, **body), run(client, **body)
+    assert first["progress"] == {"step": 3, "total": 3}
+    assert picture(client, first).size == (128, 64)
+    assert pixels(client, first) == pixels(client, second)
+    assert pixels(client, first) != pixels(client, run(client, **{**body, "seed": 22}))
+
+
+def test_image_to_image_keeps_the_size_counts_the_steps_run_and_repeats(client: FlaskClient) -> None:
+    body = {"image": data_url(start_image(256, 256)), "strength": 0.6, "steps": 5, "seed": 3}
+    view = run(client, **body)
+    assert picture(client, view).size == (256, 256)
+    assert view["progress"] == {"step": 3, "total": 3}  # int(5 x 0.6): the last 60 % of the schedule
+    assert view["request"]["image"]["width"] == 256 and view["request"]["strength"] == 0.6
+    assert pixels(client, view) == pixels(client, run(client, **body))
+    # The start image matters: the same seed without it (or with another) makes another picture.
+    text = run(client, width=256, height=256, steps=5, seed=3)
+    other = run(client, **{**body, "image": data_url(start_image(256, 256, seed=9))})
+    assert len({pixels(client, view), pixels(client, text), pixels(client, other)}) == 3
+
+
+def test_inpainting_keeps_the_size_and_repeats(client: FlaskClient) -> None:
+    body = {"image": data_url(start_image(256, 256)), "mask": data_url(box_mask(256, 256)),
+            "strength": 1.0, "steps": 3, "seed": 4}
+    view = run(client, **body)
+    assert picture(client, view).size == (256, 256)
+    assert view["progress"] == {"step": 3, "total": 3}
+    assert view["request"]["mask"]["width"] == 256
+    assert pixels(client, view) == pixels(client, run(client, **body))
+    image_only = run(client, **{key: value for key, value in body.items() if key != "mask"})
+    assert pixels(client, view) != pixels(client, image_only)
+
+
+def test_image_jobs_batch_with_their_own_kind_only(client: FlaskClient) -> None:
+    blocker = post_job(client, width=512, height=512, steps=30, seed=1).get_json()["id"]
+    wait_for(lambda: client.get(f"/v1/jobs/{blocker}").get_json()["status"] == "running",
+             what="the long job to start")
+    image = data_url(start_image(256, 256))
+    ids = [post_job(client, image=image, strength=0.5, steps=8, seed=seed).get_json()["id"]
+           for seed in (1, 2)]
+    text = post_job(client, width=256, height=256, steps=4, seed=5).get_json()["id"]
+    views = [wait_for_status(client, job_id, "succeeded") for job_id in ids]
+    alone = wait_for_status(client, text, "succeeded")
+    starts = [started(view) for view in views]
+    assert max(starts) - min(starts) < 0.1, starts  # one execution
+    assert started(alone) - max(starts) > 0.1  # the text job of the same size was not in it
+    assert all(view["progress"] == {"step": 4, "total": 4} for view in views)
+    # Each member made its own picture from its seed.
+    first, second = (np.asarray(picture(client, view), dtype=np.int16) for view in views)
+    assert np.abs(first - second).max() > 10
+
+
+def test_a_running_image_job_is_canceled_and_the_worker_goes_on(client: FlaskClient) -> None:
+    job_id = post_job(client, image=data_url(start_image(512, 512)), strength=1.0, steps=100,
+                      seed=8).get_json()["id"]
+    wait_for(lambda: (client.get(f"/v1/jobs/{job_id}").get_json()["progress"] or {}).get("step"),
+             what="the job to take its first step")
+    assert client.delete(f"/v1/jobs/{job_id}").status_code == 202
+    view = wait_for_status(client, job_id, "canceled", "succeeded", "failed")
+    assert view["status"] == "canceled" and view["progress"]["step"] < 100 and view["images"] == []
+    assert run(client, width=64, height=64, steps=1)["status"] == "succeeded"
