@@ -48,6 +48,9 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument("--timeout", type=float, default=600.0, help="seconds to wait (default: 600)")
     submit.add_argument("--priority", choices=["high", "normal", "low"])
     submit.add_argument("--scheduler", choices=SCHEDULERS, help="the sampler (default: the model's own)")
+    submit.add_argument("--image", metavar="FILE", help="a start image (PNG, JPEG, WebP): image-to-image")
+    submit.add_argument("--mask", metavar="FILE", help="with --image: white repaints, black keeps")
+    submit.add_argument("--strength", type=float, help="with --image: the share of the schedule run again")
     for name, kind in [("negative-prompt", str), ("width", int), ("height", int), ("steps", int),
                        ("guidance-scale", float), ("seed", int), ("num-images", int), ("deadline-s", float)]:
         submit.add_argument(f"--{name}", type=kind)
@@ -85,12 +88,17 @@ def _run_dev(args: argparse.Namespace) -> int:
 
 
 def _run_submit(args: argparse.Namespace) -> int:
-    from slotq.client import APIError, Client
+    from slotq.client import APIError, Client, data_url
 
     client = Client(args.url, api_key=args.api_key)
     names = ["negative_prompt", "width", "height", "steps", "guidance_scale", "seed", "num_images",
-             "deadline_s", "priority", "scheduler"]
+             "deadline_s", "priority", "scheduler", "strength"]
     params: dict[str, Any] = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    try:
+        params |= {name: data_url(getattr(args, name)) for name in ("image", "mask") if getattr(args, name)}
+    except (OSError, ValueError) as exc:
+        print(f"slotq: {exc}", file=sys.stderr)
+        return 2
     try:
         view = client.submit(args.prompt, **params)
         print(view["id"], flush=True)  # first, so that a script has the id even if waiting fails

@@ -4,13 +4,14 @@
     client = Client("http://127.0.0.1:8000", api_key="key-web", retries=3)
     view = client.wait(client.submit("a red fox", width=256, height=256, steps=8)["id"])
     png = client.image_bytes(view["id"])
+    edit = client.submit("a red fox in snow", image=data_url("fox.png"), strength=0.6)
 
 Every error answer raises a subclass of ``APIError`` (``.status``, ``.code``, ``.message``,
 ``.retry_after`` in seconds or None, ``.details``), chosen by the answer's ``code``, else by its status:
 
     class                 codes                                                     status
-    InvalidRequestError   invalid_request, invalid_json, payload_too_large,         400, 405, 413, 415, 422
-                          unsupported_media_type, method_not_allowed
+    InvalidRequestError   invalid_request, invalid_image, invalid_json,             400, 405, 413, 415, 422
+                          payload_too_large, unsupported_media_type, method_not_allowed
     UnauthorizedError     unauthorized                                              401
     ForbiddenError        priority_not_allowed                                      403
     NotFoundError         not_found                                                 404
@@ -35,13 +36,16 @@ again it would answer 409 for a job it canceled itself.
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
+import os
 import time
 import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 TERMINAL = {"succeeded", "failed", "canceled", "expired"}
@@ -101,8 +105,8 @@ class ServerError(APIError):
 
 
 ERRORS_BY_CODE: dict[str, type[APIError]] = {
-    **dict.fromkeys(["invalid_request", "invalid_json", "payload_too_large", "unsupported_media_type",
-                     "method_not_allowed"], InvalidRequestError),
+    **dict.fromkeys(["invalid_request", "invalid_image", "invalid_json", "payload_too_large",
+                     "unsupported_media_type", "method_not_allowed"], InvalidRequestError),
     "unauthorized": UnauthorizedError,
     "priority_not_allowed": ForbiddenError,
     "not_found": NotFoundError,
@@ -139,6 +143,19 @@ def _read_retryable(error: APIError) -> bool:
 
 def _cancel_retryable(error: APIError) -> bool:
     return isinstance(error, UnavailableError) and error.code != "unreachable"
+
+
+# The formats a job's image may be sent in, by the first bytes of their files.
+MEDIA_TYPES = {b"\x89PNG\r\n\x1a\n": "image/png", b"\xff\xd8\xff": "image/jpeg", b"RIFF": "image/webp"}
+
+
+def data_url(path: str | os.PathLike[str]) -> str:
+    """A PNG, JPEG or WebP file as the ``data:`` URL a job's ``image`` or ``mask`` is sent as."""
+    data = Path(path).read_bytes()
+    media_type = next((kind for magic, kind in MEDIA_TYPES.items() if data.startswith(magic)), None)
+    if media_type is None or (media_type == "image/webp" and data[8:12] != b"WEBP"):
+        raise ValueError(f"{path} is not a PNG, JPEG or WebP file")
+    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
 
 
 class Client:
@@ -181,6 +198,14 @@ class Client:
     def image_bytes(self, job_id: str, index: int = 0) -> bytes:
         """The PNG bytes of one finished image."""
         return self._send("GET", f"/v1/jobs/{job_id}/images/{index}", _read_retryable)
+
+    def input_bytes(self, job_id: str, name: str = "image") -> bytes:
+        """A job's input image (``image`` or ``mask``), as it was sent."""
+        return self._send("GET", f"/v1/jobs/{job_id}/inputs/{name}", _read_retryable)
+
+    def models(self) -> list[dict[str, Any]]:
+        """The models the service runs: family, samplers, defaults and live workers of each."""
+        return json.loads(self._send("GET", "/v1/models", _read_retryable))["models"]
 
     def wait(self, job_id: str, timeout: float = 600.0, interval: float = 0.25,
              on_update: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:

@@ -210,3 +210,35 @@ def test_cli_submit_waits_with_position_and_progress_and_saves_the_png(
     assert lines[-2:] == ["succeeded", f"saved {output}"]
     with Image.open(output) as picture:
         assert picture.size == (96, 64)
+
+
+@pytest.mark.slow
+def test_cli_submit_with_a_start_image_and_the_client_reads_the_input_back(
+        worker: Process, worker_settings: Settings, start_api: Callable[..., Process],
+        tmp_path: Path) -> None:
+    api = start_api(worker_settings)
+    start, output = tmp_path / "start.png", tmp_path / "out.png"
+    Image.effect_noise((96, 64), 60).convert("RGB").save(start)
+    result = subprocess.run(
+        [sys.executable, "-m", "slotq.cli", "submit", "a lighthouse, repainted", "--url", api.url,
+         "--image", str(start), "--strength", "0.5", "--steps", "4", "-o", str(output)],
+        env=slotq_env(worker_settings), capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    client = Client(api.url)
+    view = client.get(result.stdout.strip())
+    assert view["request"]["image"]["width"] == 96 and view["progress"] == {"step": 2, "total": 2}
+    assert client.input_bytes(view["id"]) == start.read_bytes()
+    with Image.open(output) as picture:
+        assert picture.size == (96, 64)
+    (model,) = client.models()
+    assert (model["name"], model["family"], model["workers"]) == ("tiny", "sd", 1)
+
+    with pytest.raises(InvalidRequestError) as refused:
+        client.submit("a cut image", image=slotq.data_url(start)[:200])
+    assert refused.value.code == "invalid_image" and refused.value.status == 422
+    (tmp_path / "notes.txt").write_text("not a picture")
+    with pytest.raises(ValueError, match="not a PNG, JPEG or WebP"):
+        slotq.data_url(tmp_path / "notes.txt")
+    missing = subprocess.run([sys.executable, "-m", "slotq.cli", "submit", "x", "--url", api.url, "--image",
+                              str(tmp_path / "absent.png")], capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "absent.png" in missing.stderr
