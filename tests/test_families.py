@@ -87,6 +87,15 @@ def test_the_api_learns_the_family_from_the_worker(client: FlaskClient, family_s
     request = view["request"]
     assert {key: request[key] for key in model["defaults"]} == model["defaults"]
     assert client.delete(f"/v1/jobs/{view['id']}").status_code in (200, 202)
+    # Sides the model cannot keep are refused at the door: Flux packs its latents 2x2, so 16.
+    sides = post_job(client, width=72, height=64, steps=1)
+    image = post_job(client, image=data_url(start_image(72, 64)), steps=1, strength=1.0)
+    if family == "flux":
+        assert sides.status_code == 422 and sides.get_json()["error"]["details"][0]["loc"] == ["width"]
+        assert image.status_code == 422 and "multiples of 16" in image.get_json()["error"]["message"]
+    else:
+        assert (sides.status_code, image.status_code) == (202, 202)
+        assert wait_for_status(client, image.get_json()["id"], "succeeded")["request"]["width"] == 72
     # A sampler of another family is refused at the door, with nothing admitted.
     foreign = "euler" if family == "flux" else "flow_euler"
     refused = post_job(client, scheduler=foreign, width=64, height=64, steps=1)
