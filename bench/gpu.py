@@ -32,13 +32,14 @@ import sys
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from PIL import Image
 
 from shared.contract.jobs import JobRequest
+from shared.contract.models import ModelInfo, model_info
 from shared.contract.settings import Settings
 from shared.store import admission
 from shared.store.connection import connect, job_queue
@@ -56,12 +57,13 @@ class NullPipeline:
     busy_s: float = 0.0
     running_since: float | None = None
     device: str = "null"  # not a torch device: the worker's metrics name it and ask nothing more
+    info: ModelInfo = field(default_factory=lambda: model_info("tiny", "sd"))  # what the jobs are checked for
 
-    def generate_batch(self, requests: list[JobRequest],
-                       on_step: Callable[[int, int], None]) -> list[list[Image.Image]]:
+    def generate_batch(self, requests: list[JobRequest], on_step: Callable[[int, int], None],
+                       inputs: Sequence[Mapping[str, Image.Image]] = ()) -> list[list[Image.Image]]:
         began, first = time.perf_counter(), requests[0]
-        for step in range(1, first.steps + 1):
-            on_step(step, first.steps)
+        for step in range(1, first.steps_run + 1):
+            on_step(step, first.steps_run)
         self.sections.append((began, time.perf_counter()))
         return [[Image.new("RGB", (r.width, r.height)) for _ in range(r.num_images)] for r in requests]
 

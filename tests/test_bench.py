@@ -24,6 +24,12 @@ ROWS = {
                   "POST /v1/jobs refused (429)", "POST /v1/jobs admitted", "POST /v1/jobs refused"],
     "End to end": ["in-process loop (baseline)", "slotq over HTTP"],
     "Memory": ["in-process loop (baseline)", "slotq worker", "slotq finishing process", "api process"],
+    "Image inputs": ["text only (baseline)", "POST text job (baseline)", "encode output PNG (baseline)",
+                     "text-to-image (baseline)", "ready (baseline)", "PNG start image", "JPEG start image",
+                     "PNG start image + PNG mask", "POST with PNG start image", "POST with PNG image + mask",
+                     "decode PNG start image", "decode JPEG start image", "decode PNG mask", "image-to-image",
+                     "inpainting", "after 1st text job", "after 1st image-to-image job",
+                     "after 1st inpainting job", "after a 2nd job of each kind"],
 }
 
 

@@ -35,7 +35,7 @@ DATABASE = 5  # the others: 0 per test, 1 the worker, 2 batching and fuzz, 3 sch
 
 @pytest.fixture(scope="module", params=list(TINY_MODELS))
 def family_settings(request: pytest.FixtureRequest, redis_url: str, model_cache: Path) -> Settings:
-    """A queue of its own (database 3, flushed per family) for one tiny model, batching up to 4."""
+    """A queue of its own (database 5, flushed per family) for one tiny model, batching up to 4."""
     url = redis_url.removesuffix("/0") + f"/{DATABASE}"
     Redis.from_url(url).flushdb()
     return Settings(redis_url=url, queue_name=f"family-{request.param}", queue_capacity=50,

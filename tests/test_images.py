@@ -216,3 +216,18 @@ def test_a_refusal_for_a_full_line_stores_no_input(client: FlaskClient, redis: R
     admitted = [post_job(client, image=url).get_json()["id"] for _ in range(settings.queue_capacity)]
     assert error_of(post_job(client, image=url), 429, "queue_full")
     assert sorted(redis.keys(keys.inputs_key("*"))) == sorted(keys.inputs_key(i).encode() for i in admitted)
+
+
+def test_an_image_job_costs_the_steps_it_runs(settings: Settings, redis: Redis) -> None:
+    keyed = Settings(**(settings.model_dump() | {"api_keys": {"k": {"tenant": "t", "rate": 1, "burst": 10}}}))
+    headers = {"Authorization": "Bearer k"}
+    url = data_url(start_image(512, 512))
+    for client in app_client(keyed):
+        def submit(client: FlaskClient = client, **body: Any) -> Any:
+            return client.post("/v1/jobs", data=json.dumps({"prompt": "p", **body}),
+                               content_type="application/json", headers=headers)
+
+        # 16 steps of a 512x512 image cost 16 units, over the burst of 10; at strength 0.5, 8 run.
+        assert error_of(submit(width=512, height=512, steps=16), 422, "invalid_request")
+        assert submit(image=url, steps=16, strength=0.5).status_code == 202
+        assert "rate_limited" == submit(image=url, steps=16, strength=0.5).get_json()["error"]["code"]

@@ -6,7 +6,9 @@ downloaded). Without it these tests skip, unless ``SLOTQ_REQUIRE_BROWSER=1`` (CI
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import io
 import json
 import os
 import re
@@ -19,12 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 from flask.testing import FlaskClient
+from PIL import Image
 
 from shared.contract.settings import Settings
 from tests.conftest import DEADLINE_S, Process, wait_for
 
 if TYPE_CHECKING:
-    from playwright.sync_api import Browser, Page
+    from playwright.sync_api import Browser, FilePayload, Page
 
 CHROMIUM = Path("/usr/bin/chromium")
 SCREENSHOTS = Path(__file__).parent / "output"  # ignored by git
@@ -89,14 +92,41 @@ def fill_form(page: Page, prompt: str, **fields: Any) -> None:
         page.fill(f"#{name}", str(value))
 
 
+def api_get(api: Process, path: str, key: str | None = None) -> bytes:
+    """The body of a GET to the API."""
+    request = urllib.request.Request(f"{api.url}{path}",
+                                     headers={"Authorization": f"Bearer {key}"} if key else {})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return response.read()
+
+
 def job_of(api: Process, page: Page, key: str | None = None) -> dict[str, Any]:
     """The job the page follows (its id is in the URL's fragment), as the API reports it."""
     job_id = page.text_content("#job-id")
     assert job_id and page.url.endswith(f"#job={job_id}")
-    request = urllib.request.Request(f"{api.url}/v1/jobs/{job_id}",
-                                     headers={"Authorization": f"Bearer {key}"} if key else {})
-    with urllib.request.urlopen(request, timeout=10) as response:
-        return json.loads(response.read())
+    return json.loads(api_get(api, f"/v1/jobs/{job_id}", key))
+
+
+def start_image(path: Path, size: int) -> Path:
+    """A square PNG of SIZE with a gradient in it, to start a job from."""
+    image = Image.new("RGB", (size, size))
+    image.putdata([(x * 255 // size, y * 255 // size, 128) for y in range(size) for x in range(size)])
+    image.save(path, format="PNG")
+    return path
+
+
+def png_payload(name: str, data: bytes) -> FilePayload:
+    """A file that says it is a PNG, for a file input, written nowhere."""
+    return {"name": name, "mimeType": "image/png", "buffer": data}
+
+
+def choose_image(page: Page, path: Path) -> None:
+    """Choose the start image, then wait until the page shows it in place of width and height."""
+    from playwright.sync_api import expect
+
+    page.set_input_files("#image", path)
+    expect(page.locator("#image-preview")).to_be_visible()
+    expect(page.locator("#mask-canvas")).to_be_visible()
 
 
 def wait_for_image(page: Page, size: int) -> None:
@@ -241,3 +271,172 @@ def test_api_key_errors_and_resume(tab: Tab, start_api: Callable[..., Process],
     wait_for_image(page, 64)
     # The browser logs each refused request; anything else is a fault of the page.
     assert [error for error in tab.errors if not re.search("status of (401|422)", error)] == []
+
+
+@needs_browser
+@pytest.mark.usefixtures("worker")
+def test_image_to_image(tab: Tab, start_api: Callable[..., Process], worker_settings: Settings,
+                        tmp_path: Path) -> None:
+    from playwright.sync_api import expect
+
+    api = start_api(worker_settings)
+    page = tab.page
+    page.goto(api.url + "/")
+    expect(page.locator("#image-panel")).to_be_hidden()
+    expect(page.locator("#strength")).to_be_hidden()
+    start = start_image(tmp_path / "start.png", 128)
+    choose_image(page, start)
+    # The image's size is the job's: width and height give way to it.
+    expect(page.locator("#image-size")).to_have_text("128 × 128 px")
+    for side in ("width", "height"):
+        expect(page.locator(f"#{side}")).to_be_hidden()
+        expect(page.locator(f"#{side}")).to_be_disabled()
+    expect(page.locator("#strength")).to_be_visible()
+    expect(page.locator("#strength")).to_have_value("0.8")
+    expect(page.locator("#mask-clear")).to_be_disabled()
+    fill_form(page, "the same, in watercolour", steps=2, seed=3, strength=0.5)
+    page.click("#submit")
+
+    wait_for_image(page, 128)
+    expect(page.locator("#status")).to_have_text("succeeded")
+    expect(page.locator("#input")).to_have_text("a start image of 128 × 128 px, strength 0.5")
+    expect(page.locator("#error")).to_be_hidden()
+    screenshot(page, "page-img2img.png")
+
+    job = job_of(api, page)
+    data = start.read_bytes()
+    assert job["request"]["image"] == {"media_type": "image/png", "width": 128, "height": 128,
+                                       "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert job["request"]["mask"] is None
+    assert job["request"]["strength"] == 0.5
+    assert api_get(api, f"/v1/jobs/{job['id']}/inputs/image") == data
+
+    page.click("#image-clear")  # back to text-to-image
+    expect(page.locator("#image-panel")).to_be_hidden()
+    expect(page.locator("#strength")).to_be_hidden()
+    for side in ("width", "height"):
+        expect(page.locator(f"#{side}")).to_be_visible()
+        expect(page.locator(f"#{side}")).to_be_enabled()
+    assert tab.errors == []
+
+
+@needs_browser
+@pytest.mark.usefixtures("worker")
+def test_inpainting_with_a_drawn_rectangle(tab: Tab, start_api: Callable[..., Process],
+                                           worker_settings: Settings, tmp_path: Path) -> None:
+    from playwright.sync_api import expect
+
+    api = start_api(worker_settings)
+    page = tab.page
+    page.goto(api.url + "/")
+    choose_image(page, start_image(tmp_path / "start.png", 128))
+    box = page.locator("#mask-canvas").bounding_box()
+    assert box and box["width"] > 128  # shown larger than its pixels: the drag is scaled down
+    # From a quarter to three quarters of the shown image: pixels 32 to 96 of the image's 128.
+    page.mouse.move(box["x"] + box["width"] / 4, box["y"] + box["height"] / 4)
+    page.mouse.down()
+    page.mouse.move(box["x"] + box["width"] * 3 / 4, box["y"] + box["height"] * 3 / 4, steps=5)
+    page.mouse.up()
+    expect(page.locator("#mask-clear")).to_be_enabled()
+    expect(page.locator("#mask-status")).to_contain_text("rectangle of 64 × 64 px at (32, 32)")
+    # The overlay shows the mask half transparent: white over the rectangle, black around it.
+    overlay = page.eval_on_selector("#mask-canvas", """canvas => [[64, 64], [4, 4]].map(([x, y]) =>
+        Array.from(canvas.getContext("2d").getImageData(x, y, 1, 1).data))""")
+    assert overlay[0][:3] == [255, 255, 255] and 0 < overlay[0][3] < 255, overlay
+    assert overlay[1][:3] == [0, 0, 0] and 0 < overlay[1][3] < 255, overlay
+    screenshot(page, "page-inpaint-mask.png")
+    fill_form(page, "a door in the wall", steps=2, seed=5)
+    page.click("#submit")
+
+    wait_for_image(page, 128)
+    expect(page.locator("#status")).to_have_text("succeeded")
+    expect(page.locator("#input")).to_have_text("a start image of 128 × 128 px, strength 0.8, with a mask")
+    screenshot(page, "page-inpaint.png")
+
+    job = job_of(api, page)
+    assert job["request"]["mask"]["media_type"] == "image/png"
+    assert (job["request"]["mask"]["width"], job["request"]["mask"]["height"]) == (128, 128)
+    data = api_get(api, f"/v1/jobs/{job['id']}/inputs/mask")
+    assert job["request"]["mask"]["sha256"] == hashlib.sha256(data).hexdigest()
+    with Image.open(io.BytesIO(data)) as mask:
+        assert mask.size == (128, 128)
+        gray = mask.convert("L")
+        assert [gray.getpixel(point) for point in [(64, 64), (33, 33), (95, 95)]] == [255, 255, 255]
+        assert [gray.getpixel(point) for point in [(0, 0), (127, 127), (20, 64), (110, 64)]] == [0, 0, 0, 0]
+    assert tab.errors == []
+
+
+@needs_browser
+@pytest.mark.usefixtures("worker")
+def test_inpainting_with_a_mask_file(tab: Tab, start_api: Callable[..., Process], worker_settings: Settings,
+                                     tmp_path: Path) -> None:
+    from playwright.sync_api import expect
+
+    api = start_api(worker_settings)
+    page = tab.page
+    page.goto(api.url + "/")
+    choose_image(page, start_image(tmp_path / "start.png", 128))
+    box = page.locator("#mask-canvas").bounding_box()
+    assert box
+    page.mouse.move(box["x"] + 10, box["y"] + 10)
+    page.mouse.down()
+    page.mouse.move(box["x"] + 60, box["y"] + 60, steps=3)
+    page.mouse.up()
+    expect(page.locator("#mask-clear")).to_be_enabled()
+    page.click("#mask-clear")  # the drawn mask goes
+    expect(page.locator("#mask-clear")).to_be_disabled()
+    expect(page.locator("#mask-status")).to_contain_text("No mask")
+
+    mask = Image.new("L", (128, 128))
+    mask.paste(255, (0, 0, 64, 128))  # repaint the left half
+    mask.save(tmp_path / "mask.png", format="PNG")
+    page.set_input_files("#mask", tmp_path / "mask.png")
+    expect(page.locator("#mask-status")).to_have_text("Mask: mask.png, 128 × 128 px.")
+    expect(page.locator("#mask-clear")).to_be_enabled()
+    fill_form(page, "half of it again", steps=2, seed=9)
+    page.click("#submit")
+
+    wait_for_image(page, 128)
+    job = job_of(api, page)
+    data = (tmp_path / "mask.png").read_bytes()  # sent as it was chosen
+    assert job["request"]["mask"]["sha256"] == hashlib.sha256(data).hexdigest()
+    assert api_get(api, f"/v1/jobs/{job['id']}/inputs/mask") == data
+    assert tab.errors == []
+
+
+@needs_browser
+@pytest.mark.usefixtures("worker")
+def test_refused_images(tab: Tab, start_api: Callable[..., Process], worker_settings: Settings,
+                        tmp_path: Path) -> None:
+    from playwright.sync_api import expect
+
+    api = start_api(worker_settings)
+    page = tab.page
+    page.goto(api.url + "/")
+    # Over the page's own bound: refused before anything is sent.
+    page.set_input_files("#image", png_payload("big.png", bytes(5 * 2**20)))
+    expect(page.locator("#error-code")).to_have_text("invalid_image:")
+    expect(page.locator("#error-message")).to_contain_text("at most 4 MiB")
+    expect(page.locator("#image-panel")).to_be_hidden()
+    expect(page.locator("#width")).to_be_enabled()
+    # Not an image at all, whatever its name says: refused by the browser's own decoding.
+    page.set_input_files("#image", png_payload("fake.png", b"not a png"))
+    expect(page.locator("#error-message")).to_have_text(
+        "The start image (fake.png) could not be read as an image.")
+    expect(page.locator("#image-panel")).to_be_hidden()
+
+    # 100 is no multiple of 8: the page sends it, and shows why the service refuses it.
+    choose_image(page, start_image(tmp_path / "odd.png", 100))
+    expect(page.locator("#error")).to_be_hidden()
+    expect(page.locator("#image-size")).to_have_text("100 × 100 px")
+    fill_form(page, "an odd size", steps=2)
+    with page.expect_response(lambda response: response.request.method == "POST") as answer:
+        page.click("#submit")
+    assert answer.value.status == 422
+    message = answer.value.json()["error"]["message"]
+    assert "100" in message
+    expect(page.locator("#error-code")).to_have_text("422 invalid_image:")
+    expect(page.locator("#error-message")).to_have_text(message)
+    expect(page.locator("#job")).to_be_hidden()
+    assert "#job=" not in page.url
+    assert [error for error in tab.errors if not re.search("status of 422", error)] == []

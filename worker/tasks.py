@@ -1,4 +1,4 @@
-"""The RQ task the API enqueues by name: one text-to-image job, in two stages.
+"""The RQ task the API enqueues by name: one job (text-to-image, image-to-image or inpainting), in two stages.
 
 ``render`` is the GPU section (denoise and decode); ``worker.finisher.store_result`` encodes and
 stores the PNGs. The slotq worker runs the second in its finishing process, so that finishing one

@@ -9,6 +9,10 @@ const KEY_STORAGE = "slotq.apiKey";
 const WAIT_S = { queued: 3, running: 1 };
 const RETRY_S = 2; // after a transient failure that named no Retry-After
 const TRANSIENT = new Set([0, 429, 502, 503, 504]);
+const IMAGE_TYPES = new Set(["image/png", "image/jpeg", "image/webp"]);
+// The page's own bound on a chosen file, for a friendly message before sending: the service's default
+// SLOTQ_MAX_IMAGE_BYTES (where a service allows more, larger files go through the API or `slotq submit`).
+const MAX_FILE_BYTES = 4 * 1024 * 1024;
 
 const $ = (id) => document.getElementById(id);
 
@@ -21,6 +25,10 @@ class APIError extends Error {
 
 let current = null; // the job this page follows: {id, controller, canceling}
 let objectUrls = [];
+// What the next job sends besides the form's fields, as data: URLs. The image: {url, width, height}
+// (its natural size). The mask: {url, picture} for a chosen file, {url, rect} for a drawn rectangle.
+const inputs = { image: null, mask: null, imageRead: 0, maskRead: 0, pending: new Set() };
+let drag = null; // while a rectangle is being drawn: {pointer, start: [x, y]} in the image's pixels
 
 // --- HTTP -----------------------------------------------------------------------------------------
 
@@ -115,14 +123,27 @@ function positionText(view) {
   return view.position === 0 ? "next in line" : `${view.position} ahead`;
 }
 
+// With a start image only the last `strength` of the schedule runs (the service's own rounding).
+function stepsRun(request) {
+  if (!request.image) return request.steps;
+  return Math.min(Math.floor(request.steps * request.strength), request.steps);
+}
+
 function showProgress(view) {
   const bar = $("progress");
-  const total = view.progress ? view.progress.total : view.request.steps;
+  const total = view.progress ? view.progress.total : stepsRun(view.request);
   let step = view.progress ? view.progress.step : 0;
   if (view.status === "succeeded") step = total;
   bar.max = total;
   bar.value = step;
   $("progress-text").textContent = `${step} / ${total}`;
+}
+
+function inputText(request) {
+  const image = request.image;
+  if (!image) return "the prompt only";
+  const mask = request.mask ? ", with a mask" : "";
+  return `a start image of ${image.width} × ${image.height} px, strength ${request.strength}${mask}`;
 }
 
 function show(view) {
@@ -132,6 +153,7 @@ function show(view) {
   $("status").dataset.status = view.status;
   $("position").textContent = positionText(view);
   $("eta").textContent = etaText(view);
+  $("input").textContent = inputText(view.request);
   showProgress(view);
   $("cancel").disabled = !ACTIVE.has(view.status) || current === null || current.canceling;
   if (view.status === "failed" || view.status === "expired") {
@@ -209,15 +231,244 @@ function start(view) {
   });
 }
 
+// --- Start image and mask ------------------------------------------------------------------------
+
+const inputError = (message) => new APIError(null, "invalid_image", message);
+
+function fileProblem(file, what) {
+  if (file.size > MAX_FILE_BYTES) {
+    const mib = (file.size / 1024 / 1024).toFixed(1);
+    return `${what} is ${mib} MiB; this page sends files of at most ${MAX_FILE_BYTES / 1024 / 1024} MiB.`;
+  }
+  if (!IMAGE_TYPES.has(file.type)) {
+    return `${what} must be a PNG, JPEG or WebP file; ${file.name} is ${file.type || "of an unknown type"}.`;
+  }
+  return null;
+}
+
+// The file as a data: URL, sent as it is (the service checks it), and as a decoded picture.
+async function readPicture(file) {
+  const url = await new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.addEventListener("load", () => resolve(reader.result));
+    reader.addEventListener("error", () => reject(reader.error));
+    reader.readAsDataURL(file);
+  });
+  const picture = new Image();
+  picture.src = url;
+  await picture.decode();
+  return { url, picture };
+}
+
+// Submitting waits for a file still being read, so a quick click does not send the old inputs; a
+// handler answers false when the file was refused, and then nothing is sent.
+function track(handler) {
+  return () => {
+    const settled = handler().catch((error) => {
+      showError(error);
+      return false;
+    });
+    inputs.pending.add(settled);
+    settled.then(() => inputs.pending.delete(settled));
+  };
+}
+
+// A read that another choice overtook must not land: each read takes a number and checks it.
+async function chosenPicture(input, what, counter) {
+  const file = input.files[0];
+  const read = ++inputs[counter];
+  clearError();
+  if (!file) return null;
+  const problem = fileProblem(file, what);
+  if (problem) throw inputError(problem);
+  let result;
+  try {
+    result = await readPicture(file);
+  } catch {
+    if (read !== inputs[counter]) return undefined;
+    throw inputError(`${what} (${file.name}) could not be read as an image.`);
+  }
+  return read === inputs[counter] ? { ...result, name: file.name } : undefined;
+}
+
+function setImageMode(withImage) {
+  for (const id of ["width", "height"]) {
+    $(id).disabled = withImage;
+    $(`${id}-field`).hidden = withImage;
+  }
+  $("size-field").hidden = !withImage;
+  $("strength-field").hidden = !withImage;
+  $("strength").disabled = !withImage;
+  $("image-panel").hidden = !withImage;
+}
+
+function clearImage() {
+  inputs.image = null;
+  inputs.imageRead += 1;
+  $("image").value = "";
+  $("image-preview").removeAttribute("src");
+  $("image-size").textContent = "";
+  clearMask();
+  setImageMode(false);
+}
+
+async function chooseImage() {
+  let chosen;
+  try {
+    chosen = await chosenPicture($("image"), "The start image", "imageRead");
+  } catch (error) {
+    clearImage();
+    showError(error);
+    return false;
+  }
+  if (chosen === undefined) return true; // another image was chosen meanwhile
+  if (chosen === null) {
+    clearImage();
+    return true;
+  }
+  const { naturalWidth: width, naturalHeight: height } = chosen.picture;
+  inputs.image = { url: chosen.url, width, height };
+  $("image-preview").src = chosen.url;
+  $("image-preview").alt = `The start image, ${chosen.name}`;
+  $("image-size").textContent = `${width} × ${height} px`;
+  const canvas = $("mask-canvas");
+  canvas.width = width; // the overlay draws in the image's own pixels, whatever size it shows at
+  canvas.height = height;
+  clearMask();
+  setImageMode(true);
+  return true;
+}
+
+function setMask(mask, status) {
+  inputs.mask = mask;
+  $("mask-clear").disabled = mask === null;
+  $("mask-status").textContent = status;
+  drawOverlay(mask);
+}
+
+function clearMask() {
+  inputs.maskRead += 1;
+  $("mask").value = "";
+  drag = null;
+  setMask(null, "No mask: the whole image is reworked. Drag over the image to draw the area to repaint, "
+    + "or choose a mask file.");
+}
+
+async function chooseMask() {
+  let chosen;
+  try {
+    chosen = await chosenPicture($("mask"), "The mask", "maskRead");
+  } catch (error) {
+    clearMask();
+    showError(error);
+    return false;
+  }
+  if (chosen === undefined || !inputs.image) return true;
+  if (chosen === null) {
+    clearMask();
+    return true;
+  }
+  const { naturalWidth: width, naturalHeight: height } = chosen.picture;
+  const image = inputs.image;
+  const fits = width === image.width && height === image.height ? ""
+    : ` It is not the image's size (${image.width} × ${image.height} px), so the service will refuse it.`;
+  setMask({ url: chosen.url, picture: chosen.picture }, `Mask: ${chosen.name}, ${width} × ${height} px.${fits}`);
+  return true;
+}
+
+// The overlay shows the mask as it will be sent, half transparent: the kept part darker.
+function drawOverlay(mask) {
+  const canvas = $("mask-canvas");
+  const context = canvas.getContext("2d");
+  context.clearRect(0, 0, canvas.width, canvas.height);
+  if (!mask) return;
+  context.globalAlpha = 0.5;
+  if (mask.picture) {
+    context.drawImage(mask.picture, 0, 0, canvas.width, canvas.height);
+  } else {
+    const { x, y, width, height } = mask.rect;
+    context.fillStyle = "#000";
+    context.fillRect(0, 0, canvas.width, canvas.height);
+    context.clearRect(x, y, width, height);
+    context.fillStyle = "#fff";
+    context.fillRect(x, y, width, height);
+    context.globalAlpha = 1;
+    // A line of about 2 px as shown, whatever the scale from the image's pixels to the screen.
+    const scale = canvas.width / Math.max(1, canvas.getBoundingClientRect().width);
+    context.lineWidth = 2 * scale;
+    context.setLineDash([4 * scale, 3 * scale]);
+    context.strokeStyle = "#2563eb";
+    context.strokeRect(x, y, width, height);
+  }
+  context.globalAlpha = 1;
+}
+
+// Where the pointer is, in the image's own pixels (the canvas's), kept inside the image.
+function pointOf(event) {
+  const canvas = $("mask-canvas");
+  const box = canvas.getBoundingClientRect();
+  const along = (offset, extent, pixels) =>
+    Math.min(pixels, Math.max(0, Math.round((offset / Math.max(1, extent)) * pixels)));
+  return [along(event.clientX - box.left, box.width, canvas.width),
+    along(event.clientY - box.top, box.height, canvas.height)];
+}
+
+function rectOf([x0, y0], [x1, y1]) {
+  return { x: Math.min(x0, x1), y: Math.min(y0, y1), width: Math.abs(x1 - x0), height: Math.abs(y1 - y0) };
+}
+
+// The mask the service gets: the image's natural size, the rectangle white on black.
+function maskUrl(rect) {
+  const canvas = document.createElement("canvas");
+  canvas.width = inputs.image.width;
+  canvas.height = inputs.image.height;
+  const context = canvas.getContext("2d");
+  context.fillStyle = "#000";
+  context.fillRect(0, 0, canvas.width, canvas.height);
+  context.fillStyle = "#fff";
+  context.fillRect(rect.x, rect.y, rect.width, rect.height);
+  return canvas.toDataURL("image/png");
+}
+
+function dragStart(event) {
+  if (!inputs.image || event.button !== 0) return;
+  event.preventDefault();
+  $("mask-canvas").setPointerCapture(event.pointerId);
+  drag = { pointer: event.pointerId, start: pointOf(event) };
+  drawOverlay({ rect: rectOf(drag.start, drag.start) });
+}
+
+function dragMove(event) {
+  if (drag === null || event.pointerId !== drag.pointer) return;
+  drawOverlay({ rect: rectOf(drag.start, pointOf(event)) });
+}
+
+function dragEnd(event) {
+  if (drag === null || event.pointerId !== drag.pointer) return;
+  const rect = rectOf(drag.start, pointOf(event));
+  drag = null;
+  if (event.type === "pointercancel" || rect.width < 1 || rect.height < 1) {
+    drawOverlay(inputs.mask); // a click, not a drag: the mask stays as it was
+    return;
+  }
+  inputs.maskRead += 1; // a mask file still being read loses to the drawn rectangle
+  $("mask").value = "";
+  setMask({ url: maskUrl(rect), rect }, `Mask: a rectangle of ${rect.width} × ${rect.height} px at `
+    + `(${rect.x}, ${rect.y}), drawn on the image.`);
+}
+
 // --- Form and buttons -----------------------------------------------------------------------------
 
 function requestBody() {
   const value = (id) => $(id).value.trim();
   const body = { prompt: $("prompt").value };
   if (value("negative_prompt")) body.negative_prompt = $("negative_prompt").value;
-  for (const id of ["width", "height", "steps", "guidance_scale", "seed", "num_images"]) {
-    if (value(id) !== "") body[id] = Number(value(id));
+  // With a start image, width and height are disabled: the image's size is the job's.
+  for (const id of ["width", "height", "steps", "guidance_scale", "seed", "num_images", "strength"]) {
+    if (!$(id).disabled && value(id) !== "") body[id] = Number(value(id));
   }
+  if (inputs.image) body.image = inputs.image.url;
+  if (inputs.image && inputs.mask) body.mask = inputs.mask.url;
   body.priority = $("priority").value;
   return body;
 }
@@ -228,6 +479,7 @@ async function submit(event) {
   button.disabled = true;
   clearError();
   try {
+    if ((await Promise.all(inputs.pending)).includes(false)) return; // its error shows
     const response = await call("POST", "/v1/jobs", { body: requestBody() });
     start(await response.json());
   } catch (error) {
@@ -280,6 +532,19 @@ function init() {
   $("api_key").addEventListener("change", rememberKey);
   $("job-form").addEventListener("submit", submit);
   $("cancel").addEventListener("click", cancel);
+  $("image").addEventListener("change", track(chooseImage));
+  $("image-clear").addEventListener("click", () => {
+    clearImage();
+    $("image").focus();
+  });
+  $("mask").addEventListener("change", track(chooseMask));
+  $("mask-clear").addEventListener("click", clearMask);
+  const canvas = $("mask-canvas");
+  canvas.addEventListener("pointerdown", dragStart);
+  canvas.addEventListener("pointermove", dragMove);
+  canvas.addEventListener("pointerup", dragEnd);
+  canvas.addEventListener("pointercancel", dragEnd);
+  clearImage(); // a reload may keep a file input's choice without its data: start from none
   resume();
 }
 

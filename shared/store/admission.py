@@ -72,7 +72,7 @@ def enqueue_job(queue: Queue, settings: Settings, request: JobRequest,
     digest = request_digest(request)
     if tenant is not None:
         request = tenant.prioritised(request)
-    cost = job_cost(request.width, request.height, request.steps, request.num_images)
+    cost = job_cost(request.width, request.height, request.steps_run, request.num_images)
     if tenant and tenant.burst is not None and cost > tenant.burst:
         raise InvalidRequestError(details=[{"loc": [], "msg": f"the job costs {cost:g} units, more than "
                                             f"this key's burst of {tenant.burst:g}"}])

@@ -113,7 +113,8 @@ def cost_of(job: Job) -> float:
     """The job's cost in units, from its stored request."""
     request = job.kwargs.get("request", {})
     try:
-        return job_cost(request["width"], request["height"], request["steps"], request["num_images"])
+        steps = steps_run_of(request) or request["steps"]
+        return job_cost(request["width"], request["height"], steps, request["num_images"])
     except (KeyError, TypeError):
         return 0.0
 
