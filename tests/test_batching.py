@@ -13,6 +13,7 @@ from flask.testing import FlaskClient
 from PIL import Image
 from redis import Redis
 
+from shared.contract.images import ImageRef
 from shared.contract.jobs import JobRequest
 from shared.contract.settings import Settings
 from shared.store.waiting import Claimed
@@ -118,5 +119,13 @@ def test_batch_keys_separate_what_cannot_share_an_execution() -> None:
                    {"scheduler": "euler_a"}):
         assert base.model_copy(update=change).batch_key != base.batch_key
     assert JobRequest.pixels_of_batch_key(base.batch_key) == 256 * 256
+    # Image jobs: their own kind, and their strength (the steps that run) too; not their images.
+    reference = {"media_type": "image/png", "width": 256, "height": 256, "bytes": 1, "sha256": "a" * 64}
+    edit = base.model_copy(update={"image": ImageRef(**reference)})
+    other_image = edit.model_copy(update={"image": ImageRef(**{**reference, "sha256": "b" * 64}), "seed": 9})
+    assert len({base.batch_key, edit.batch_key, edit.model_copy(update={"mask": edit.image}).batch_key,
+                edit.model_copy(update={"strength": 0.5}).batch_key}) == 4
+    assert other_image.batch_key == edit.batch_key
+    assert JobRequest.pixels_of_batch_key(edit.batch_key) == 256 * 256
     sampled = base.model_copy(update={"scheduler": "dpmpp_2m_karras", "num_images": 2})
     assert JobRequest.pixels_of_batch_key(sampled.batch_key) == 2 * 256 * 256

@@ -593,6 +593,8 @@ def _fit_inputs(case: schemathesis.Case) -> None:
     """What the document cannot say of a job with a start image, made true without touching what it
     checks: the job's sides are the image's, the mask is of the image's size, and a step runs."""
     body = case.body
+    if case.meta is None or case.meta.generation.mode is not GenerationMode.POSITIVE:
+        return  # a negative case stays as invalid as it was drawn
     if case.path != "/v1/jobs" or not isinstance(body, dict) or body.get("image") not in IMAGES:
         return
     for side in ("width", "height"):
