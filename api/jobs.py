@@ -11,6 +11,7 @@ from rq import Queue
 
 from api import longpoll
 from api.longpoll import Waits
+from shared.contract.adapters import available_adapters
 from shared.contract.images import ImageRef, InputName
 from shared.contract.jobs import PRIORITIES, JobView, Submission
 from shared.contract.models import ModelInfo, model_info
@@ -100,7 +101,8 @@ class Jobs:
         if time.monotonic() - read_at > MODELS_TTL_S:  # a submit costs no heartbeat read as a rule
             live = workers.live_models(self.queue.connection, self.settings.queue_name)
             self._models = time.monotonic(), live
-        held = live or [model_info(self.settings.model, self.settings.assumed_family)]
+        held = live or [model_info(self.settings.model, self.settings.assumed_family,
+                                   loras=available_adapters(self.settings.lora_dir))]
         return [info.within(self.settings.max_side) for info in held]
 
     def model(self) -> ModelInfo:

@@ -10,6 +10,7 @@ from typing import Any
 from api.longpoll import MAX_WAIT_S
 from api.routes import MAX_IDEMPOTENCY_KEY
 from shared.contract import errors
+from shared.contract.adapters import available_adapters
 from shared.contract.images import FORMATS, INPUT_NAMES
 from shared.contract.jobs import PRIORITIES, JobRequest, JobView
 from shared.contract.models import Family, ModelInfo, model_info
@@ -66,8 +67,9 @@ STORED_REQUEST = "StoredRequest"
 def openapi_document(settings: Settings) -> dict[str, Any]:
     """The OpenAPI 3.1 document with these settings' limits and features (a copy the caller may change)."""
     webhooks = settings.webhook_secret is not None
-    family = settings.assumed_family
-    return copy.deepcopy(_document(settings.max_side, settings.max_steps, webhooks, settings.model, family))
+    family, adapters = settings.assumed_family, tuple(available_adapters(settings.lora_dir))
+    return copy.deepcopy(_document(settings.max_side, settings.max_steps, webhooks, settings.model, family,
+                                   adapters))
 
 
 def error_codes() -> dict[int, list[str]]:
@@ -125,9 +127,10 @@ JOB_LINKS = {"getJob": {"operationId": "getJob", "parameters": _OF_THE_JOB},
 
 
 @lru_cache(maxsize=8)
-def _document(max_side: int, max_steps: int, webhooks: bool, name: str, family: Family) -> dict[str, Any]:
-    """Build the document once per distinct set of limits, features and model family."""
-    codes, model = _served_codes(webhooks), model_info(name, family)
+def _document(max_side: int, max_steps: int, webhooks: bool, name: str, family: Family,
+              adapters: tuple[str, ...]) -> dict[str, Any]:
+    """Build the document once per distinct set of limits, features, model family and adapters."""
+    codes, model = _served_codes(webhooks), model_info(name, family, loras=list(adapters))
     return {
         "openapi": "3.1.0",
         "info": {"title": "slotq", "version": "1",
@@ -233,6 +236,13 @@ def _model_schemas(max_side: int, max_steps: int, webhooks: bool, model: ModelIn
                                                             {"type": "null"}]}
     for name, value in model.within(max_side).defaults.model_dump().items():
         fields[name] = {**fields[name], "default": value}
+    # The adapters a job may name are the files of SLOTQ_LORA_DIR now; with none, a job names none.
+    if model.loras:
+        named = {"properties": {"name": {"enum": model.loras}}}
+        fields["loras"] = {**fields["loras"], "items": {"allOf": [fields["loras"]["items"], named]}}
+    else:
+        fields["loras"] = {**fields["loras"], "maxItems": 0,
+                           "description": "Always empty: this service has no LoRA adapters (SLOTQ_LORA_DIR)."}
     # A mask repaints an image: sent without one, it is refused.
     schemas["JobRequest"]["dependentSchemas"] = {"mask": {"anyOf": [
         {"properties": {"mask": {"type": "null"}}},

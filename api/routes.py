@@ -15,6 +15,7 @@ from rq import Queue
 from api import longpoll
 from api.jobs import Jobs, Ticket
 from shared.contract import tenants
+from shared.contract.adapters import available_adapters
 from shared.contract.errors import (
     DrainingError,
     InvalidJSONError,
@@ -157,7 +158,8 @@ def _submission() -> Submission:
     settings = _settings()
     try:
         return validate_submission(_json_body(), max_side=settings.max_side, max_steps=settings.max_steps,
-                                   max_image_bytes=settings.max_image_bytes, model=_jobs().model())
+                                   max_image_bytes=settings.max_image_bytes, model=_jobs().model(),
+                                   adapters=available_adapters(settings.lora_dir))
     except ValidationError as exc:
         raise InvalidRequestError(details=_details(exc)) from None
 

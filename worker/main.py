@@ -235,7 +235,8 @@ class SlotWorker(Outcomes):
         self.register_birth()
         # The device the pipeline resolved, named as in slotq_worker_info ("cuda", "cuda:1", "cpu").
         loaded = current_pipeline()
-        self.claims.describe(self.hostname, self.pid, str(loaded.device), loaded.info.family)
+        self.claims.describe(self.hostname, self.pid, str(loaded.device), loaded.info.family,
+                             loaded.info.loras)
         self.claims.beat()
         log.info("worker %s ready on %s", self.name, self.queue.name)
 

@@ -19,9 +19,11 @@ from diffusers import AutoPipelineForImage2Image, AutoPipelineForInpainting, Dif
 from diffusers.utils import logging as diffusers_logging
 from PIL import Image
 
+from shared.contract.adapters import available_adapters
 from shared.contract.jobs import JobKind, JobRequest
 from shared.contract.models import PIPELINE_CLASSES, TINY_MODELS, Family, ModelInfo, model_info
 from shared.contract.settings import Settings
+from worker.adapters import Adapters
 from worker.samplers import Samplers
 from worker.tiny_model import ensure_tiny_model
 
@@ -55,6 +57,7 @@ class ImagePipeline:
     device: torch.device
     samplers: Samplers
     info: ModelInfo
+    adapters: Adapters
     variants: dict[JobKind, DiffusionPipeline] = field(default_factory=dict)
     # When each recent GPU section (denoising and decoding) began and ended, by time.perf_counter():
     # what the duty cycle is computed from.
@@ -69,7 +72,7 @@ class ImagePipeline:
 
     def generate_batch(self, requests: list[JobRequest], on_step: StepCallback,
                        inputs: Sequence[Inputs] = ()) -> list[list[Image.Image]]:
-        """Run requests of one batch key (kind, size, steps, strength, guidance, sampler, image count)
+        """Run requests of one batch key (kind, size, steps, strength, guidance, sampler, adapters, images)
         as one execution; the images of each. Each image keeps its own generator, so it is the one it
         would be alone. ``inputs`` holds each request's input images, in order, for an image job."""
         first = requests[0]
@@ -85,6 +88,7 @@ class ImagePipeline:
         generators = [torch.Generator("cpu").manual_seed(r.seed + index)  # type: ignore[operator]
                       for r in requests for index in range(r.num_images)]
         pipe.scheduler = self.samplers.get(first.scheduler)
+        self.adapters.use(self.pipe, first.loras)  # into the modules its twins share
         arguments = self._arguments(pipe, requests, inputs)
         began = self.running_since = time.perf_counter()
         try:
@@ -154,8 +158,9 @@ def load_pipeline(settings: Settings) -> ImagePipeline:
     pipe = DiffusionPipeline.from_pretrained(source, dtype=dtype)
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
-    info = model_info(settings.model, family_of(pipe))
-    loaded = ImagePipeline(pipe=pipe, device=device, samplers=Samplers(pipe.scheduler), info=info)
+    info = model_info(settings.model, family_of(pipe), loras=available_adapters(settings.lora_dir))
+    loaded = ImagePipeline(pipe=pipe, device=device, samplers=Samplers(pipe.scheduler), info=info,
+                           adapters=Adapters(settings.lora_dir, settings.lora_cache))
     side = max(64, info.side_multiple * 4)
     warm_up = JobRequest(prompt="warm-up", width=side, height=side, steps=1, seed=0)
     loaded.generate(warm_up, on_step=lambda step, total: None)

@@ -17,6 +17,7 @@ from rq import get_current_job
 from rq.job import Job
 
 from shared.contract import images
+from shared.contract.adapters import available_adapters
 from shared.contract.errors import InvalidImageError, JobCanceledError, JobFailedError, JobInterruptedError
 from shared.contract.jobs import JobRequest, validate_request
 from shared.contract.settings import get_settings
@@ -94,6 +95,9 @@ def _validated(job: Job) -> JobRequest | Exception:
     if request.scheduler is not None and request.scheduler not in info.schedulers:
         return JobFailedError("invalid_request", f"a {info.family} model cannot use the "
                               f"{request.scheduler} sampler; it takes {', '.join(info.schedulers)}")
+    missing = sorted({lora.name for lora in request.loras} - set(available_adapters(settings.lora_dir)))
+    if missing:  # removed from the folder since its admission, or not mounted on this worker
+        return JobFailedError("unknown_lora", f"this worker has no LoRA adapter named {', '.join(missing)}")
     return request
 
 

@@ -86,6 +86,10 @@ class InvalidImageError(ServiceError):
     status, code, message = 422, "invalid_image", "An input image is invalid."
 
 
+class UnknownLoraError(ServiceError):
+    status, code, message = 422, "unknown_lora", "No LoRA adapter of this name is in SLOTQ_LORA_DIR."
+
+
 class QueueFullError(ServiceError):
     status, code, message = 429, "queue_full", "The queue is full; retry later."
 

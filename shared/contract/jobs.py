@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
@@ -19,7 +20,8 @@ from pydantic import (
     model_validator,
 )
 
-from shared.contract.errors import InvalidImageError, InvalidRequestError
+from shared.contract.adapters import MAX_LORAS, LoraRef
+from shared.contract.errors import InvalidImageError, InvalidRequestError, UnknownLoraError
 from shared.contract.images import INPUT_NAMES, ImageRef, InputName, read_data_url
 from shared.contract.models import ModelInfo, Scheduler, model_info
 
@@ -76,9 +78,9 @@ class Outcome(StrEnum):
 
 # A client sends an input image as a data: URL; the stored request and the job's view hold its
 # reference instead (validate_submission makes the swap). The schema shows what a client sends.
+DATA_URL_SCHEMA = {"type": "string", "format": "data-url", "pattern": "^data:image/(png|jpeg|webp);base64,"}
 InputField = Annotated[str | ImageRef | None,
-                       WithJsonSchema({"type": "string", "format": "data-url",
-                                       "pattern": "^data:image/(png|jpeg|webp);base64,"}, mode="validation")]
+                       WithJsonSchema({"anyOf": [DATA_URL_SCHEMA, {"type": "null"}]}, mode="validation")]
 
 
 class JobRequest(BaseModel):
@@ -104,6 +106,8 @@ class JobRequest(BaseModel):
     mask: InputField = Field(None, description="with `image`: white repaints, black keeps; the image's size")
     strength: float = Field(0.8, gt=0, le=1, allow_inf_nan=False,
                             description="with `image`: the share of the schedule that is run again")
+    loras: list[LoraRef] = Field(default_factory=list, max_length=MAX_LORAS,
+                                 description="LoRA adapters at their scales; none: the bare model")
     deadline_s: float | None = Field(None, gt=0, le=86_400, allow_inf_nan=False)
     priority: Priority = "normal"
     # The pattern documents the URL's shape in the schema; the validator below checks the rest.
@@ -163,6 +167,13 @@ class JobRequest(BaseModel):
             raise ValueError("must not repeat an event")
         return value
 
+    @field_validator("loras")
+    @classmethod
+    def _adapters_once(cls, value: list[LoraRef]) -> list[LoraRef]:
+        if len({lora.name for lora in value}) != len(value):
+            raise ValueError("must not name an adapter twice")
+        return value
+
     @model_validator(mode="after")
     def _inputs_fit(self) -> JobRequest:
         if self.mask is not None and self.image is None:
@@ -189,10 +200,16 @@ class JobRequest(BaseModel):
     @property
     def batch_key(self) -> str:
         """Jobs with equal keys can run as one batch: same kind, size, steps, strength, guidance,
-        sampler and images each."""
+        sampler, adapters and images each."""
         strength = f"{self.strength!r}" if self.image is not None else ""
         return (f"{self.width}x{self.height}/{self.steps}/{self.guidance_scale!r}/{self.scheduler or ''}"
-                f"/{self.kind}{strength}/{self.num_images}")
+                f"/{self.kind}{strength}/{self.adapters_key}/{self.num_images}")
+
+    @property
+    def adapters_key(self) -> str:
+        """The adapters and scales the job runs with, in a stable order ('' for the bare model)."""
+        ordered = sorted(self.loras, key=lambda lora: lora.name)
+        return ",".join(f"{lora.name}:{lora.scale!r}" for lora in ordered)
 
     @staticmethod
     def pixels_of_batch_key(key: str) -> int:
@@ -228,10 +245,11 @@ class Submission:
 
 
 def validate_submission(data: Any, *, max_side: int, max_steps: int, max_image_bytes: int,
-                        model: ModelInfo | None = None) -> Submission:
+                        model: ModelInfo | None = None, adapters: Sequence[str] = ()) -> Submission:
     """Parse a client's JSON body into a request for ``model`` (default: a tiny SD), decoding and
     checking its input images first (``InvalidImageError``). An image's size is the job's; what the
-    body leaves out comes from the model's defaults; a sampler the model cannot use is refused."""
+    body leaves out comes from the model's defaults; a sampler the model cannot use, or an adapter
+    not among ``adapters``, is refused."""
     model = model or model_info("tiny", "sd")
     side_multiple = model.side_multiple
     inputs: dict[InputName, bytes] = {}
@@ -256,6 +274,10 @@ def validate_submission(data: Any, *, max_side: int, max_steps: int, max_image_b
     if request.scheduler is not None and request.scheduler not in model.schedulers:
         message = f"a {model.family} model cannot use it; it takes {', '.join(model.schedulers)}"
         raise InvalidRequestError(details=[{"loc": ["scheduler"], "msg": message}])
+    unknown = sorted({lora.name for lora in request.loras} - set(adapters))
+    if unknown:
+        offered = ", ".join(adapters) or "none"
+        raise UnknownLoraError(f"No LoRA adapter named {', '.join(unknown)}; this service has {offered}.")
     return Submission(request, inputs)
 
 

@@ -52,6 +52,7 @@ class ModelInfo(BaseModel):
     defaults: ModelDefaults
     side_multiple: int = Field(description="width and height must be multiples of this")
     workers: int = Field(0, description="live workers holding it")
+    loras: list[str] = Field(default_factory=list, description="the LoRA adapters a job on it may name")
 
     def within(self, max_side: int) -> ModelInfo:
         """The model as this service runs it: default sides no larger than SLOTQ_MAX_SIDE."""
@@ -69,8 +70,8 @@ _FAMILY_INFO: dict[Family, tuple[tuple[Scheduler, ...], ModelDefaults, int]] = {
 }
 
 
-def model_info(name: str, family: Family, workers: int = 0) -> ModelInfo:
+def model_info(name: str, family: Family, workers: int = 0, loras: list[str] | None = None) -> ModelInfo:
     """What the service publishes of a model of this family."""
     schedulers, defaults, multiple = _FAMILY_INFO[family]
     return ModelInfo(name=name, family=family, schedulers=list(schedulers), defaults=defaults,
-                     side_multiple=multiple, workers=workers)
+                     side_multiple=multiple, workers=workers, loras=loras or [])

@@ -69,6 +69,8 @@ class Settings(BaseSettings):
     device: str = "auto"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     cache_dir: Path = Path.home() / ".cache" / "slotq"
+    lora_dir: Path | None = None
+    lora_cache: int = Field(4, ge=1, le=64)
 
     max_side: int = Field(1024, ge=64, le=4096)
     max_steps: int = Field(100, ge=1, le=1000)

@@ -42,11 +42,13 @@ class Claims:
         self._held: set[str] = set()
         self.identity: workers.WorkerIdentity | None = None
 
-    def describe(self, host: str | None, pid: int | None, device: str, family: Family) -> None:
+    def describe(self, host: str | None, pid: int | None, device: str, family: Family,
+                 loras: list[str]) -> None:
         """Say where this worker runs and what it holds; each heartbeat from now on carries it
         (GET /v1/workers, GET /v1/models)."""
         self.identity = workers.WorkerIdentity(name=self.worker, queue=self.queue.name, host=host, pid=pid,
-                                               device=device, model=self.settings.model, family=family)
+                                               device=device, model=self.settings.model, family=family,
+                                               loras=loras)
 
     def beat(self) -> None:
         """Tell the others this worker lives, where it runs and which jobs it holds."""

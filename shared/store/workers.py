@@ -32,6 +32,7 @@ class WorkerIdentity(BaseModel):
     device: str = Field(description="The torch device the model is on, e.g. `cuda:1` or `cpu`.")
     model: str
     family: Family | None = Field(None, description="The model's family (`sd`, `sdxl`, `flux`).")
+    loras: list[str] = Field(default_factory=list, description="The LoRA adapters it can load.")
 
 
 class WorkerView(WorkerIdentity):
@@ -46,9 +47,11 @@ class WorkerView(WorkerIdentity):
 def beat(connection: Redis, identity: WorkerIdentity, ttl_s: float) -> None:
     """Refresh a worker's liveness and its record in one round trip."""
     name = identity.name
+    # cjson would write an empty list back as {}: a worker with no adapters leaves them out.
+    record = identity.model_dump_json(exclude=None if identity.loras else {"loras"})
     scripts.run(connection, "beat",
                 [keys.alive_key(name), keys.claims_key(name), keys.workers_key(identity.queue)],
-                [int(ttl_s * 1000), identity.model_dump_json(), name])
+                [int(ttl_s * 1000), record, name])
 
 
 def live_workers(connection: Redis, queue_name: str) -> list[WorkerView]:
@@ -72,7 +75,10 @@ def live_workers(connection: Redis, queue_name: str) -> list[WorkerView]:
 def live_models(connection: Redis, queue_name: str) -> list[ModelInfo]:
     """The models the live workers of a queue hold, by name, each with its count of workers."""
     held: dict[tuple[str, Family], int] = {}
+    loras: dict[tuple[str, Family], set[str]] = {}
     for view in live_workers(connection, queue_name):
         if view.family is not None:  # a worker of an older version does not say
             held[view.model, view.family] = held.get((view.model, view.family), 0) + 1
-    return [model_info(name, family, count) for (name, family), count in sorted(held.items())]
+            loras.setdefault((view.model, view.family), set()).update(view.loras)
+    return [model_info(name, family, count, sorted(loras[name, family]))
+            for (name, family), count in sorted(held.items())]

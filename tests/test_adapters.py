@@ -1,0 +1,181 @@
+"""LoRA adapters: the names the service has (shared/contract/adapters.py), their refusal at the door,
+and a real worker (worker/adapters.py) running jobs with them on the tiny model's tiny adapters."""
+
+from __future__ import annotations
+
+import io
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flask.testing import FlaskClient
+from PIL import Image
+from redis import Redis
+
+from shared.contract.adapters import available_adapters
+from shared.contract.jobs import JobRequest
+from shared.contract.settings import Settings
+from tests.conftest import (
+    Process,
+    app_client,
+    data_url,
+    post_job,
+    start_image,
+    start_worker,
+    wait_for,
+    wait_for_status,
+)
+
+DATABASE = 7  # 0 per test, 1 the worker, 2 batching and fuzz, 3 schemathesis, 5 families, 6 webhooks
+
+
+@pytest.fixture(scope="module")
+def lora_dir(model_cache: Path) -> Path:
+    from worker.tiny_loras import ensure_tiny_loras
+
+    return ensure_tiny_loras(model_cache)
+
+
+def names(**changes: object) -> list[dict[str, object]]:
+    return [{"name": name, "scale": scale} for name, scale in changes.items()]
+
+
+# --- the names, and the door (no worker) -------------------------------------------------------------
+
+def test_the_names_are_the_file_stems_and_follow_the_folder(tmp_path: Path, lora_dir: Path) -> None:
+    assert available_adapters(lora_dir) == ["ink", "moss", "neon"]
+    folder = tmp_path / "loras"
+    folder.mkdir()
+    assert available_adapters(folder) == [] and available_adapters(None) == []
+    assert available_adapters(tmp_path / "absent") == []
+    shutil.copy(lora_dir / "ink.safetensors", folder / "ink.safetensors")
+    (folder / "notes.txt").write_text("not an adapter")
+    (folder / "has space.safetensors").write_bytes(b"")  # no job could name it
+    assert available_adapters(folder) == ["ink"]
+    shutil.copy(lora_dir / "moss.safetensors", folder / "style_2.safetensors")
+    assert available_adapters(folder) == ["ink", "style_2"]  # read again: the folder changed
+
+
+@pytest.fixture
+def adapter_client(settings: Settings, lora_dir: Path) -> Iterator[FlaskClient]:
+    yield from app_client(settings.model_copy(update={"lora_dir": lora_dir}))
+
+
+def test_an_unknown_adapter_is_refused_at_the_door_with_nothing_stored(adapter_client: FlaskClient,
+                                                                       redis: Redis) -> None:
+    response = post_job(adapter_client, loras=names(ink=1.0, ghost=0.5))
+    body = response.get_json()
+    assert response.status_code == 422 and body["error"]["code"] == "unknown_lora", body
+    assert "ghost" in body["error"]["message"] and "ink, moss, neon" in body["error"]["message"]
+    assert redis.keys("*") == []
+
+
+@pytest.mark.parametrize("loras", [
+    names(ink=1.0, neon=1.0, moss=1.0, a=1.0, b=1.0),  # five: at most four
+    [{"name": "ink"}, {"name": "ink", "scale": 0.5}],  # one twice
+    names(ink=2.5),  # scale within [-2, 2]
+    [{"name": "../ink"}],  # a name, not a path
+    [{"name": "ink", "weight": 1}],  # a misspelt field
+    "ink",
+])
+def test_a_malformed_list_is_invalid(adapter_client: FlaskClient, redis: Redis, loras: object) -> None:
+    response = post_job(adapter_client, loras=loras)
+    assert response.status_code == 422 and response.get_json()["error"]["code"] == "invalid_request"
+    assert redis.keys("*") == []
+
+
+def test_a_job_with_adapters_is_admitted_and_shows_them(adapter_client: FlaskClient) -> None:
+    view = post_job(adapter_client, loras=names(neon=-0.5, ink=1.25), width=64, height=64).get_json()
+    assert view["status"] == "queued"
+    assert view["request"]["loras"] == [{"name": "neon", "scale": -0.5}, {"name": "ink", "scale": 1.25}]
+    assert post_job(adapter_client).get_json()["request"]["loras"] == []
+    (model,) = adapter_client.get("/v1/models").get_json()["models"]
+    assert model["loras"] == ["ink", "moss", "neon"] and model["workers"] == 0  # known without a worker
+
+
+def test_adapters_and_their_scales_separate_batches() -> None:
+    def key(**changes: float) -> str:
+        return JobRequest(prompt="a", width=64, height=64, loras=names(**changes)).batch_key
+
+    assert key() != key(ink=1.0) != key(ink=0.5)
+    reordered = JobRequest(prompt="b", width=64, height=64, loras=names(neon=0.5, ink=1.0))
+    assert key(ink=1.0, neon=0.5) == reordered.batch_key  # the order they are named in is no matter
+    assert JobRequest.pixels_of_batch_key(key(ink=1.0, neon=0.5)) == 64 * 64
+
+
+# --- a real worker with two adapters resident at most ----------------------------------------------
+
+@pytest.fixture(scope="module")
+def lora_settings(redis_url: str, model_cache: Path, lora_dir: Path) -> Settings:
+    url = redis_url.removesuffix("/0") + f"/{DATABASE}"
+    Redis.from_url(url).flushdb()
+    return Settings(redis_url=url, queue_name="lora-tests", queue_capacity=50, cache_dir=model_cache,
+                    lora_dir=lora_dir, lora_cache=2, drain_s=0)
+
+
+@pytest.fixture(scope="module")
+def lora_worker(lora_settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Process]:
+    process = start_worker(lora_settings, tmp_path_factory.mktemp("loras") / "worker.log")
+    yield process
+    assert process.stop() == 0, process.output()
+
+
+@pytest.fixture
+def lora_client(lora_worker: Process, lora_settings: Settings) -> Iterator[FlaskClient]:
+    yield from app_client(lora_settings)
+
+
+def pixels(client: FlaskClient, **body: object) -> np.ndarray:
+    """The first image of a job that must succeed, as an array."""
+    response = post_job(client, width=64, height=64, steps=3, seed=11, **body)
+    assert response.status_code == 202, response.get_json()
+    view = wait_for_status(client, response.get_json()["id"], "succeeded", "failed")
+    assert view["status"] == "succeeded", view
+    return np.asarray(Image.open(io.BytesIO(client.get(view["images"][0]).data)), dtype=np.int16)
+
+
+def test_an_adapter_changes_the_image_and_at_scale_0_is_the_bare_model(lora_client: FlaskClient) -> None:
+    bare = pixels(lora_client)
+    ink = pixels(lora_client, loras=names(ink=1.0))
+    assert np.abs(ink - bare).mean() > 5  # visibly another image
+    assert np.array_equal(pixels(lora_client, loras=names(ink=0.0)), bare)
+    assert np.array_equal(pixels(lora_client), bare)  # an adapter left resident changes no later job
+    half = pixels(lora_client, loras=names(ink=0.5))
+    assert not np.array_equal(half, ink) and not np.array_equal(half, bare)
+
+
+def test_evicted_adapters_load_again_to_the_same_image(lora_client: FlaskClient,
+                                                       lora_worker: Process) -> None:
+    first = {name: pixels(lora_client, loras=names(**{name: 1.0})) for name in ("ink", "neon", "moss")}
+    assert len({array.tobytes() for array in first.values()}) == 3  # each adapter its own image
+    # Two resident at most: ink was unloaded for moss, and loads again to the same weights.
+    assert np.array_equal(pixels(lora_client, loras=names(ink=1.0)), first["ink"])
+    assert "unloaded LoRA ink" in lora_worker.output()
+    both = pixels(lora_client, loras=names(ink=1.0, neon=1.0))
+    assert all(not np.array_equal(both, alone) for alone in first.values())
+
+
+def test_an_image_job_runs_with_an_adapter(lora_client: FlaskClient) -> None:
+    image = data_url(start_image(64, 64))
+    bare = pixels(lora_client, image=image, strength=1.0)
+    assert not np.array_equal(pixels(lora_client, image=image, strength=1.0, loras=names(moss=1.0)), bare)
+
+
+def test_the_worker_lists_its_adapters_and_fails_a_job_with_one_it_lacks(
+        lora_client: FlaskClient, lora_settings: Settings, tmp_path: Path) -> None:
+    def live() -> list[dict]:
+        return [m for m in lora_client.get("/v1/models").get_json()["models"] if m["workers"]]
+
+    (model,) = wait_for(live, what="the worker's heartbeat")
+    assert model["loras"] == ["ink", "moss", "neon"] and model["workers"] == 1
+    # An API whose folder has one more adapter than the worker's (say, a mount not yet synced).
+    wider = tmp_path / "wider"
+    shutil.copytree(lora_settings.lora_dir, wider)  # type: ignore[arg-type]
+    shutil.copy(wider / "ink.safetensors", wider / "extra.safetensors")
+    for client in app_client(lora_settings.model_copy(update={"lora_dir": wider})):
+        job_id = post_job(client, width=64, height=64, steps=1, loras=names(extra=1.0)).get_json()["id"]
+        failed = wait_for_status(client, job_id, "failed")
+        assert failed["error"]["code"] == "unknown_lora" and "extra" in failed["error"]["message"]
+    wait_for(lambda: pixels(lora_client).size > 0, what="the worker to go on")

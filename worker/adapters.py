@@ -1,0 +1,66 @@
+"""LoRA adapters on the loaded pipeline: loaded on first use, kept resident up to SLOTQ_LORA_CACHE,
+the least recently used unloaded first, and set per execution to exactly the job's adapters.
+
+Loading and switching are diffusers' own (``load_lora_weights`` with an ``adapter_name``,
+``set_adapters``, ``delete_adapters``; peft underneath). The adapters go into the pipeline's
+modules, which its image-to-image and inpainting twins share, so one load serves every kind of job.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+from shared.contract.adapters import LoraRef, adapter_path
+
+log = logging.getLogger(__name__)
+
+
+class Adapters:
+    """The adapters resident on one pipeline, most recently used last."""
+
+    def __init__(self, lora_dir: Path | None, capacity: int) -> None:
+        self.lora_dir, self.capacity = lora_dir, capacity
+        self.resident: OrderedDict[str, None] = OrderedDict()
+        self.loads = 0  # adapters loaded from disk since start
+        self._active: tuple[tuple[str, float], ...] = ()
+
+    def use(self, pipe: Any, loras: list[LoraRef]) -> None:
+        """Make ``pipe`` run with exactly these adapters at these scales (none: the bare model)."""
+        wanted = tuple((lora.name, lora.scale) for lora in loras)
+        for lora in loras:
+            self._resident(pipe, lora.name, keep={name for name, _ in wanted})
+        if wanted == self._active:
+            return
+        if wanted:
+            pipe.enable_lora()
+            pipe.set_adapters([name for name, _ in wanted], adapter_weights=[scale for _, scale in wanted])
+        elif self.resident:
+            pipe.disable_lora()  # resident but unused: the bare model's own weights run
+        self._active = wanted
+
+    def _resident(self, pipe: Any, name: str, keep: set[str]) -> None:
+        """Load the adapter unless it is resident, unloading the least recently used over capacity."""
+        if name in self.resident:
+            self.resident.move_to_end(name)
+            return
+        if self.lora_dir is None:
+            raise FileNotFoundError("SLOTQ_LORA_DIR is not set: this worker has no adapters")
+        while len(self.resident) >= self.capacity:
+            evicted = next((held for held in self.resident if held not in keep), None)
+            if evicted is None:
+                break  # a job's own adapters stay, even over capacity
+            pipe.delete_adapters(evicted)
+            del self.resident[evicted]
+            self._active = ()  # the active set named it
+            log.info("unloaded LoRA %s", evicted)
+        began = time.perf_counter()
+        path = adapter_path(self.lora_dir, name)
+        pipe.load_lora_weights(str(path.parent), weight_name=path.name, adapter_name=name)
+        self.resident[name] = None
+        self.loads += 1
+        self._active = ()  # loading activates the new adapter: set the job's set again
+        log.info("loaded LoRA %s in %.2f s", name, time.perf_counter() - began)
