@@ -15,7 +15,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench import admission, batching, end_to_end, gpu, images, memory
+from bench import adapters, admission, batching, end_to_end, gpu, images, memory
 
 Section = tuple[str, Callable[[], list[str]]]
 
@@ -29,13 +29,15 @@ def sections(quick: bool) -> list[Section]:
                 ("Admission", lambda: admission.report(jobs=40, processes=2, clients=4)),
                 ("End to end", lambda: end_to_end.report(jobs=8, clients=4, size=64, steps=1)),
                 ("Memory", lambda: memory.report(jobs=40, first=10, clients=4)),
-                ("Image inputs", lambda: images.report(size=256, checks=20, posts=20, runs=2, steps=1))]
+                ("Image inputs", lambda: images.report(size=256, checks=20, posts=20, runs=2, steps=1)),
+                ("LoRA adapters", lambda: adapters.report(rounds=2, size=64, jobs=12))]
     return [("GPU duty cycle and dispatch overhead", gpu.report),
             ("Dynamic batching", batching.batching_lines),
             ("Admission", admission.report),
             ("End to end", end_to_end.report),
             ("Memory", memory.report),
-            ("Image inputs", images.report)]
+            ("Image inputs", images.report),
+            ("LoRA adapters", adapters.report)]
 
 
 def cpu_model() -> str:

@@ -44,6 +44,7 @@ from shared.contract.settings import Settings
 from shared.store import admission
 from shared.store.connection import connect, job_queue
 from slotq.localredis import free_port, start_redis
+from worker.adapters import Adapters
 
 Sections = list[tuple[float, float]]
 LOOP = "in-process loop (ceiling)"
@@ -58,6 +59,7 @@ class NullPipeline:
     running_since: float | None = None
     device: str = "null"  # not a torch device: the worker's metrics name it and ask nothing more
     info: ModelInfo = field(default_factory=lambda: model_info("tiny", "sd"))  # what the jobs are checked for
+    adapters: Adapters = field(default_factory=lambda: Adapters(None, 1))  # none: every job is bare
 
     def generate_batch(self, requests: list[JobRequest], on_step: Callable[[int, int], None],
                        inputs: Sequence[Mapping[str, Image.Image]] = ()) -> list[list[Image.Image]]:

@@ -179,3 +179,16 @@ def test_the_worker_lists_its_adapters_and_fails_a_job_with_one_it_lacks(
         failed = wait_for_status(client, job_id, "failed")
         assert failed["error"]["code"] == "unknown_lora" and "extra" in failed["error"]["message"]
     wait_for(lambda: pixels(lora_client).size > 0, what="the worker to go on")
+
+
+def test_the_worker_runs_an_alternating_line_in_runs_of_one_adapter(lora_client: FlaskClient) -> None:
+    blocker = post_job(lora_client, width=512, height=512, steps=30, seed=1).get_json()["id"]
+    wait_for(lambda: lora_client.get(f"/v1/jobs/{blocker}").get_json()["status"] == "running",
+             what="the long job to start")
+    ids = [post_job(lora_client, width=64, height=64, steps=1, seed=i,
+                    loras=names(**{("ink", "neon")[i % 2]: 1.0})).get_json()["id"] for i in range(12)]
+    views = sorted((wait_for_status(lora_client, job_id, "succeeded") for job_id in ids),
+                   key=lambda view: view["started_at"])
+    ran = [view["request"]["loras"][0]["name"] for view in views]
+    changes = sum(before != after for before, after in zip(ran, ran[1:], strict=False))
+    assert changes <= 12 // 8 + 1, ran  # in the line's order: 11

@@ -30,6 +30,9 @@ ROWS = {
                      "decode PNG start image", "decode JPEG start image", "decode PNG mask", "image-to-image",
                      "inpainting", "after 1st text job", "after 1st image-to-image job",
                      "after 1st inpainting job", "after a 2nd job of each kind"],
+    "LoRA adapters": ["bare model (baseline)", "with ink (resident)", "with ink + neon (resident)",
+                      "load from disk, then unload", "switch between two resident",
+                      "switch adapter <-> bare model", "affinity off (baseline)", "affinity on, max skip 8"],
 }
 
 

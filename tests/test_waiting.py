@@ -275,3 +275,88 @@ def _commands_during(redis: Redis, action: Callable[[], Any]) -> dict[str, Any]:
                 seen["lua" if event["client_type"] == "lua" else "client"].append(command.upper())
     marker.close()
     return seen
+
+
+# --- affinity: a worker's claim prefers the adapters it holds, within SLOTQ_AFFINITY_MAX_SKIP ---------
+
+@pytest.fixture
+def adapter_line(settings: Settings, tmp_path: Any) -> Iterator[FlaskClient]:
+    """Capacity 100, two adapters known by name (the claim never loads them)."""
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.safetensors").write_bytes(b"")
+    yield from with_settings(settings, queue_capacity=100, lora_dir=tmp_path)
+
+
+def take_all(redis: Redis, settings: Settings, max_skip: int, resident: tuple[str, ...] = ("a", "b"),
+             count: int | None = None) -> list[str]:
+    """Claim as a worker does, each time with the adapters key of the job it took last."""
+    last, taken = "", []
+    claims = keys.claims_key("affine-worker")
+    while count is None or len(taken) < count:
+        affinity = waiting.Affinity(max_skip, last, resident)
+        claimed = waiting.claim(redis, settings.queue_name, claims, affinity)
+        if claimed is None:
+            break
+        taken.append(claimed.job_id)
+        last = claimed.record.get(b"adapters", b"").decode()
+    return taken
+
+
+def alternating(client: FlaskClient, jobs: int = 40) -> tuple[list[str], dict[str, str]]:
+    ids, adapter = [], {}
+    for index in range(jobs):
+        name = "ab"[index % 2]
+        job_id = submit(client, loras=[{"name": name}], width=64, height=64).get_json()["id"]
+        ids.append(job_id)
+        adapter[job_id] = name
+    return ids, adapter
+
+
+def switches(order: list[str], adapter: dict[str, str]) -> int:
+    return sum(adapter[before] != adapter[after] for before, after in zip(order, order[1:], strict=False))
+
+
+def test_affinity_starts_an_alternating_line_in_runs_and_passes_no_job_over_more_than_the_bound(
+        adapter_line: FlaskClient, redis: Redis, settings: Settings) -> None:
+    ids, adapter = alternating(adapter_line)
+    order = take_all(redis, settings, max_skip=8)
+    assert sorted(order) == sorted(ids) and waiting_ids(redis, settings) == []
+    # In admission order it switches 39 times; in runs of one adapter, about 40 / 8 times.
+    print("started as", "".join(adapter[i] for i in order), f"({switches(order, adapter)} switches)")
+    assert switches(order, adapter) <= 40 // 8 + 1, [adapter[i] for i in order]
+    for job_id in ids:  # passed over: later jobs that started before it
+        later = ids[ids.index(job_id) + 1:]
+        assert sum(other in later for other in order[:order.index(job_id)]) <= 8
+    assert max(int(redis.hget(Job.key_for(i), "skips") or 0) for i in ids) <= 8
+
+
+def test_without_affinity_the_line_starts_in_order(adapter_line: FlaskClient, redis: Redis,
+                                                   settings: Settings) -> None:
+    ids, adapter = alternating(adapter_line, 12)
+    assert take_all(redis, settings, max_skip=0) == ids
+    assert all(redis.hget(Job.key_for(i), "skips") is None for i in ids)
+
+
+def test_a_high_job_starts_next_whatever_its_adapters(adapter_line: FlaskClient, redis: Redis,
+                                                      settings: Settings) -> None:
+    alternating(adapter_line, 20)
+    first = take_all(redis, settings, max_skip=8, count=3)
+    high = submit(adapter_line, priority="high", loras=[{"name": "b"}], width=64, height=64).get_json()["id"]
+    last = redis.hget(Job.key_for(first[-1]), "adapters").decode()
+    claimed = waiting.claim(redis, settings.queue_name, keys.claims_key("affine-worker"),
+                            waiting.Affinity(8, last, ("a",)))
+    assert claimed is not None and claimed.job_id == high
+
+
+def test_resident_adapters_go_before_ones_that_must_be_loaded(adapter_line: FlaskClient, redis: Redis,
+                                                              settings: Settings) -> None:
+    needs_load = submit(adapter_line, loras=[{"name": "b"}], width=64, height=64).get_json()["id"]
+    resident = submit(adapter_line, loras=[{"name": "a", "scale": 0.5}], width=64, height=64).get_json()["id"]
+    bare = submit(adapter_line, width=64, height=64).get_json()["id"]
+    claims = keys.claims_key("affine-worker")
+    # It ran `a` at 1.0 last: no job has that, so the first whose adapters are all resident goes.
+    took = waiting.claim(redis, settings.queue_name, claims, waiting.Affinity(8, "a:1.0", ("a",)))
+    assert took is not None and took.job_id == resident
+    took = waiting.claim(redis, settings.queue_name, claims, waiting.Affinity(8, "", ("a",)))
+    assert took is not None and took.job_id == bare  # it ran the bare model last: the bare job
+    assert waiting_ids(redis, settings) == [needs_load]

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import io
+import subprocess
+import threading
+from pathlib import Path
 
 import numpy
 from flask.testing import FlaskClient
@@ -204,3 +207,24 @@ def test_progress_cadence_reports_the_first_and_last_step_and_once_per_interval(
     assert reported == [0, 4, 6, 7]  # 0.12 and 0.25 come 0.1 or more after the last report; 7 is the last
     every = progress.Cadence(0.0, clock=lambda: 1.0)  # SLOTQ_PROGRESS_INTERVAL_MS=0
     assert all(every.due(step, 5) for step in range(6))
+
+
+def test_a_finishing_process_started_while_redis_is_away_waits_for_it(tmp_path: Path) -> None:
+    # Seen in CI: a failover killed the finishing process; its replacement, started while no master
+    # answered, exited at once, and the worker with it (as if its device were lost).
+    from slotq.localredis import free_port, start_redis
+    from worker import finisher
+
+    port = free_port()
+    settings = Settings(redis_url=f"redis://127.0.0.1:{port}/0", redis_timeout_s=0.2, cache_dir=tmp_path)
+    servers: list[subprocess.Popen[bytes]] = []
+    comeback = threading.Timer(1.0, lambda: servers.append(start_redis(port, tmp_path / "redis")))
+    comeback.start()  # the fault's schedule: Redis is back a second after the start
+    try:
+        finishing = finisher._connected(settings, "away-worker")
+        assert finishing.connection.ping() and servers
+    finally:
+        comeback.join()
+        for server in servers:
+            server.terminate()
+            server.wait(10)

@@ -14,7 +14,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from shared.contract.adapters import LoraRef, adapter_path
+from shared.contract.adapters import LoraRef, adapter_path, adapters_key
 
 log = logging.getLogger(__name__)
 
@@ -27,10 +27,18 @@ class Adapters:
         self.resident: OrderedDict[str, None] = OrderedDict()
         self.loads = 0  # adapters loaded from disk since start
         self._active: tuple[tuple[str, float], ...] = ()
+        self._last = ""
+
+    @property
+    def holding(self) -> tuple[str, tuple[str, ...]]:
+        """The adapters key of the set that ran last ('' for the bare model) and the resident names:
+        what the claim's affinity prefers (shared/store/lua/lib/line.lua)."""
+        return self._last, tuple(self.resident)
 
     def use(self, pipe: Any, loras: list[LoraRef]) -> None:
         """Make ``pipe`` run with exactly these adapters at these scales (none: the bare model)."""
         wanted = tuple((lora.name, lora.scale) for lora in loras)
+        self._last = adapters_key(loras)
         for lora in loras:
             self._resident(pipe, lora.name, keep={name for name, _ in wanted})
         if wanted == self._active:

@@ -22,12 +22,14 @@ import logging
 import multiprocessing
 import signal
 import threading
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from types import FrameType
 from typing import Any, Generic, TypeVar
 
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq.executions import Execution
 from rq.job import Job
@@ -56,6 +58,7 @@ from worker.rq import RQWorker, run_seconds
 log = logging.getLogger(__name__)
 Handoff = TypeVar("Handoff")
 START_TIMEOUT_S = 60.0
+CONNECT_FOR_S = START_TIMEOUT_S / 2  # how long a starting finisher waits for Redis (a failover, a restart)
 STOP_TIMEOUT_S = 30.0
 
 
@@ -188,8 +191,11 @@ class Finishing(RQWorker):
     def finish(self, batch: Batch) -> list[Ended]:
         ended = [self._finish_one(work) for work in batch.works]
         if any(end.outcome is Outcome.SUCCEEDED for end in ended):
-            estimates.job_done(self.connection, self.queue.name, self.name, batch.running, batch.cost,
-                               batch.seconds)
+            try:
+                estimates.job_done(self.connection, self.queue.name, self.name, batch.running, batch.cost,
+                                   batch.seconds)
+            except RedisError as exc:  # the ends are recorded: the model only misses one sample
+                log.warning("could not update the job-time model: %s", exc)
         return ended
 
     def _finish_one(self, work: Work) -> Ended:
@@ -228,13 +234,27 @@ def _stop_when_idle(signum: int, frame: FrameType | None) -> None:
         raise SystemExit(0)
 
 
+def _connected(settings: Settings, worker_name: str) -> Finishing:
+    """The finishing side, once Redis answers: RQ's worker names its connection at start, so a
+    finisher started while Redis is away (during a failover) waits for it rather than exit."""
+    deadline = time.monotonic() + CONNECT_FOR_S
+    while True:
+        try:
+            return Finishing(job_queue(connect_worker(settings), settings), settings, worker_name)
+        except RedisError as exc:
+            if time.monotonic() > deadline:
+                raise
+            log.warning("Redis is away (%s); the finishing process retries", exc)
+            time.sleep(0.5)  # a back-off between connection attempts, not a wait for a condition
+
+
 def serve(connection: Connection, settings: Settings, worker_name: str) -> None:
     """The finishing process: finish each batch handed over until the worker says stop or is gone."""
     global _busy
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl+C reaches the group: the worker decides
     signal.signal(signal.SIGTERM, _stop_when_idle)
     logs.configure(settings, "finisher")
-    finishing = Finishing(job_queue(connect_worker(settings), settings), settings, worker_name)
+    finishing = _connected(settings, worker_name)
     connection.send(Ready())
     while not _stop_requested:
         try:

@@ -85,7 +85,8 @@ class SlotWorker(Outcomes):
             try:
                 if self.claims.recover() is not None:  # at most once a second, like the expiry
                     waiting.expire_due(self.queue, self.settings)
-                claimed = self.claims.claim(None if burst else CLAIM_TIMEOUT_S)
+                holding = current_pipeline().adapters.holding  # for the claim's affinity
+                claimed = self.claims.claim(None if burst else CLAIM_TIMEOUT_S, holding)
                 if claimed is None:
                     if self.get_state() != WorkerStatus.IDLE:
                         self.set_state(WorkerStatus.IDLE)  # for `rq info` and dashboards: nothing runs

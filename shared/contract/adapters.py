@@ -28,6 +28,12 @@ class LoraRef(BaseModel):
     scale: float = Field(1.0, ge=-2, le=2, allow_inf_nan=False)
 
 
+def adapters_key(loras: list[LoraRef]) -> str:
+    """Adapters and scales as one string, in a stable order ('' for the bare model): the part of a
+    job's batch key that names them, and what the claim's affinity compares (lua/lib/line.lua)."""
+    return ",".join(f"{lora.name}:{lora.scale!r}" for lora in sorted(loras, key=lambda lora: lora.name))
+
+
 def adapter_path(lora_dir: Path, name: str) -> Path:
     """Where the adapter of this name is."""
     return lora_dir / f"{name}{SUFFIX}"

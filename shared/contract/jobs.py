@@ -20,7 +20,7 @@ from pydantic import (
     model_validator,
 )
 
-from shared.contract.adapters import MAX_LORAS, LoraRef
+from shared.contract.adapters import MAX_LORAS, LoraRef, adapters_key
 from shared.contract.errors import InvalidImageError, InvalidRequestError, UnknownLoraError
 from shared.contract.images import INPUT_NAMES, ImageRef, InputName, read_data_url
 from shared.contract.models import ModelInfo, Scheduler, model_info
@@ -208,8 +208,7 @@ class JobRequest(BaseModel):
     @property
     def adapters_key(self) -> str:
         """The adapters and scales the job runs with, in a stable order ('' for the bare model)."""
-        ordered = sorted(self.loras, key=lambda lora: lora.name)
-        return ",".join(f"{lora.name}:{lora.scale!r}" for lora in ordered)
+        return adapters_key(self.loras)
 
     @staticmethod
     def pixels_of_batch_key(key: str) -> int:

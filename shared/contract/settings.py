@@ -71,6 +71,7 @@ class Settings(BaseSettings):
     cache_dir: Path = Path.home() / ".cache" / "slotq"
     lora_dir: Path | None = None
     lora_cache: int = Field(4, ge=1, le=64)
+    affinity_max_skip: int = Field(8, ge=0, le=1000)
 
     max_side: int = Field(1024, ge=64, le=4096)
     max_steps: int = Field(100, ge=1, le=1000)

@@ -133,9 +133,10 @@ def _parameters(queue: Queue, settings: Settings, job: Job, request: JobRequest,
 
 def _fields(job: Job, request: JobRequest) -> list[Any]:
     """The job's hash as the script writes it: RQ's fields, which jobs it may share a GPU execution
-    with (worker/batching.py), and whether its expiry in the line sends a webhook (the Lua cannot
-    read the compressed request)."""
-    fields = [item for pair in job.to_dict().items() for item in pair] + ["batch", request.batch_key]
+    with (worker/batching.py), the adapters it runs with (the claim's affinity), and whether its
+    expiry in the line sends a webhook (the Lua cannot read the compressed request)."""
+    fields = [item for pair in job.to_dict().items() for item in pair]
+    fields += ["batch", request.batch_key, "adapters", request.adapters_key]
     if webhooks.wants(job.kwargs["request"], "completed"):
         fields += ["webhook", "1"]
     return fields

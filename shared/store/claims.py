@@ -56,12 +56,16 @@ class Claims:
             raise RuntimeError("describe() the worker before its first heartbeat")
         workers.beat(self.connection, self.identity, self.settings.heartbeat_ttl_s)
 
-    def claim(self, timeout: float | None) -> waiting.Claimed | None:
-        """Move the next waiting job id into this worker's claims; None when there is none."""
-        claimed = waiting.claim(self.connection, self.queue.name, self.key)
+    def claim(self, timeout: float | None, holding: tuple[str, tuple[str, ...]] = ("", ())
+              ) -> waiting.Claimed | None:
+        """Move the next waiting job id into this worker's claims; None when there is none.
+        ``holding``: the adapters key this worker ran last and its resident adapters, for affinity
+        (SLOTQ_AFFINITY_MAX_SKIP)."""
+        affinity = waiting.Affinity(self.settings.affinity_max_skip, *holding)
+        claimed = waiting.claim(self.connection, self.queue.name, self.key, affinity)
         if claimed is None and timeout is not None:
             waiting.wait_for_work(self.connection, self.queue.name, timeout)
-            claimed = waiting.claim(self.connection, self.queue.name, self.key)
+            claimed = waiting.claim(self.connection, self.queue.name, self.key, affinity)
         if claimed is not None:
             self._held.add(claimed.job_id)
         return claimed

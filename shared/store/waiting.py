@@ -42,9 +42,24 @@ class Claimed:
     at: float
 
 
-def claim(connection: Redis, queue_name: str, claims_key: str) -> Claimed | None:
-    """Move the next job id into a worker's claims list, atomically; None when none waits."""
-    claimed = scripts.run(connection, "claim", [claims_key], [queue_name, Job.redis_job_namespace_prefix])
+@dataclass(frozen=True)
+class Affinity:
+    """What a worker holds, for its claim to prefer: the adapters it ran last (an adapters key,
+    '' for the bare model) and those resident; ``max_skip`` bounds how often a job is passed over."""
+
+    max_skip: int = 0
+    last: str = ""
+    resident: tuple[str, ...] = ()
+
+
+def claim(connection: Redis, queue_name: str, claims_key: str, affinity: Affinity | None = None
+          ) -> Claimed | None:
+    """Move the next job id into a worker's claims list, atomically; None when none waits. With
+    ``affinity``, a job of the adapters the worker holds may go first, within its bound."""
+    affinity = affinity or Affinity()
+    claimed = scripts.run(connection, "claim", [claims_key],
+                          [queue_name, Job.redis_job_namespace_prefix, affinity.max_skip, affinity.last,
+                           *affinity.resident])
     if not claimed:
         return None
     job_id, flat, at = claimed

@@ -98,3 +98,40 @@ local function line_head(line, count)
   end
   return ids
 end
+-- Whether every adapter an adapters key names ("ink:1.0,neon:0.5"; '' for none) is in `resident`.
+local function adapters_resident(key, resident)
+  for name in string.gmatch(key, '([^,:]+):[^,]*') do
+    if not resident[name] then return false end
+  end
+  return true
+end
+-- The next job with affinity: among the first max_skip + 1 of the highest class that has work, the
+-- first that runs with the adapters the worker ran last, else the first whose adapters are all
+-- resident, else the head. No job is passed over more than max_skip times: the first that has been
+-- goes before any behind it. Priorities always win (only the highest class is looked at), and each
+-- job passed over counts it. max_skip 0 is line_pop: the order without affinity.
+local function line_pop_affine(line, job_prefix, max_skip, last, resident)
+  if max_skip <= 0 then return line_pop(line, job_prefix) end
+  for _, class in ipairs(CLASSES) do
+    local window = redis.call('ZRANGE', order_key(line, class), 0, max_skip, 'WITHSCORES')
+    if window[1] then
+      local same, ready, limit
+      for i = 1, #window / 2 do
+        local f = redis.call('HMGET', job_prefix .. window[2 * i - 1], 'adapters', 'skips')
+        local key = f[1] or ''
+        if not same and key == last then same = i end
+        if not ready and adapters_resident(key, resident) then ready = i end
+        if not limit and (tonumber(f[2]) or 0) >= max_skip then limit = i end
+      end
+      local chosen = same or ready or 1
+      if limit and limit < chosen then chosen = limit end
+      for i = 1, chosen - 1 do redis.call('HINCRBY', job_prefix .. window[2 * i - 1], 'skips', 1) end
+      local id, tag = window[2 * chosen - 1], window[2 * chosen]
+      redis.call('ZREM', order_key(line, class), id)
+      line_taken(line, job_prefix, class, id, tag)
+      return id
+    end
+  end
+  redis.call('DEL', line.key .. ':doorbell')
+  return false
+end

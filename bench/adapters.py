@@ -1,0 +1,152 @@
+"""What LoRA adapters cost the worker: loading one, switching between resident ones, and a job with one.
+
+    python -m bench.adapters [--rounds 7] [--size 256] [--jobs 40]
+
+In-process, the tiny model and its tiny adapters (worker/tiny_loras.py), through the worker's own
+``Adapters`` and ``ImagePipeline``: the GPU section of a bare job (the baseline, measured in this
+run) against a job with one resident adapter and with two; then an adapter's load from disk and
+unload (``load_lora_weights``, ``delete_adapters``), a switch between two resident adapters
+(``set_adapters``) and a switch back to the bare model (``disable_lora``), each the median of
+``rounds``; and a line of jobs alternating between two adapters, with the claim's affinity off and on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from shared.contract.adapters import LoraRef
+from shared.contract.jobs import JobRequest
+from shared.contract.settings import Settings
+
+
+def median_ms(action: Callable[[], object], rounds: int) -> float:
+    """The median wall time of ``action`` in ms, after one untimed call."""
+    action()
+    times = []
+    for _ in range(rounds):
+        began = time.perf_counter()
+        action()
+        times.append(time.perf_counter() - began)
+    return 1000 * statistics.median(times)
+
+
+def report(rounds: int = 7, size: int = 256, jobs: int = 40) -> list[str]:
+    """The three tables: the GPU section with and without adapters, what loading and switching
+    cost, and what affinity saves on a line of alternating adapters."""
+    from worker.pipeline import load_pipeline
+    from worker.tiny_loras import ensure_tiny_loras
+
+    with tempfile.TemporaryDirectory(prefix="slotq-bench-") as scratch:
+        folder = ensure_tiny_loras(Path(scratch))
+        settings = Settings(cache_dir=Path(scratch), device="cpu", lora_dir=folder, lora_cache=8)
+        pipeline = load_pipeline(settings)
+
+        def job(*names: str) -> Callable[[], object]:
+            loras = [LoraRef(name=name) for name in names]
+            request = JobRequest(prompt="bench", width=size, height=size, steps=4, seed=1, loras=loras)
+            return lambda: pipeline.generate(request, on_step=lambda step, total: None)
+
+        bare = median_ms(job(), rounds)
+        lines = [f"GPU section: tiny model on cpu, {size}x{size}, 4 steps, median of {rounds}",
+                 f"{'':34}{'ms':>10}{'x bare':>10}", f"{'bare model (baseline)':34}{bare:>10.1f}{1:>9.2f}x"]
+        for names in (("ink",), ("ink", "neon")):
+            took = median_ms(job(*names), rounds)
+            label = f"with {' + '.join(names)} (resident)"
+            lines.append(f"{label:34}{took:>10.1f}{took / bare:>9.2f}x")
+
+        pipe, adapters, turn = pipeline.pipe, pipeline.adapters, iter(range(10**9))
+
+        def load() -> None:  # under a new name each time, as the worker loads one it has not got
+            name = f"moss-{next(turn)}"
+            pipe.load_lora_weights(str(folder), weight_name="moss.safetensors", adapter_name=name)
+            pipe.delete_adapters(name)
+
+        def switch() -> None:  # ink and neon are resident since the jobs above
+            adapters.use(pipe, [LoraRef(name="ink" if next(turn) % 2 else "neon")])
+
+        def to_bare() -> None:
+            adapters.use(pipe, [LoraRef(name="ink")] if next(turn) % 2 else [])
+
+        costs = [("load from disk, then unload", median_ms(load, rounds)),
+                 ("switch between two resident", median_ms(switch, rounds)),
+                 ("switch adapter <-> bare model", median_ms(to_bare, rounds))]
+        lines += ["", f"adapter changes on the same pipeline (diffusers + peft), median of {rounds}",
+                  f"{'':34}{'ms':>10}{'x bare job':>12}"]
+        lines += [f"{label:34}{took:>10.2f}{took / bare:>11.2f}x" for label, took in costs]
+    return [*lines, "", *affinity_lines(jobs, min(size, 128))]
+
+
+def affinity_lines(jobs: int = 40, size: int = 128, steps: int = 2) -> list[str]:
+    """A line of ``jobs`` alternating between two adapters, queued before the worker starts, run
+    through the real claim script and pipeline with affinity off (the baseline) and on: how many
+    times the adapters changed between jobs, how many loads from disk (one adapter resident at a
+    time, SLOTQ_LORA_CACHE=1, so every change is a load) and images a second."""
+    from shared.contract.keys import claims_key
+    from shared.store import admission, waiting
+    from shared.store.connection import connect, job_queue
+    from slotq.localredis import free_port, start_redis
+    from worker.adapters import Adapters
+    from worker.pipeline import load_pipeline
+    from worker.tiny_loras import ensure_tiny_loras
+
+    lines = [f"affinity: {jobs} jobs alternating ink / neon, {size}x{size}, {steps} steps, one adapter "
+             "resident (SLOTQ_LORA_CACHE=1), claimed by the claim script, run in-process",
+             f"{'':34}{'switches':>10}{'loads':>8}{'img/s':>8}{'x off':>8}"]
+    with tempfile.TemporaryDirectory(prefix="slotq-bench-") as scratch:
+        folder, port = ensure_tiny_loras(Path(scratch)), free_port()
+        server = start_redis(port, Path(scratch) / "redis")
+        try:
+            settings = Settings(redis_url=f"redis://127.0.0.1:{port}/0", cache_dir=Path(scratch),
+                                device="cpu", lora_dir=folder, lora_cache=1, queue_capacity=jobs + 1)
+            pipeline = load_pipeline(settings)
+            queue = job_queue(connect(settings), settings)
+            baseline = 0.0
+            for label, skip in (("affinity off (baseline)", 0), ("affinity on, max skip 8", 8)):
+                if pipeline.adapters.resident:  # the same start for each round: no adapter loaded
+                    pipeline.pipe.delete_adapters(list(pipeline.adapters.resident))
+                pipeline.adapters = Adapters(folder, capacity=1)
+                for index in range(jobs):
+                    loras = [LoraRef(name=("ink", "neon")[index % 2])]
+                    request = JobRequest(prompt="line", width=size, height=size, steps=steps, seed=index,
+                                         loras=loras)
+                    admission.enqueue_job(queue, settings, request)
+                ran: list[str] = []
+                began = time.perf_counter()
+                while True:
+                    affinity = waiting.Affinity(skip, *pipeline.adapters.holding)
+                    claimed = waiting.claim(queue.connection, queue.name, claims_key("bench"), affinity)
+                    if claimed is None:
+                        break
+                    name = claimed.record[b"adapters"].decode().split(":")[0]
+                    lora = [LoraRef(name=name)]
+                    pipeline.generate(JobRequest(prompt="line", width=size, height=size, steps=steps, seed=1,
+                                                 loras=lora), on_step=lambda step, total: None)
+                    ran.append(name)
+                rate = jobs / (time.perf_counter() - began)
+                baseline = baseline or rate
+                changes = sum(before != after for before, after in zip(ran, ran[1:], strict=False))
+                lines.append(f"{label:34}{changes:>10}{pipeline.adapters.loads:>8}{rate:>8.1f}"
+                             f"{rate / baseline:>7.2f}x")
+                queue.connection.delete(claims_key("bench"))
+        finally:
+            server.terminate()
+            server.wait(10)
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--size", type=int, default=256)
+    parser.add_argument("--jobs", type=int, default=40, help="the alternating line's length")
+    args = parser.parse_args()
+    print("\n".join(report(args.rounds, args.size, args.jobs)))
+
+
+if __name__ == "__main__":
+    main()
