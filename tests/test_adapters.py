@@ -192,3 +192,17 @@ def test_the_worker_runs_an_alternating_line_in_runs_of_one_adapter(lora_client:
     ran = [view["request"]["loras"][0]["name"] for view in views]
     changes = sum(before != after for before, after in zip(ran, ran[1:], strict=False))
     assert changes <= 12 // 8 + 1, ran  # in the line's order: 11
+
+
+def test_the_document_offers_exactly_the_adapters_there_are(settings: Settings, lora_dir: Path) -> None:
+    import jsonschema_rs
+
+    from api.openapi import openapi_document
+
+    def accepts(lora_dir: Path | None, loras: list[dict[str, object]]) -> bool:
+        components = openapi_document(settings.model_copy(update={"lora_dir": lora_dir}))["components"]
+        schema = {"$ref": "#/components/schemas/JobRequest", "components": components}
+        return jsonschema_rs.validator_for(schema).is_valid({"prompt": "p", "loras": loras})
+
+    assert accepts(lora_dir, names(ink=1.0, moss=-1.0)) and not accepts(lora_dir, names(ghost=1.0))
+    assert accepts(None, []) and not accepts(None, names(ink=1.0))  # no folder: a job names none
