@@ -231,3 +231,14 @@ def test_an_image_job_costs_the_steps_it_runs(settings: Settings, redis: Redis) 
         assert error_of(submit(width=512, height=512, steps=16), 422, "invalid_request")
         assert submit(image=url, steps=16, strength=0.5).status_code == 202
         assert "rate_limited" == submit(image=url, steps=16, strength=0.5).get_json()["error"]["code"]
+
+
+def test_the_steps_that_run_are_read_from_a_stored_request_whatever_the_limits() -> None:
+    from shared.store.records import steps_run_of
+
+    # SLOTQ_MAX_STEPS=200 and SLOTQ_MAX_SIDE=2048 admit this; the progress's total must not depend on it.
+    large = {"prompt": "p", "width": 2048, "height": 2048, "steps": 150, "strength": 0.8, "image": None}
+    assert steps_run_of(large) == 150
+    reference = {"media_type": "image/png", "width": 2048, "height": 2048, "bytes": 1, "sha256": "0" * 64}
+    assert steps_run_of({**large, "image": reference, "strength": 0.5}) == 75
+    assert steps_run_of({"prompt": "p"}) is None and steps_run_of({**large, "steps": "150"}) is None

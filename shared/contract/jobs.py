@@ -191,11 +191,8 @@ class JobRequest(BaseModel):
 
     @property
     def steps_run(self) -> int:
-        """The denoising steps that run: with a start image, the last ``strength`` of the schedule
-        (diffusers' own rounding, so that progress counts exactly the steps taken)."""
-        if self.image is None:
-            return self.steps
-        return min(int(self.steps * self.strength), self.steps)
+        """The denoising steps that run (see :func:`steps_run`)."""
+        return steps_run(self.steps, self.strength if self.image is not None else None)
 
     @property
     def batch_key(self) -> str:
@@ -222,6 +219,12 @@ class JobRequest(BaseModel):
         if self.seed is not None:
             return self
         return self.model_copy(update={"seed": secrets.randbelow(MAX_SEED + 1)})
+
+
+def steps_run(steps: int, strength: float | None) -> int:
+    """The denoising steps a job runs: all of them, or with a start image (``strength`` given) the
+    last ``strength`` of the schedule, by diffusers' own rounding, so progress counts the steps taken."""
+    return steps if strength is None else min(int(steps * strength), steps)
 
 
 def _side_limits(info: ValidationInfo) -> tuple[int, int]:

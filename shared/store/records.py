@@ -16,7 +16,7 @@ from rq.queue import Queue
 
 from shared.contract import keys
 from shared.contract.errors import JobNotFoundError, NotReadyError, ResultExpiredError
-from shared.contract.jobs import Eta, JobError, JobRequest, JobStatus, JobView, Progress
+from shared.contract.jobs import Eta, JobError, JobRequest, JobStatus, JobView, Progress, steps_run
 from shared.contract.settings import Settings
 from shared.contract.tenants import Tenant, job_cost
 from shared.store import estimates, events, fencing, outbox, scripts, waiting
@@ -167,11 +167,12 @@ def _report_step(jobs: list[Job]) -> list[bool]:
 
 
 def steps_run_of(request: dict[str, Any]) -> int | None:
-    """The steps a stored request runs (its progress's total), or None when it is malformed."""
-    try:
-        return JobRequest.model_validate(request, strict=False).steps_run
-    except ValueError:  # pydantic's ValidationError among them: the worker fails such a job
+    """The steps a stored request runs (its progress's total), or None when it is malformed. Read
+    from the fields alone: the limits that validate a request are the service's, not known here."""
+    steps, strength = request.get("steps"), request.get("strength", 0.8)
+    if not isinstance(steps, int) or not isinstance(strength, int | float):
         return None
+    return steps_run(steps, strength if request.get("image") is not None else None)
 
 
 def fetch_inputs(job: Job) -> dict[str, bytes]:
