@@ -14,7 +14,7 @@ from api.longpoll import Waits
 from shared.contract.adapters import available_adapters
 from shared.contract.images import ImageRef, InputName
 from shared.contract.jobs import PRIORITIES, JobView, Submission
-from shared.contract.models import ModelInfo, model_info
+from shared.contract.models import Family, ModelInfo, model_info
 from shared.contract.settings import Settings
 from shared.contract.tenants import Tenant
 from shared.store import admission, endings, records, waiting, workers
@@ -86,26 +86,37 @@ class Jobs:
         return records.job_view(records.fetch_job(self.queue, job_id, tenant)), ended
 
     def line(self) -> dict[str, Any]:
-        """How many jobs wait, by priority, against the limits of each class."""
-        counts = waiting.waiting_counts(self.queue, self.settings)
+        """How many jobs wait, by priority, against the limits of each class: the service's totals
+        and, under ``models``, each model's line."""
+        lines = {name: self._line(name) for name in self.settings.offered_models}
+        total = {field: {p: sum(line[field][p] for line in lines.values()) for p in PRIORITIES}
+                 for field in ("by_priority", "limits")}
+        return {"waiting": sum(line["waiting"] for line in lines.values()),
+                "capacity": sum(line["capacity"] for line in lines.values()), **total, "models": lines}
+
+    def _line(self, model: str) -> dict[str, Any]:
+        counts = waiting.waiting_counts(self.queue, self.settings, self.settings.line_of(model))
         return {"waiting": sum(counts.values()), "capacity": self.settings.queue_capacity,
                 "by_priority": counts, "limits": {p: self.settings.waiting_limit(p) for p in PRIORITIES}}
 
     def workers(self) -> list[WorkerView]:
-        """The live workers of this queue."""
-        return workers.live_workers(self.queue.connection, self.settings.queue_name)
+        """The live workers of every model, by model and name."""
+        return [view for name in self.settings.offered_models
+                for view in workers.live_workers(self.queue.connection, self.settings.line_of(name))]
 
     def models(self) -> list[ModelInfo]:
-        """What the service can run: the models its live workers hold, else the configured one."""
-        read_at, live = self._models
+        """The models a job may name, the default first: as their live workers hold them, else as
+        the settings assume them."""
+        read_at, held = self._models
         if time.monotonic() - read_at > MODELS_TTL_S:  # a submit costs no heartbeat read as a rule
-            live = workers.live_models(self.queue.connection, self.settings.queue_name)
-            self._models = time.monotonic(), live
-        held = live or [model_info(self.settings.model, self.settings.assumed_family,
-                                   loras=available_adapters(self.settings.lora_dir))]
+            held = [self._model(name, family) for name, family in self.settings.offered_models.items()]
+            self._models = time.monotonic(), held
         return [info.within(self.settings.max_side) for info in held]
 
-    def model(self) -> ModelInfo:
-        """The model a job submitted now is checked for: SLOTQ_MODEL's, as a live worker says."""
-        held = self.models()
-        return next((info for info in held if info.name == self.settings.model), held[0])
+    def _model(self, name: str, family: Family) -> ModelInfo:
+        live = workers.live_model(self.queue.connection, self.settings.line_of(name), name)
+        return live or model_info(name, family, available_adapters(self.settings.lora_dir_of(name)))
+
+    def model(self, name: str) -> ModelInfo:
+        """The model of this name (one of SLOTQ_MODEL_NAMES), that a job for it is checked against."""
+        return next(info for info in self.models() if info.name == name)

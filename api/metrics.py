@@ -82,14 +82,16 @@ class ServiceCollector(Collector):
         self.queue, self.settings = queue, settings
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        depth = GaugeMetricFamily("slotq_queue_depth", "Jobs waiting, by priority class.",
-                                  labels=["priority"])
-        limit = GaugeMetricFamily("slotq_queue_limit", "Jobs that may wait before a class is refused.",
-                                  labels=["priority"])
-        for priority, count in waiting.waiting_counts(self.queue, self.settings).items():
-            depth.add_metric([priority], count)
-        for priority in PRIORITIES:
-            limit.add_metric([priority], self.settings.waiting_limit(priority))
+        depth = GaugeMetricFamily("slotq_queue_depth", "Jobs waiting, by model and priority class.",
+                                  labels=["model", "priority"])
+        limit = GaugeMetricFamily("slotq_queue_limit", "Jobs that may wait in a model's line before a "
+                                  "class is refused.", labels=["model", "priority"])
+        for model in self.settings.offered_models:
+            counts = waiting.waiting_counts(self.queue, self.settings, self.settings.line_of(model))
+            for priority, count in counts.items():
+                depth.add_metric([model, priority], count)
+            for priority in PRIORITIES:
+                limit.add_metric([model, priority], self.settings.waiting_limit(priority))
         ended = CounterMetricFamily("slotq_jobs_ended", "Jobs that reached a final status, by status.",
                                     labels=["status"])
         for status, count in endings.ended_counts(self.queue).items():

@@ -13,7 +13,7 @@ from shared.contract import errors
 from shared.contract.adapters import available_adapters
 from shared.contract.images import FORMATS, INPUT_NAMES
 from shared.contract.jobs import PRIORITIES, JobRequest, JobView
-from shared.contract.models import Family, ModelInfo, model_info
+from shared.contract.models import ModelInfo, model_info
 from shared.contract.settings import Settings
 from shared.store.workers import WorkerView
 
@@ -45,11 +45,17 @@ ERROR_SCHEMA: dict[str, Any] = {
 }
 _BY_CLASS = {"type": "object", "required": list(PRIORITIES), "additionalProperties": False,
              "properties": {p: {"type": "integer", "minimum": 0} for p in PRIORITIES}}
-QUEUE_SCHEMA: dict[str, Any] = {
+LINE_SCHEMA: dict[str, Any] = {
     "type": "object", "required": ["waiting", "capacity", "by_priority", "limits"],
     "properties": {"waiting": {"type": "integer", "minimum": 0},
                    "capacity": {"type": "integer", "minimum": 1},
                    "by_priority": _BY_CLASS, "limits": _BY_CLASS},
+}
+# The service's totals, and each model's line by its name.
+QUEUE_SCHEMA: dict[str, Any] = {
+    **LINE_SCHEMA, "required": [*LINE_SCHEMA["required"], "models"],
+    "properties": {**LINE_SCHEMA["properties"],
+                   "models": {"type": "object", "additionalProperties": LINE_SCHEMA}},
 }
 
 WORKERS_SCHEMA: dict[str, Any] = {
@@ -65,11 +71,20 @@ STORED_REQUEST = "StoredRequest"
 
 
 def openapi_document(settings: Settings) -> dict[str, Any]:
-    """The OpenAPI 3.1 document with these settings' limits and features (a copy the caller may change)."""
+    """The OpenAPI 3.1 document with these settings' limits and features (a copy the caller may change).
+
+    With several models it offers what every one of them takes (the default's defaults, the largest
+    side multiple, the samplers and adapters they all have): a job valid by it is valid for any model.
+    """
     webhooks = settings.webhook_secret is not None
-    family, adapters = settings.assumed_family, tuple(available_adapters(settings.lora_dir))
-    return copy.deepcopy(_document(settings.max_side, settings.max_steps, webhooks, settings.model, family,
-                                   adapters))
+    offered = [model_info(name, family, available_adapters(settings.lora_dir_of(name)))
+               for name, family in settings.offered_models.items()]
+    common = offered[0].model_copy(update={
+        "side_multiple": max(info.side_multiple for info in offered),
+        "schedulers": [s for s in offered[0].schedulers if all(s in info.schedulers for info in offered)],
+        "loras": [lora for lora in offered[0].loras if all(lora in info.loras for info in offered)]})
+    return copy.deepcopy(_document(settings.max_side, settings.max_steps, webhooks,
+                                   tuple(info.name for info in offered), common.model_dump_json()))
 
 
 def error_codes() -> dict[int, list[str]]:
@@ -127,16 +142,16 @@ JOB_LINKS = {"getJob": {"operationId": "getJob", "parameters": _OF_THE_JOB},
 
 
 @lru_cache(maxsize=8)
-def _document(max_side: int, max_steps: int, webhooks: bool, name: str, family: Family,
-              adapters: tuple[str, ...]) -> dict[str, Any]:
-    """Build the document once per distinct set of limits, features, model family and adapters."""
-    codes, model = _served_codes(webhooks), model_info(name, family, loras=list(adapters))
+def _document(max_side: int, max_steps: int, webhooks: bool, names: tuple[str, ...], common: str
+              ) -> dict[str, Any]:
+    """Build the document once per distinct set of limits, features, models and what they all take."""
+    codes, model = _served_codes(webhooks), ModelInfo.model_validate_json(common)
     return {
         "openapi": "3.1.0",
         "info": {"title": "slotq", "version": "1",
                  "description": "A GPU image-generation job service with capped admission."},
         "paths": {**_job_paths(codes), **_service_paths(codes)},
-        "components": {"schemas": {**_model_schemas(max_side, max_steps, webhooks, model),
+        "components": {"schemas": {**_model_schemas(max_side, max_steps, webhooks, model, names),
                                    "Error": ERROR_SCHEMA},
                        # No operation answers 405 itself; any other method on a documented path does.
                        "responses": {"MethodNotAllowed": _not_allowed(codes[405])}},
@@ -199,7 +214,7 @@ def _service_paths(codes: dict[int, list[str]]) -> dict[str, Any]:
                          _json("The queue.", QUEUE_SCHEMA), 503),
         "/v1/workers": get("listWorkers", "The live workers, their device, state and job ids.",
                            _json("The workers.", WORKERS_SCHEMA), 503),
-        "/v1/models": get("listModels", "The models the service runs: family, samplers and defaults.",
+        "/v1/models": get("listModels", "The models a job may name: family, samplers, defaults, workers.",
                           _json("The models.", MODELS_SCHEMA), 503),
         "/healthz": get("healthz", "The process is alive.", _json("Alive.", _status("ok"))),
         "/readyz": get("readyz", "Redis answers and the process is not draining.",
@@ -215,9 +230,11 @@ def _service_paths(codes: dict[int, list[str]]) -> dict[str, Any]:
     }
 
 
-def _model_schemas(max_side: int, max_steps: int, webhooks: bool, model: ModelInfo) -> dict[str, Any]:
+def _model_schemas(max_side: int, max_steps: int, webhooks: bool, model: ModelInfo, names: tuple[str, ...]
+                   ) -> dict[str, Any]:
     """The models' JSON schemas, plus the limits their validators take from the settings and the
-    model (its family's sampler names and side multiple; the defaults are the family's too)."""
+    model (its family's sampler names and side multiple; the defaults are the family's too), and the
+    names a job's ``model`` may give."""
     schemas: dict[str, Any] = {}
     for kind in (JobRequest, JobView, WorkerView, ModelInfo):
         # What a client sends, as it may send it; what it reads, as the service writes it.
@@ -232,8 +249,11 @@ def _model_schemas(max_side: int, max_steps: int, webhooks: bool, model: ModelIn
     fields = schemas["JobRequest"]["properties"]
     for name in limits.keys() & fields.keys():
         fields[name] = {**fields[name], **limits[name]}
-    fields["scheduler"] = {**fields["scheduler"], "anyOf": [{"enum": model.schedulers, "type": "string"},
-                                                            {"type": "null"}]}
+    # Models of families without a sampler in common (SD and Flux) take only their own: none named.
+    samplers = [{"enum": model.schedulers, "type": "string"}] if model.schedulers else []
+    fields["scheduler"] = {**fields["scheduler"], "anyOf": [*samplers, {"type": "null"}]}
+    fields["model"] = {**fields["model"], "anyOf": [{"enum": list(names), "type": "string"},
+                                                    {"type": "null"}]}
     for name, value in model.within(max_side).defaults.model_dump().items():
         fields[name] = {**fields[name], "default": value}
     # The adapters a job may name are the files of SLOTQ_LORA_DIR now; with none, a job names none.

@@ -24,7 +24,7 @@ from shared.contract.errors import (
     UnsupportedMediaTypeError,
 )
 from shared.contract.images import INPUT_NAMES
-from shared.contract.jobs import Submission, validate_submission
+from shared.contract.jobs import Submission, requested_model, validate_submission
 from shared.contract.settings import Settings
 from shared.contract.tenants import Tenant
 
@@ -101,19 +101,19 @@ def cancel_job(job_id: str) -> tuple[Response, int]:
 
 @bp.get("/v1/queue")
 def queue_state() -> Response:
-    """How many jobs wait, by priority, against the limits of each class."""
+    """How many jobs wait, by priority, against the limits of each class; in all and per model."""
     return jsonify(_jobs().line())
 
 
 @bp.get("/v1/workers")
 def list_workers() -> Response:
-    """The live workers of this queue: host, device, state and the ids of the jobs they hold."""
+    """The live workers of every model: host, device, state and the ids of the jobs they hold."""
     return jsonify({"workers": [view.model_dump(mode="json") for view in _jobs().workers()]})
 
 
 @bp.get("/v1/models")
 def list_models() -> Response:
-    """The models this service runs: family, samplers, defaults and how many live workers hold each."""
+    """The models a job may name: family, samplers, defaults, adapters and the live workers of each."""
     return jsonify({"models": [info.model_dump(mode="json") for info in _jobs().models()]})
 
 
@@ -153,13 +153,14 @@ def _json(view: BaseModel) -> Response:
 
 
 def _submission() -> Submission:
-    """The body as a job request, with this service's limits, or ``InvalidRequestError`` (or
-    ``InvalidImageError`` for an input image)."""
-    settings = _settings()
+    """The body as a job request for the model it names, with this service's limits, or
+    ``InvalidRequestError`` (``UnknownModelError``, ``InvalidImageError`` for an input image)."""
+    settings, body = _settings(), _json_body()
+    name = requested_model(body, list(settings.offered_models))
     try:
-        return validate_submission(_json_body(), max_side=settings.max_side, max_steps=settings.max_steps,
-                                   max_image_bytes=settings.max_image_bytes, model=_jobs().model(),
-                                   adapters=available_adapters(settings.lora_dir))
+        return validate_submission(body, max_side=settings.max_side, max_steps=settings.max_steps,
+                                   max_image_bytes=settings.max_image_bytes, model=_jobs().model(name),
+                                   adapters=available_adapters(settings.lora_dir_of(name)))
     except ValidationError as exc:
         raise InvalidRequestError(details=_details(exc)) from None
 

@@ -119,7 +119,7 @@ def affinity_lines(jobs: int = 40, size: int = 128, steps: int = 2) -> list[str]
                 began = time.perf_counter()
                 while True:
                     affinity = waiting.Affinity(skip, *pipeline.adapters.holding)
-                    claimed = waiting.claim(queue.connection, queue.name, claims_key("bench"), affinity)
+                    claimed = waiting.claim(queue.connection, settings.line, claims_key("bench"), affinity)
                     if claimed is None:
                         break
                     name = claimed.record[b"adapters"].decode().split(":")[0]

@@ -46,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="wait for the job to end, showing its queue position and step progress")
     submit.add_argument("-o", "--output", help="save the first image here (implies --wait)")
     submit.add_argument("--timeout", type=float, default=600.0, help="seconds to wait (default: 600)")
+    submit.add_argument("--model", help="the model to run on, by name (default: the service's first)")
+    submit.add_argument("--lora", action="append", type=_lora, metavar="NAME[:SCALE]",
+                        help="a LoRA adapter, at a scale (default 1); repeat for several")
     submit.add_argument("--priority", choices=["high", "normal", "low"])
     submit.add_argument("--scheduler", choices=SCHEDULERS, help="the sampler (default: the model's own)")
     submit.add_argument("--image", metavar="FILE", help="a start image (PNG, JPEG, WebP): image-to-image")
@@ -56,6 +59,15 @@ def _parser() -> argparse.ArgumentParser:
         submit.add_argument(f"--{name}", type=kind)
     submit.set_defaults(run=_run_submit)
     return parser
+
+
+def _lora(text: str) -> dict[str, Any]:
+    """``--lora ink`` or ``--lora ink:0.8`` as a job's adapter entry."""
+    name, _, scale = text.partition(":")
+    try:
+        return {"name": name} | ({"scale": float(scale)} if scale else {})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: the scale after ':' must be a number") from None
 
 
 def _run_api(args: argparse.Namespace) -> int:
@@ -92,8 +104,10 @@ def _run_submit(args: argparse.Namespace) -> int:
 
     client = Client(args.url, api_key=args.api_key)
     names = ["negative_prompt", "width", "height", "steps", "guidance_scale", "seed", "num_images",
-             "deadline_s", "priority", "scheduler", "strength"]
+             "deadline_s", "priority", "scheduler", "strength", "model"]
     params: dict[str, Any] = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    if args.lora:
+        params["loras"] = args.lora
     try:
         params |= {name: data_url(getattr(args, name)) for name in ("image", "mask") if getattr(args, name)}
     except (OSError, ValueError) as exc:

@@ -53,11 +53,12 @@ return {ordered, listed}
 """
 
 
-def waiting_ids(redis: Redis, settings: Settings) -> list[str]:
-    """The ids of the waiting jobs, in the order a worker takes them; checks that RQ's lists hold
-    exactly these ids (the line's order and its lists never disagree)."""
-    lists = keys.RQ_QUEUE_PREFIX + settings.queue_name + keys.QUEUE_SEPARATOR
-    ordered, listed = redis.eval(LINE_SNAPSHOT_LUA, 2, keys.line_key(settings.queue_name), keys.RQ_QUEUES_KEY,
+def waiting_ids(redis: Redis, settings: Settings, model: str | None = None) -> list[str]:
+    """The ids of the jobs waiting in a model's line (the default's), in the order a worker takes
+    them; checks that RQ's lists hold exactly these ids (the line's order and its lists never disagree)."""
+    line = settings.line_of(model or settings.default_model)
+    lists = keys.RQ_QUEUE_PREFIX + line + keys.QUEUE_SEPARATOR
+    ordered, listed = redis.eval(LINE_SNAPSHOT_LUA, 2, keys.line_key(line), keys.RQ_QUEUES_KEY,
                                  lists, *PRIORITIES)
     ordered, listed = [raw.decode() for raw in ordered], [raw.decode() for raw in listed]
     assert sorted(listed) == sorted(ordered), f"RQ's lists hold {listed}, the line's order {ordered}"
@@ -155,7 +156,8 @@ def slotq_env(settings: Settings, **extra: Any) -> dict[str, str]:
     """The environment that gives a slotq process these settings."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("SLOTQ_")}
     values = settings.model_dump(mode="json") | extra
-    env.update({f"SLOTQ_{name.upper()}": str(value) for name, value in values.items() if value is not None})
+    env.update({f"SLOTQ_{name.upper()}": json.dumps(value) if isinstance(value, list | dict) else str(value)
+                for name, value in values.items() if value is not None})
     return env
 
 

@@ -231,7 +231,8 @@ def test_cli_submit_with_a_start_image_and_the_client_reads_the_input_back(
     with Image.open(output) as picture:
         assert picture.size == (96, 64)
     (model,) = client.models()
-    assert (model["name"], model["family"], model["workers"]) == ("tiny", "sd", 1)
+    assert (model["name"], model["checkpoint"], model["family"], model["workers"]) == (
+        "default", "tiny", "sd", 1)
 
     with pytest.raises(InvalidRequestError) as refused:
         client.submit("a cut image", image=slotq.data_url(start)[:200])

@@ -271,13 +271,17 @@ def _check_scaled_object(scaled: dict[str, Any]) -> None:
 
 
 def test_scaled_object_scales_the_worker() -> None:
-    """The ScaledObject targets the worker Deployment with known fields; nothing else scales the worker."""
+    """A ScaledObject targets each model's worker Deployment with known fields; nothing else scales them."""
     scaled_objects = _of_kind("ScaledObject")
-    assert len(scaled_objects) == 1
-    _check_scaled_object(scaled_objects[0])
-    # KEDA makes the worker's HPA; a second one would fight it.
+    workers = {doc["metadata"]["name"] for doc in _of_kind("Deployment")
+               if _container(doc)["name"] == "worker"}
+    assert workers == {"slotq-worker", "slotq-worker-xl"}
+    assert sorted(doc["spec"]["scaleTargetRef"]["name"] for doc in scaled_objects) == sorted(workers)
+    for scaled in scaled_objects:
+        _check_scaled_object(scaled)
+    # KEDA makes the workers' HPAs; a second one would fight it.
     targets = {hpa["spec"]["scaleTargetRef"]["name"] for hpa in _of_kind("HorizontalPodAutoscaler")}
-    assert "slotq-worker" not in targets
+    assert not targets & workers
     # The worker's count is KEDA's: a `replicas` in the manifest would reset it on every apply.
     assert all("replicas" not in deployment["spec"] for deployment in _of_kind("Deployment"))
 
@@ -285,7 +289,7 @@ def test_scaled_object_scales_the_worker() -> None:
 def test_trigger_authentication_exists_and_reads_a_real_key() -> None:
     """Each authenticationRef names a TriggerAuthentication whose Secret and key exist; the example agrees."""
     auths = {doc["metadata"]["name"]: doc for doc in _of_kind("TriggerAuthentication")}
-    for trigger in _one("ScaledObject", "slotq-worker")["spec"]["triggers"]:
+    for trigger in [t for doc in _of_kind("ScaledObject") for t in doc["spec"]["triggers"]]:
         ref = trigger.get("authenticationRef")
         if ref is None:
             continue
@@ -305,11 +309,15 @@ def test_trigger_authentication_exists_and_reads_a_real_key() -> None:
     assert secrets["KEDA_TOKEN"] in TypeAdapter(KeyTable).validate_json(secrets["SLOTQ_API_KEYS"])
 
 
-def test_metrics_api_asks_the_api_service_for_the_waiting_count() -> None:
-    """The metrics-api URL names the API Service, its namespace and port, and a field GET /v1/queue has."""
+@pytest.mark.parametrize("scaled", ["slotq-worker", "slotq-worker-xl"])
+def test_metrics_api_asks_the_api_service_for_the_waiting_count(scaled: str, monkeypatch: pytest.MonkeyPatch
+                                                                ) -> None:
+    """The metrics-api URL names the API Service, its namespace and port, and the count GET /v1/queue
+    has of the line of the model the target's workers serve."""
     from api.openapi import QUEUE_SCHEMA
 
-    trigger = _one("ScaledObject", "slotq-worker")["spec"]["triggers"][0]
+    spec = _one("ScaledObject", scaled)["spec"]
+    trigger, deployment = spec["triggers"][0], spec["scaleTargetRef"]["name"]
     assert trigger["type"] == "metrics-api"
     url = urlsplit(trigger["metadata"]["url"])
     service = _one("Service", "slotq-api")
@@ -317,8 +325,13 @@ def test_metrics_api_asks_the_api_service_for_the_waiting_count() -> None:
     assert url.hostname == f"{service['metadata']['name']}.{_kustomization()['namespace']}.svc"
     assert url.port in {port["port"] for port in service["spec"]["ports"]}
     assert (url.scheme, url.path) == ("http", "/v1/queue")
-    location = trigger["metadata"]["valueLocation"]
-    assert location in QUEUE_SCHEMA["required"] and QUEUE_SCHEMA["properties"][location]["type"] == "integer"
+    # Its own model's line: models.<name>.waiting, a name the API accepts.
+    models, name, field = trigger["metadata"]["valueLocation"].split(".")
+    assert models in QUEUE_SCHEMA["required"]
+    line = QUEUE_SCHEMA["properties"][models]["additionalProperties"]
+    assert line["properties"][field]["type"] == "integer"
+    assert name == _settings_of(_one("Deployment", deployment), monkeypatch).model_name
+    assert name in _settings_of(_one("Deployment", "slotq-api"), monkeypatch).offered_models
     # Every replica answers the same service-wide count: summing over endpoints would multiply it.
     assert trigger["metadata"].get("aggregateFromKubeServiceEndpoints", "false") == "false"
 
@@ -391,7 +404,7 @@ def test_config_map_holds_only_real_settings() -> None:
         assert slotq <= known, f"Secret {name}: not settings: {sorted(slotq - known)}"
 
 
-@pytest.mark.parametrize("name", ["slotq-api", "slotq-worker"])
+@pytest.mark.parametrize("name", ["slotq-api", "slotq-worker", "slotq-worker-xl"])
 def test_pod_environment_is_valid(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The environment each pod starts with names only real settings and passes their validation."""
     env = _pod_env(_one("Deployment", name))
@@ -405,14 +418,16 @@ def _gpus(container: dict[str, Any], section: str) -> int:
     return int(container.get("resources", {}).get(section, {}).get("nvidia.com/gpu", 0))
 
 
-def test_only_the_worker_asks_for_a_gpu() -> None:
-    """The worker asks for exactly one GPU (limit = request) and tolerates GPU taints; nothing else asks."""
-    worker = _container(_one("Deployment", "slotq-worker"))
-    assert _gpus(worker, "limits") == 1
-    assert _gpus(worker, "requests") in (0, 1)  # unset: the kubelet copies the limit
-    assert any(t["key"] == "nvidia.com/gpu" for t in _pod(_one("Deployment", "slotq-worker"))["tolerations"])
+def test_only_the_workers_ask_for_a_gpu() -> None:
+    """Each worker asks for exactly one GPU (limit = request) and tolerates GPU taints; nothing else asks."""
+    workers = ("slotq-worker", "slotq-worker-xl")
+    for name in workers:
+        worker = _container(_one("Deployment", name))
+        assert _gpus(worker, "limits") == 1
+        assert _gpus(worker, "requests") in (0, 1)  # unset: the kubelet copies the limit
+        assert any(t["key"] == "nvidia.com/gpu" for t in _pod(_one("Deployment", name))["tolerations"])
     for workload in _workloads():
-        if workload["metadata"]["name"] != "slotq-worker":
+        if workload["metadata"]["name"] not in workers:
             container = _container(workload)
             name = workload["metadata"]["name"]
             assert _gpus(container, "limits") == _gpus(container, "requests") == 0, name
@@ -497,23 +512,30 @@ def _apply_patch(doc: dict[str, Any], operations: list[dict[str, Any]]) -> dict[
     return patched
 
 
-def test_prometheus_component_swaps_in_a_valid_trigger() -> None:
-    """The Prometheus alternative patches the ScaledObject into one that passes the same checks."""
+def test_prometheus_component_swaps_in_a_valid_trigger(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Prometheus alternative patches each ScaledObject into one that passes the same checks,
+    on its own model's workers and line."""
     component = yaml.safe_load(COMPONENT.read_text())
     assert component["apiVersion"] == "kustomize.config.k8s.io/v1alpha1"
-    [patch] = component["patches"]
-    target = patch["target"]
-    assert (f"{target['group']}/{target['version']}", target["kind"]) == (KEDA, "ScaledObject")
-    scaled = _apply_patch(_one("ScaledObject", target["name"]), yaml.safe_load(patch["patch"]))
-    _check_scaled_object(scaled)
-    [trigger] = scaled["spec"]["triggers"]
-    assert trigger["type"] == "prometheus"
-    query = trigger["metadata"]["query"]
-    exported = "\n".join(path.read_text() for path in METRICS_SOURCES)
-    for metric in set(re.findall(r"\bslotq_\w+", query)):
-        assert f'"{metric}"' in exported, f"{metric} is not a metric slotq exports"
-    # Each API replica reports the whole line: max() over replicas, never a bare sum.
-    assert "max by (priority) (slotq_queue_depth)" in query
+    patched = set()
+    for patch in component["patches"]:
+        target = patch["target"]
+        assert (f"{target['group']}/{target['version']}", target["kind"]) == (KEDA, "ScaledObject")
+        scaled = _apply_patch(_one("ScaledObject", target["name"]), yaml.safe_load(patch["patch"]))
+        _check_scaled_object(scaled)
+        [trigger] = scaled["spec"]["triggers"]
+        assert trigger["type"] == "prometheus"
+        query = trigger["metadata"]["query"]
+        exported = "\n".join(path.read_text() for path in METRICS_SOURCES)
+        for metric in set(re.findall(r"\bslotq_\w+", query)):
+            assert f'"{metric}"' in exported, f"{metric} is not a metric slotq exports"
+        target_deployment = _one("Deployment", scaled["spec"]["scaleTargetRef"]["name"])
+        model = _settings_of(target_deployment, monkeypatch).model_name
+        # Each API replica reports the whole line: max() over replicas, never a bare sum.
+        assert f'max by (priority) (slotq_queue_depth{{model="{model}"}})' in query
+        assert f'slotq_worker_info{{model="{model}"}}' in query
+        patched.add(target["name"])
+    assert patched == {doc["metadata"]["name"] for doc in _of_kind("ScaledObject")}
 
 
 def _kustomize() -> list[str] | None:
@@ -549,7 +571,9 @@ def test_kustomize_builds_the_manifests(tmp_path: Path) -> None:
     for doc in docs:
         if doc["kind"] == "Deployment":
             container = doc["spec"]["template"]["spec"]["containers"][0]
-            assert container["image"] == images[doc["metadata"]["name"]]
+            # The image each manifest names (both workers' is slotq-worker), as the registry has it.
+            named = _container(_one("Deployment", doc["metadata"]["name"]))["image"]
+            assert container["image"] == images[named]
     secret = next(doc for doc in docs if doc["kind"] == "Secret")
     assert secret["metadata"]["name"] == "slotq-secrets" and "KEDA_TOKEN" in secret["data"]
     overlay = tmp_path / "overlay"

@@ -81,7 +81,8 @@ def test_the_api_learns_the_family_from_the_worker(client: FlaskClient, family_s
     # The first heartbeat follows RQ's registration, which start_worker waited for, by moments.
     (model,) = wait_for(lambda: [m for m in client.get("/v1/models").get_json()["models"] if m["workers"]],
                         what="the worker's first heartbeat")
-    assert (model["name"], model["family"], model["workers"]) == (family_settings.model, family, 1)
+    assert (model["name"], model["checkpoint"], model["family"], model["workers"]) == (
+        family_settings.model_name, family_settings.model, family, 1)
     assert model["side_multiple"] == (16 if family == "flux" else 8)
     assert model["schedulers"] == (["flow_euler"] if family == "flux" else list(UNET_SCHEDULERS))
     # What a request leaves out comes from the family: Flux's low guidance, SDXL's 1024 side.

@@ -322,7 +322,7 @@ def test_a_requeue_announces_the_job(client: FlaskClient, redis: Redis, settings
                                      events: PubSub) -> None:
     job_id = post_job(client).get_json()["id"]
     queue = client.application.extensions["slotq.queue"]
-    assert waiting.remove(redis, settings.queue_name, job_id)  # as a worker's claim takes it
+    assert waiting.remove(redis, settings.line, job_id)  # as a worker's claim takes it
     job = Job.fetch(job_id, connection=queue.connection, serializer=queue.serializer)
     with queue.connection.pipeline() as pipe:
         endings.requeue_at_front(job, queue, pipe)
@@ -338,7 +338,7 @@ def test_an_expiry_announces_the_job(client: FlaskClient, settings: Settings, ev
 
     def expired() -> bool:  # either script expires the job once its deadline has passed on Redis's clock
         if expire_by == "sweep":
-            waiting.expire_due(queue, settings)
+            waiting.expire_due(queue, settings, settings.line)
         else:
             post_job(client, priority="high")
         return announced(events, job_id)()

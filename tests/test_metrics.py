@@ -56,9 +56,9 @@ def test_api_metrics_add_up_across_processes(settings: Settings, start_api: Any)
                      route="/v1/jobs") == 9
         assert value(samples, "slotq_http_request_duration_seconds_count", method="POST",
                      route="/v1/jobs", status="429") == 2
-        assert value(samples, "slotq_queue_depth", priority="normal") == 5
-        assert value(samples, "slotq_queue_depth", priority="high") == 1
-        assert value(samples, "slotq_queue_limit", priority="normal") == 5
+        assert value(samples, "slotq_queue_depth", model="default", priority="normal") == 5
+        assert value(samples, "slotq_queue_depth", model="default", priority="high") == 1
+        assert value(samples, "slotq_queue_limit", model="default", priority="normal") == 5
 
 
 def test_worker_and_api_metrics_move_with_jobs(worker: Process, worker_client: Any,

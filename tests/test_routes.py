@@ -27,8 +27,9 @@ def test_submit_answers_202_with_the_queued_view(client: FlaskClient, settings: 
     view = response.get_json()
     assert response.headers["Location"] == f"/v1/jobs/{view['id']}"
     assert view["status"] == "queued" and view["position"] == 0
-    assert view["request"] == {"prompt": "a red fox", "negative_prompt": None, "width": 256,
-                               "height": 128, "steps": 4, "guidance_scale": 7.5, "seed": 7,
+    assert view["model"] == "default" and view["worker"] is None  # the first model; no worker yet
+    assert view["request"] == {"prompt": "a red fox", "model": "default", "negative_prompt": None,
+                               "width": 256, "height": 128, "steps": 4, "guidance_scale": 7.5, "seed": 7,
                                "num_images": 1, "scheduler": None, "image": None, "mask": None,
                                "strength": 0.8, "loras": [], "deadline_s": None, "priority": "normal",
                                "webhook": None, "webhook_events": ["completed"]}
@@ -250,6 +251,6 @@ def test_health_and_readiness(client: FlaskClient) -> None:
 
 def test_queue_state_reports_waiting_and_capacity(client: FlaskClient, settings: Settings) -> None:
     post_job(client)
-    assert client.get("/v1/queue").get_json() == {
-        "waiting": 1, "capacity": 5, "by_priority": {"high": 0, "normal": 1, "low": 0},
-        "limits": {"high": 6, "normal": 5, "low": 3}}
+    line = {"waiting": 1, "capacity": 5, "by_priority": {"high": 0, "normal": 1, "low": 0},
+            "limits": {"high": 6, "normal": 5, "low": 3}}
+    assert client.get("/v1/queue").get_json() == {**line, "models": {"default": line}}

@@ -87,7 +87,7 @@ def test_rq_info_and_rq_queue_see_exactly_the_waiting_jobs_of_two_classes_and_te
                  for key in ("key-a", "key-c") for priority in ("high", "normal", "normal")}
     assert len(submitted) == 6
     queues = {queue.name: queue for queue in rq_queues(redis, settings)}
-    name = settings.queue_name
+    name = settings.line
     assert set(queues) == {f"{name}:high:alice", f"{name}:normal:alice", f"{name}:high:carol",
                            f"{name}:normal:carol"}
     assert queues[f"{name}:normal:carol"].count == 2 and queues[f"{name}:high:alice"].count == 1
@@ -101,13 +101,13 @@ def test_rq_info_and_rq_queue_see_exactly_the_waiting_jobs_of_two_classes_and_te
 def test_a_job_leaves_its_rq_list_when_canceled_or_claimed(client: FlaskClient, settings: Settings,
                                                           redis: Redis) -> None:
     first, second = (submit_id(client, None, "normal") for _ in range(2))
-    normal = Queue(f"{settings.queue_name}:normal", connection=redis)
+    normal = Queue(f"{settings.line}:normal", connection=redis)
     assert normal.get_job_ids() == [first, second]
     assert client.delete(f"/v1/jobs/{first}").status_code == 200
     assert normal.get_job_ids() == [second] and waiting_ids(redis, settings) == [second]
     assert re.search(r"\b1 jobs total", rq_info(settings.redis_url))
     claims = keys.claims_key("test-worker")
-    claimed = waiting.claim(redis, settings.queue_name, claims)
+    claimed = waiting.claim(redis, settings.line, claims)
     assert claimed is not None and claimed.job_id == second
     assert normal.count == 0 and redis.lrange(claims, 0, -1) == [second.encode()]
     assert re.search(r"\b0 jobs total", rq_info(settings.redis_url))
@@ -294,7 +294,7 @@ def take_all(redis: Redis, settings: Settings, max_skip: int, resident: tuple[st
     claims = keys.claims_key("affine-worker")
     while count is None or len(taken) < count:
         affinity = waiting.Affinity(max_skip, last, resident)
-        claimed = waiting.claim(redis, settings.queue_name, claims, affinity)
+        claimed = waiting.claim(redis, settings.line, claims, affinity)
         if claimed is None:
             break
         taken.append(claimed.job_id)
@@ -343,7 +343,7 @@ def test_a_high_job_starts_next_whatever_its_adapters(adapter_line: FlaskClient,
     first = take_all(redis, settings, max_skip=8, count=3)
     high = submit(adapter_line, priority="high", loras=[{"name": "b"}], width=64, height=64).get_json()["id"]
     last = redis.hget(Job.key_for(first[-1]), "adapters").decode()
-    claimed = waiting.claim(redis, settings.queue_name, keys.claims_key("affine-worker"),
+    claimed = waiting.claim(redis, settings.line, keys.claims_key("affine-worker"),
                             waiting.Affinity(8, last, ("a",)))
     assert claimed is not None and claimed.job_id == high
 
@@ -355,8 +355,8 @@ def test_resident_adapters_go_before_ones_that_must_be_loaded(adapter_line: Flas
     bare = submit(adapter_line, width=64, height=64).get_json()["id"]
     claims = keys.claims_key("affine-worker")
     # It ran `a` at 1.0 last: no job has that, so the first whose adapters are all resident goes.
-    took = waiting.claim(redis, settings.queue_name, claims, waiting.Affinity(8, "a:1.0", ("a",)))
+    took = waiting.claim(redis, settings.line, claims, waiting.Affinity(8, "a:1.0", ("a",)))
     assert took is not None and took.job_id == resident
-    took = waiting.claim(redis, settings.queue_name, claims, waiting.Affinity(8, "", ("a",)))
+    took = waiting.claim(redis, settings.line, claims, waiting.Affinity(8, "", ("a",)))
     assert took is not None and took.job_id == bare  # it ran the bare model last: the bare job
     assert waiting_ids(redis, settings) == [needs_load]

@@ -48,7 +48,7 @@ def in_state(client: FlaskClient, worker: Process, state: str, job_id: str | Non
 def test_an_idle_worker_is_listed_with_its_device_host_and_pid(worker: Process, worker_client: FlaskClient,
                                                                worker_settings: Settings) -> None:
     entry = wait_for(lambda: in_state(worker_client, worker, "idle"), what="the worker to be listed idle")
-    assert entry["device"] == "cpu" and entry["model"] == "tiny"
+    assert entry["device"] == "cpu" and entry["model"] == "default" and entry["checkpoint"] == "tiny"
     assert entry["host"] == socket.gethostname() and entry["pid"] == worker.popen.pid
     assert entry["queue"] == worker_settings.queue_name and entry["current_jobs"] == []
     beat_at = datetime.fromisoformat(entry["last_beat_at"]).timestamp()
@@ -95,7 +95,8 @@ def test_a_killed_worker_is_dropped_once_its_heartbeat_expires(settings: Setting
 
 def identity(settings: Settings, name: str, **fields: Any) -> WorkerIdentity:
     return WorkerIdentity(**({"name": name, "queue": settings.queue_name, "host": "gpu-host-2", "pid": 4242,
-                              "device": "cuda:1", "model": "tiny"} | fields))
+                              "device": "cuda:1", "model": settings.model_name, "checkpoint": "tiny"}
+                            | fields))
 
 
 def test_only_fresh_records_of_this_queue_are_listed(client: FlaskClient, redis: Redis,
@@ -103,7 +104,7 @@ def test_only_fresh_records_of_this_queue_are_listed(client: FlaskClient, redis:
     workers.beat(redis, identity(settings, "gpu1"), ttl_s=60)
     workers.beat(redis, identity(settings, "gpu0", device="cuda:0"), ttl_s=60)
     workers.beat(redis, identity(settings, "elsewhere", queue="other-queue"), ttl_s=60)
-    redis.sadd(keys.workers_key(settings.queue_name), "elsewhere", "old-version")
+    redis.sadd(keys.workers_key(settings.line), "elsewhere", "old-version")
     redis.set(keys.alive_key("old-version"), 1, px=60_000)  # what workers before this record wrote
     assert [(entry["name"], entry["device"]) for entry in listed(client)] == [("gpu0", "cuda:0"),
                                                                               ("gpu1", "cuda:1")]

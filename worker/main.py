@@ -84,7 +84,7 @@ class SlotWorker(Outcomes):
         while not lifecycle.stopping.is_set():
             try:
                 if self.claims.recover() is not None:  # at most once a second, like the expiry
-                    waiting.expire_due(self.queue, self.settings)
+                    waiting.expire_due(self.queue, self.settings, self.settings.line)
                 holding = current_pipeline().adapters.holding  # for the claim's affinity
                 claimed = self.claims.claim(None if burst else CLAIM_TIMEOUT_S, holding)
                 if claimed is None:
@@ -122,7 +122,7 @@ class SlotWorker(Outcomes):
             with holding(*fences), logs.about_job(*_ids_of([member.job for member in members])):
                 outcomes = self._render([member.job for member in members])
         except Exception as exc:
-            estimates.clear_running(self.connection, self.queue.name, self.name)
+            estimates.clear_running(self.connection, self.settings.line, self.name)
             outcomes = [exc] * len(members)
         self.metrics.gpu_section.observe(time.perf_counter() - started)
         done = []
@@ -164,7 +164,7 @@ class SlotWorker(Outcomes):
                     self.connection.pipeline(transaction=False) as pipe:
                 for member in members:
                     records.begin_attempt(member.job, pipe)
-                running = estimates.mark_running(pipe, self.queue.name, self.name, cost, batch[0].at)
+                running = estimates.mark_running(pipe, self.settings.line, self.name, cost, batch[0].at)
                 pipe.execute()
         except StaleAttemptError as exc:
             for member in members:
@@ -239,7 +239,7 @@ class SlotWorker(Outcomes):
         self.claims.describe(self.hostname, self.pid, str(loaded.device), loaded.info.family,
                              loaded.info.loras)
         self.claims.beat()
-        log.info("worker %s ready on %s", self.name, self.queue.name)
+        log.info("worker %s ready on %s (model %s)", self.name, self.settings.line, self.settings.model_name)
 
     def _unregister(self) -> None:
         try:

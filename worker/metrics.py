@@ -60,14 +60,14 @@ class DeviceCollector(Collector):
 
     def __init__(self, pipeline: ImagePipeline, settings: Settings, worker_name: str) -> None:
         self.pipeline, self.worker_name = pipeline, worker_name
-        self.model = settings.model
+        self.model, self.checkpoint = settings.model_name, settings.model
         self.started = time.perf_counter()
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         device = self.pipeline.device
-        info = GaugeMetricFamily("slotq_worker_info", "The worker's name, model and device.",
-                                 labels=["worker", "model", "device"])
-        info.add_metric([self.worker_name, self.model, str(device)], 1)
+        info = GaugeMetricFamily("slotq_worker_info", "The worker's name, model (and what it loaded) "
+                                 "and device.", labels=["worker", "model", "checkpoint", "device"])
+        info.add_metric([self.worker_name, self.model, self.checkpoint, str(device)], 1)
         yield info
         yield CounterMetricFamily("slotq_gpu_busy_seconds", "Time the GPU section ran, in all.",
                                   value=self.pipeline.busy_s)

@@ -158,9 +158,10 @@ def load_pipeline(settings: Settings) -> ImagePipeline:
     pipe = DiffusionPipeline.from_pretrained(source, dtype=dtype)
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
-    info = model_info(settings.model, family_of(pipe), loras=available_adapters(settings.lora_dir))
+    lora_dir = settings.lora_dir_of(settings.model_name)
+    info = model_info(settings.model_name, family_of(pipe), available_adapters(lora_dir), settings.model)
     loaded = ImagePipeline(pipe=pipe, device=device, samplers=Samplers(pipe.scheduler), info=info,
-                           adapters=Adapters(settings.lora_dir, settings.lora_cache))
+                           adapters=Adapters(lora_dir, settings.lora_cache))
     side = max(64, info.side_multiple * 4)
     warm_up = JobRequest(prompt="warm-up", width=side, height=side, steps=1, seed=0)
     loaded.generate(warm_up, on_step=lambda step, total: None)

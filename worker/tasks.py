@@ -95,7 +95,8 @@ def _validated(job: Job) -> JobRequest | Exception:
     if request.scheduler is not None and request.scheduler not in info.schedulers:
         return JobFailedError("invalid_request", f"a {info.family} model cannot use the "
                               f"{request.scheduler} sampler; it takes {', '.join(info.schedulers)}")
-    missing = sorted({lora.name for lora in request.loras} - set(available_adapters(settings.lora_dir)))
+    held = available_adapters(settings.lora_dir_of(settings.model_name))
+    missing = sorted({lora.name for lora in request.loras} - set(held))
     if missing:  # removed from the folder since its admission, or not mounted on this worker
         return JobFailedError("unknown_lora", f"this worker has no LoRA adapter named {', '.join(missing)}")
     return request

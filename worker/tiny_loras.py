@@ -1,9 +1,12 @@
-"""Tiny LoRA adapters for the tiny SD model, in diffusers' LoRA format, for tests and offline demos.
+"""Tiny LoRA adapters for each tiny model, in diffusers' LoRA format, for tests and offline demos.
 
-Each adapter is made with peft on the tiny model's own UNet and written with
-``StableDiffusionPipeline.save_lora_weights``, so the worker loads it with the same
-``load_lora_weights`` call as a real one. A random tiny UNet barely notices a LoRA of ordinary size,
-so these have large, seeded weights: each visibly changes an image, and a build is deterministic.
+Every tiny model (``tiny``, ``tiny-sdxl``, ``tiny-flux``; see worker/tiny_model.py) gets the same
+three adapters, ``ink``, ``neon`` and ``moss``, in a folder of its own. Each is made with peft on
+that model's own denoiser (the UNet of SD and SDXL, the Flux transformer's attention projections)
+and written with its pipeline's ``save_lora_weights``, so the worker loads it with the same
+``load_lora_weights`` call as a real one. A random tiny denoiser barely notices a LoRA of ordinary
+size, so these have large, seeded weights: each visibly changes an image, and a build is
+deterministic.
 """
 
 from __future__ import annotations
@@ -12,10 +15,18 @@ import logging
 import os
 import shutil
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from diffusers import StableDiffusionPipeline, UNet2DConditionModel
+from diffusers import (
+    FluxPipeline,
+    FluxTransformer2DModel,
+    StableDiffusionPipeline,
+    StableDiffusionXLPipeline,
+    UNet2DConditionModel,
+)
 from diffusers.utils import convert_state_dict_to_diffusers
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
@@ -25,27 +36,75 @@ from worker.tiny_model import ensure_tiny_model
 
 log = logging.getLogger(__name__)
 
-FOLDER = "tiny-sd-loras-v1"  # bump when the adapters change
-ADAPTERS = {"ink": 1, "neon": 2, "moss": 3}  # name -> seed
+ADAPTERS = {"ink": 1, "neon": 2, "moss": 3}  # name -> seed, the same for every model
 RANK = 4
-TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]  # the attention projections, as LoRA trainers pick them
-GAIN = 3.0  # how far from zero the B matrices are drawn: a change a test can see
+# The attention projections, as LoRA trainers pick them; peft matches each as a module-name suffix.
+UNET_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
+# Flux's double-stream blocks also project the text stream (add_*, to_add_out); its single-stream
+# blocks have only to_q/to_k/to_v.
+FLUX_TARGETS = (*UNET_TARGETS, "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+
+Layers = dict[str, torch.Tensor]
 
 
-def ensure_tiny_loras(cache_dir: Path) -> Path:
-    """Write the tiny adapters (``ink``, ``neon``, ``moss``) under cache_dir once; return their folder."""
-    final = Path(cache_dir) / FOLDER
+def _save_sd(folder: Path, layers: Layers, weight_name: str) -> None:
+    """Write SD UNet layers (peft's keys) in diffusers' format."""
+    unet = convert_state_dict_to_diffusers(layers)
+    StableDiffusionPipeline.save_lora_weights(folder, unet_lora_layers=unet, weight_name=weight_name)
+
+
+def _save_sdxl(folder: Path, layers: Layers, weight_name: str) -> None:
+    """Write SDXL UNet layers (peft's keys) in diffusers' format."""
+    unet = convert_state_dict_to_diffusers(layers)
+    StableDiffusionXLPipeline.save_lora_weights(folder, unet_lora_layers=unet, weight_name=weight_name)
+
+
+def _save_flux(folder: Path, layers: Layers, weight_name: str) -> None:
+    """Write Flux transformer layers; Flux's loader reads peft's keys as they are."""
+    FluxPipeline.save_lora_weights(folder, transformer_lora_layers=layers, weight_name=weight_name)
+
+
+@dataclass(frozen=True)
+class _Recipe:
+    """How one tiny model's adapters are made: their folder, the module they adapt, their size, the writer."""
+
+    folder: str  # under the cache; bump its version when the adapters change
+    denoiser: type[UNet2DConditionModel] | type[FluxTransformer2DModel]
+    subfolder: str
+    targets: tuple[str, ...]
+    gain: float  # the std of every A and B entry: a change a test can see, short of a blown-up image
+    save: Callable[[Path, Layers, str], None]
+
+
+# Gains measured on 64-256 px images (tests/test_tiny_loras.py): at scale 1 each adapter moves the
+# pixels (in [0, 1]) by 0.05-0.15 on average, and scale 0.5 gives an image of its own. Much larger
+# gains saturate the attention (Flux's past about 1.0, SDXL's past about 2), so that half a scale
+# looks like a whole one; SD keeps the 3.0 its adapters were first built with.
+RECIPES: dict[str, _Recipe] = {
+    "tiny": _Recipe("tiny-sd-loras-v1", UNet2DConditionModel, "unet", UNET_TARGETS, 3.0, _save_sd),
+    "tiny-sdxl": _Recipe("tiny-sdxl-loras-v1", UNet2DConditionModel, "unet", UNET_TARGETS, 1.0, _save_sdxl),
+    "tiny-flux": _Recipe("tiny-flux-loras-v1", FluxTransformer2DModel, "transformer", FLUX_TARGETS, 0.7,
+                         _save_flux),
+}
+
+
+def ensure_tiny_loras(cache_dir: Path, model: str = "tiny") -> Path:
+    """Write the named tiny model's adapters (ink, neon, moss) under cache_dir once; return their folder."""
+    if model not in RECIPES:
+        raise ValueError(f"unknown tiny model {model!r}; known: {', '.join(RECIPES)}")
+    recipe = RECIPES[model]
+    final = Path(cache_dir) / recipe.folder
     if final.is_dir():
         return final
-    model = ensure_tiny_model(cache_dir, "tiny")
-    tmp = final.with_name(f".{FOLDER}.tmp-{os.getpid()}-{uuid.uuid4().hex}")
+    weights = ensure_tiny_model(cache_dir, model)
+    tmp = final.with_name(f".{recipe.folder}.tmp-{os.getpid()}-{uuid.uuid4().hex}")
     try:
         tmp.mkdir(parents=True)
         for name, seed in ADAPTERS.items():
-            _write_adapter(model, tmp, name, seed)
+            recipe.save(tmp, _lora_layers(recipe, weights, seed), f"{name}{SUFFIX}")
         try:
             os.rename(tmp, final)  # readers see the whole folder or none of it
-            log.info("built tiny LoRA adapters at %s", final)
+            log.info("built tiny LoRA adapters for %s at %s", model, final)
         except OSError:
             if not final.is_dir():
                 raise
@@ -54,15 +113,14 @@ def ensure_tiny_loras(cache_dir: Path) -> Path:
     return final
 
 
-def _write_adapter(model: Path, folder: Path, name: str, seed: int) -> None:
-    """One adapter for the tiny model's UNet, with seeded weights of a visible size."""
-    unet = UNet2DConditionModel.from_pretrained(model, subfolder="unet")
-    unet.add_adapter(LoraConfig(r=RANK, lora_alpha=RANK, target_modules=TARGETS, init_lora_weights=False))
+def _lora_layers(recipe: _Recipe, weights: Path, seed: int) -> Layers:
+    """One adapter's layers (peft's keys) on the tiny model's denoiser, seeded and of a visible size."""
+    denoiser = recipe.denoiser.from_pretrained(weights, subfolder=recipe.subfolder)
+    denoiser.add_adapter(LoraConfig(r=RANK, lora_alpha=RANK, target_modules=list(recipe.targets),
+                                    init_lora_weights=False))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for key, parameter in unet.named_parameters():
+        for key, parameter in denoiser.named_parameters():
             if "lora_" in key:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * GAIN)
-    layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(unet))
-    StableDiffusionPipeline.save_lora_weights(folder, unet_lora_layers=layers,
-                                              weight_name=f"{name}{SUFFIX}")
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * recipe.gain)
+    return get_peft_model_state_dict(denoiser)

@@ -90,6 +90,10 @@ class UnknownLoraError(ServiceError):
     status, code, message = 422, "unknown_lora", "No LoRA adapter of this name is in SLOTQ_LORA_DIR."
 
 
+class UnknownModelError(ServiceError):
+    status, code, message = 422, "unknown_model", "No model of this name is in SLOTQ_MODEL_NAMES."
+
+
 class QueueFullError(ServiceError):
     status, code, message = 429, "queue_full", "The queue is full; retry later."
 

@@ -21,9 +21,9 @@ from pydantic import (
 )
 
 from shared.contract.adapters import MAX_LORAS, LoraRef, adapters_key
-from shared.contract.errors import InvalidImageError, InvalidRequestError, UnknownLoraError
+from shared.contract.errors import InvalidImageError, InvalidRequestError, UnknownLoraError, UnknownModelError
 from shared.contract.images import INPUT_NAMES, ImageRef, InputName, read_data_url
-from shared.contract.models import ModelInfo, Scheduler, model_info
+from shared.contract.models import MODEL_NAME_PATTERN, ModelInfo, Scheduler, model_info
 
 MAX_SEED = 2**32 - 1
 MAX_IMAGES = 4  # per job
@@ -93,6 +93,8 @@ class JobRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     prompt: str = Field(min_length=1, max_length=2000)
+    model: str | None = Field(None, pattern=MODEL_NAME_PATTERN,
+                              description="the model to run on, by name (GET /v1/models); absent: the first")
     negative_prompt: str | None = Field(None, max_length=2000)
     width: int = 512
     height: int = 512
@@ -273,6 +275,8 @@ def validate_submission(data: Any, *, max_side: int, max_steps: int, max_image_b
     if isinstance(data, dict):
         data = model.within(max_side).defaults.model_dump() | data
     request = validate_request(data, max_side=max_side, max_steps=max_steps, side_multiple=side_multiple)
+    if request.model is None:
+        request = request.model_copy(update={"model": model.name})
     if request.scheduler is not None and request.scheduler not in model.schedulers:
         message = f"a {model.family} model cannot use it; it takes {', '.join(model.schedulers)}"
         raise InvalidRequestError(details=[{"loc": ["scheduler"], "msg": message}])
@@ -281,6 +285,17 @@ def validate_submission(data: Any, *, max_side: int, max_steps: int, max_image_b
         offered = ", ".join(adapters) or "none"
         raise UnknownLoraError(f"No LoRA adapter named {', '.join(unknown)}; this service has {offered}.")
     return Submission(request, inputs)
+
+
+def requested_model(data: Any, offered: Sequence[str]) -> str:
+    """The name of the model a client's body asks for: its ``model``, else the first offered; an
+    unknown name is refused (``UnknownModelError``), a malformed one left to validation."""
+    name = data.get("model") if isinstance(data, dict) else None
+    if name is None or not isinstance(name, str):
+        return offered[0]
+    if name not in offered:
+        raise UnknownModelError(f"No model named {name[:64]!r}; this service has {', '.join(offered)}.")
+    return name
 
 
 def _fit_size(data: dict[str, Any], refs: dict[InputName, ImageRef], max_side: int, multiple: int) -> None:
@@ -326,6 +341,8 @@ class JobView(BaseModel):
 
     id: str
     status: JobStatus
+    model: str = Field(description="the model it runs on, by name")
+    worker: str | None = Field(None, description="the worker that runs or ran it; null until it starts")
     attempt: int = 0
     position: int | None = None
     eta_s: Eta | None = None

@@ -10,11 +10,17 @@ PREFIX = "slotq"
 # them): the waiting line is RQ's lists, so `rq info` and rq.Queue see every waiting job.
 RQ_QUEUE_PREFIX = "rq:queue:"
 RQ_QUEUES_KEY = "rq:queues"
-# The line's RQ queues are "<queue>:<class>" and "<queue>:<class>:<tenant>" (lua/lib/line.lua names
-# them); neither a queue name nor a tenant can hold the separator (settings), so a name splits back.
+# Each model has its own line, "<queue>:<model>", whose RQ queues are "<line>:<class>" and
+# "<line>:<class>:<tenant>" (lua/lib/line.lua names them); no queue, model or tenant name can hold the
+# separator (settings), so a name splits back. Jobs name the queue itself as their origin.
 QUEUE_SEPARATOR = ":"
 DOORBELL_TOKENS = 16  # enough to wake every idle worker of a host; more would only spin them
 JOB_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")  # use with fullmatch: "$" allows a final newline
+
+
+def line_name(queue: str, model: str) -> str:
+    """The line of one model: its RQ queues, its order, deadlines, estimates and workers."""
+    return f"{queue}{QUEUE_SEPARATOR}{model}"
 
 
 def cancel_key(job_id: str) -> str:
@@ -47,9 +53,9 @@ def bucket_key(queue: str, tenant: str) -> str:
     return f"{PREFIX}:bucket:{queue}:{tenant}"
 
 
-def line_key(queue: str) -> str:
-    """Prefix of the line's bookkeeping: the order of each class, virtual times, the doorbell."""
-    return f"{PREFIX}:line:{queue}"
+def line_key(line: str) -> str:
+    """Prefix of a line's bookkeeping: the order of each class, virtual times, the doorbell."""
+    return f"{PREFIX}:line:{line}"
 
 
 def events_channel(queue: str) -> str:
@@ -57,24 +63,24 @@ def events_channel(queue: str) -> str:
     return f"{PREFIX}:events:{queue}"
 
 
-def deadlines_key(queue: str) -> str:
-    """Sorted set of waiting jobs by the time they expire."""
-    return f"{PREFIX}:deadlines:{queue}"
+def deadlines_key(line: str) -> str:
+    """Sorted set of a line's waiting jobs by the time they expire."""
+    return f"{PREFIX}:deadlines:{line}"
 
 
-def model_key(queue: str) -> str:
-    """The fitted job-time model (``a + b * cost``) and its weighted sums."""
-    return f"{PREFIX}:model:{queue}"
+def model_key(line: str) -> str:
+    """The job-time model (``a + b * cost``) fitted for a line, and its weighted sums."""
+    return f"{PREFIX}:model:{line}"
 
 
-def running_key(queue: str) -> str:
-    """Hash of worker name to "cost started-at" of the job it runs."""
-    return f"{PREFIX}:running:{queue}"
+def running_key(line: str) -> str:
+    """Hash of worker name to "cost started-at" of the job it runs, for a line's workers."""
+    return f"{PREFIX}:running:{line}"
 
 
-def workers_key(queue: str) -> str:
-    """Set of the workers that hold (or held) claims on a queue."""
-    return f"{PREFIX}:workers:{queue}"
+def workers_key(line: str) -> str:
+    """Set of the workers that hold (or held) claims on a line."""
+    return f"{PREFIX}:workers:{line}"
 
 
 def claims_key(worker: str) -> str:

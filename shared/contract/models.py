@@ -26,6 +26,9 @@ PIPELINE_CLASSES: dict[str, Family] = {
     "StableDiffusionXLPipeline": "sdxl",
     "FluxPipeline": "flux",
 }
+# A model's name, as SLOTQ_MODEL_NAME and SLOTQ_MODEL_NAMES give it and a job's `model` names it.
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+DEFAULT_MODEL_NAME = "default"
 # The tiny random pipelines built locally (worker/tiny_model.py), by SLOTQ_MODEL.
 TINY_MODELS: dict[str, Family] = {"tiny": "sd", "tiny-sdxl": "sdxl", "tiny-flux": "flux"}
 
@@ -46,12 +49,14 @@ class ModelInfo(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    name: str = Field(description="SLOTQ_MODEL of the workers that hold it")
+    name: str = Field(description="the name a job's `model` gives (SLOTQ_MODEL_NAMES)")
     family: Family
+    checkpoint: str | None = Field(None, description="SLOTQ_MODEL of the live workers that serve it")
     schedulers: list[Scheduler] = Field(description="the samplers a job on it may name")
     defaults: ModelDefaults
     side_multiple: int = Field(description="width and height must be multiples of this")
-    workers: int = Field(0, description="live workers holding it")
+    workers: int = Field(0, description="live workers serving it")
+    worker_names: list[str] = Field(default_factory=list, description="their names")
     loras: list[str] = Field(default_factory=list, description="the LoRA adapters a job on it may name")
 
     def within(self, max_side: int) -> ModelInfo:
@@ -70,8 +75,10 @@ _FAMILY_INFO: dict[Family, tuple[tuple[Scheduler, ...], ModelDefaults, int]] = {
 }
 
 
-def model_info(name: str, family: Family, workers: int = 0, loras: list[str] | None = None) -> ModelInfo:
-    """What the service publishes of a model of this family."""
+def model_info(name: str, family: Family, loras: list[str] | None = None, checkpoint: str | None = None,
+               worker_names: list[str] | None = None) -> ModelInfo:
+    """What the service publishes of a model of this family, served by these live workers."""
     schedulers, defaults, multiple = _FAMILY_INFO[family]
-    return ModelInfo(name=name, family=family, schedulers=list(schedulers), defaults=defaults,
-                     side_multiple=multiple, workers=workers, loras=loras or [])
+    return ModelInfo(name=name, family=family, checkpoint=checkpoint, schedulers=list(schedulers),
+                     defaults=defaults, side_multiple=multiple, workers=len(worker_names or []),
+                     worker_names=worker_names or [], loras=loras or [])

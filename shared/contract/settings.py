@@ -21,8 +21,9 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from shared.contract import keys
 from shared.contract.jobs import MAX_IMAGES, Priority
-from shared.contract.models import TINY_MODELS, Family
+from shared.contract.models import DEFAULT_MODEL_NAME, FAMILIES, MODEL_NAME_PATTERN, TINY_MODELS, Family
 
 DEVICE_PATTERN = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 # host:port, the host a name, an IPv4 address or a bracketed IPv6 address.
@@ -64,6 +65,11 @@ class Settings(BaseSettings):
     high_reserve: float = Field(0.1, ge=0, le=10)
 
     model: str = Field("tiny", min_length=1)
+    # The name this worker serves SLOTQ_MODEL under: it claims only jobs that name it.
+    model_name: str = Field(DEFAULT_MODEL_NAME, pattern=MODEL_NAME_PATTERN)
+    # The names the API accepts, the first the default: "default,xl=sdxl" (a family after "=" is
+    # what the API assumes of that model while no worker of it says). NoDecode: read as text.
+    model_names: Annotated[list[str], NoDecode] = [DEFAULT_MODEL_NAME]
     # What the API assumes of SLOTQ_MODEL while no worker says (a tiny model's family is known).
     model_family: Family | None = None
     device: str = "auto"
@@ -120,6 +126,35 @@ class Settings(BaseSettings):
         a tiny model's own, else SD's."""
         return self.model_family or TINY_MODELS.get(self.model, "sd")
 
+    @property
+    def offered_models(self) -> dict[str, Family]:
+        """The models a job may name, the default first, each with the family assumed for it while
+        none of its workers says (its own after "=", else :attr:`assumed_family`)."""
+        entries = (entry.partition("=") for entry in self.model_names)
+        return {name: family or self.assumed_family for name, _, family in entries}  # type: ignore[misc]
+
+    @property
+    def default_model(self) -> str:
+        """The model of a job that names none: the first of SLOTQ_MODEL_NAMES."""
+        return next(iter(self.offered_models))
+
+    @property
+    def line(self) -> str:
+        """The line this worker claims from: that of SLOTQ_MODEL_NAME."""
+        return keys.line_name(self.queue_name, self.model_name)
+
+    def line_of(self, model: str) -> str:
+        """The line of the model of this name."""
+        return keys.line_name(self.queue_name, model)
+
+    def lora_dir_of(self, model: str) -> Path | None:
+        """Where a model's adapters are: the subfolder of SLOTQ_LORA_DIR named after it where there is
+        one (each model its own adapters), else SLOTQ_LORA_DIR itself."""
+        if self.lora_dir is None:
+            return None
+        own = self.lora_dir / model
+        return own if own.is_dir() else self.lora_dir
+
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, value: str) -> str:
@@ -147,6 +182,35 @@ class Settings(BaseSettings):
             match = ADDRESS_PATTERN.match(entry)
             if not match or not 1 <= int(match["port"]) <= 65535:
                 raise ValueError(f"{entry!r} is not host:port")
+        return value
+
+    @field_validator("model_names", mode="before")
+    @classmethod
+    def _name_list(cls, value: object) -> object:
+        if isinstance(value, str):
+            if value.strip().startswith("["):
+                try:
+                    return json.loads(value)
+                except ValueError:
+                    raise ValueError("must be a JSON list or comma-separated names") from None
+            return [entry.strip() for entry in value.split(",") if entry.strip()]
+        return value
+
+    @field_validator("model_names")
+    @classmethod
+    def _known_names(cls, value: list[str]) -> list[str]:
+        if not value:
+            raise ValueError("must name at least one model")
+        names = []
+        for entry in value:
+            name, _, family = entry.partition("=")
+            if not re.fullmatch(MODEL_NAME_PATTERN, name):
+                raise ValueError(f"{name!r} is not a model name (letters, digits, _ . -, at most 64)")
+            if family and family not in FAMILIES:
+                raise ValueError(f"{entry!r}: the family after = must be one of {', '.join(FAMILIES)}")
+            names.append(name)
+        if len(set(names)) != len(names):
+            raise ValueError("must not name a model twice")
         return value
 
     @field_validator("webhook_secret")

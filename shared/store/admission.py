@@ -2,6 +2,8 @@
 
 Limits: the class's share of the line, the tenant's token bucket and waiting cap, an idempotent
 replay, a deadline; each refusal is a typed error (shared/contract/errors.py) and writes nothing.
+Each model has its own line, capped on its own (SLOTQ_QUEUE_CAPACITY places each, a tenant's waiting
+cap in each); a tenant's token bucket and its Idempotency-Keys are the service's, whatever the model.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from shared.contract.errors import (
     QueueFullError,
     RateLimitedError,
     TenantQueueFullError,
+    UnknownModelError,
 )
 from shared.contract.images import InputName
 from shared.contract.jobs import JobRequest
@@ -69,6 +72,7 @@ def enqueue_job(queue: Queue, settings: Settings, request: JobRequest,
     ``request_id`` (the HTTP request's X-Request-ID) is kept with the job, for its log lines.
     """
     webhooks.check_target(settings, request)
+    request = _for_model(settings, request)
     digest = request_digest(request)
     if tenant is not None:
         request = tenant.prioritised(request)
@@ -77,13 +81,14 @@ def enqueue_job(queue: Queue, settings: Settings, request: JobRequest,
         raise InvalidRequestError(details=[{"loc": [], "msg": f"the job costs {cost:g} units, more than "
                                             f"this key's burst of {tenant.burst:g}"}])
     job = _new_job(queue, settings, request, tenant, request_id)
-    name = tenant.name if tenant else ""
+    name, line = tenant.name if tenant else "", settings.line_of(request.model or "")
+    # The line, its deadlines and estimates are the model's; buckets and idempotency the service's.
     idem = keys.idempotency_key(queue.name, _hashed(f"{name} {idempotency_key}")) if idempotency_key else ""
-    script_keys = [job.key, idem or job.key, keys.deadlines_key(queue.name), keys.issued_key(job.id),
-                   keys.bucket_key(queue.name, name), keys.model_key(queue.name),
-                   keys.running_key(queue.name), keys.inputs_key(job.id)]
+    script_keys = [job.key, idem or job.key, keys.deadlines_key(line), keys.issued_key(job.id),
+                   keys.bucket_key(queue.name, name), keys.model_key(line),
+                   keys.running_key(line), keys.inputs_key(job.id)]
     fields, inputs = _fields(job, request), inputs or {}
-    params = _parameters(queue, settings, job, request, tenant, cost, digest if idem else None,
+    params = _parameters(queue, line, settings, job, request, tenant, cost, digest if idem else None,
                          len(fields), list(inputs))
     answer = scripts.run(queue.connection, "admit", script_keys, [params, *fields, *inputs.values()])
     admission = _admission(queue, job, answer, digest, tenant)
@@ -93,6 +98,16 @@ def enqueue_job(queue: Queue, settings: Settings, request: JobRequest,
              "replayed" if admission.replayed else "admitted", admission.job.id, request.priority,
              request.width, request.height, request.steps, logs.prompt_for_log(settings, request.prompt))
     return admission
+
+
+def _for_model(settings: Settings, request: JobRequest) -> JobRequest:
+    """The request with its model named (the default where it names none), or ``UnknownModelError``."""
+    if request.model is None:
+        return request.model_copy(update={"model": settings.default_model})
+    if request.model not in settings.offered_models:
+        raise UnknownModelError(f"No model named {request.model!r}; this service has "
+                                f"{', '.join(settings.offered_models)}.")
+    return request
 
 
 def _new_job(queue: Queue, settings: Settings, request: JobRequest, tenant: Tenant | None,
@@ -111,13 +126,14 @@ def _new_job(queue: Queue, settings: Settings, request: JobRequest, tenant: Tena
     return job
 
 
-def _parameters(queue: Queue, settings: Settings, job: Job, request: JobRequest, tenant: Tenant | None,
-                cost: float, digest: str | None, fields: int, inputs: list[InputName]) -> str:
+def _parameters(queue: Queue, line: str, settings: Settings, job: Job, request: JobRequest,
+                tenant: Tenant | None, cost: float, digest: str | None, fields: int,
+                inputs: list[InputName]) -> str:
     """The admission script's parameters, as JSON."""
     limits = ({"rate": tenant.rate, "burst": tenant.burst, "max_queued": tenant.max_queued}
               if tenant else {})
     params = {
-        "id": job.id, "queue": queue.name, "job_prefix": Job.redis_job_namespace_prefix,
+        "id": job.id, "queue": line, "job_prefix": Job.redis_job_namespace_prefix,
         "priority": request.priority, "limit": settings.waiting_limit(request.priority),
         "tenant": tenant.name if tenant else "", "cost": cost, "digest": digest,
         "idempotency_ttl": IDEMPOTENCY_TTL_S, "deadline_s": request.deadline_s,

@@ -31,11 +31,11 @@ FENCE_MARGIN_S = 600  # a fence outlives the job timeout by this much: time to s
 
 
 class Claims:
-    """One worker's claims on one queue."""
+    """One worker's claims on its model's line."""
 
     def __init__(self, queue: Queue, settings: Settings, worker: str) -> None:
         self.queue, self.settings, self.worker = queue, settings, worker
-        self.connection = queue.connection
+        self.connection, self.line = queue.connection, settings.line
         self.key = keys.claims_key(worker)
         self._recovered_at = 0.0
         # The claims this process is working on (one running, one being finished): never leftovers.
@@ -47,8 +47,8 @@ class Claims:
         """Say where this worker runs and what it holds; each heartbeat from now on carries it
         (GET /v1/workers, GET /v1/models)."""
         self.identity = workers.WorkerIdentity(name=self.worker, queue=self.queue.name, host=host, pid=pid,
-                                               device=device, model=self.settings.model, family=family,
-                                               loras=loras)
+                                               device=device, model=self.settings.model_name,
+                                               checkpoint=self.settings.model, family=family, loras=loras)
 
     def beat(self) -> None:
         """Tell the others this worker lives, where it runs and which jobs it holds."""
@@ -62,17 +62,17 @@ class Claims:
         ``holding``: the adapters key this worker ran last and its resident adapters, for affinity
         (SLOTQ_AFFINITY_MAX_SKIP)."""
         affinity = waiting.Affinity(self.settings.affinity_max_skip, *holding)
-        claimed = waiting.claim(self.connection, self.queue.name, self.key, affinity)
+        claimed = waiting.claim(self.connection, self.line, self.key, affinity)
         if claimed is None and timeout is not None:
-            waiting.wait_for_work(self.connection, self.queue.name, timeout)
-            claimed = waiting.claim(self.connection, self.queue.name, self.key, affinity)
+            waiting.wait_for_work(self.connection, self.line, timeout)
+            claimed = waiting.claim(self.connection, self.line, self.key, affinity)
         if claimed is not None:
             self._held.add(claimed.job_id)
         return claimed
 
     def claim_compatible(self, like: waiting.Claimed, count: int, window: int) -> list[waiting.Claimed]:
         """Claim up to ``count`` more waiting jobs that may share a batch with ``like``."""
-        claimed = waiting.claim_compatible(self.connection, self.queue.name, self.key, like, count, window)
+        claimed = waiting.claim_compatible(self.connection, self.line, self.key, like, count, window)
         self._held.update(member.job_id for member in claimed)
         return claimed
 
@@ -88,7 +88,7 @@ class Claims:
 
     def wait_for_work(self, timeout: float) -> None:
         """Block until a job may have arrived, or the timeout passes."""
-        waiting.wait_for_work(self.connection, self.queue.name, timeout)
+        waiting.wait_for_work(self.connection, self.line, timeout)
 
     def unhold(self, job_id: str) -> None:
         """This process is done with the job: a claim on it still in the list is a leftover."""
@@ -103,7 +103,7 @@ class Claims:
         """Say this worker is gone: others recover any claim it still holds right away."""
         self.connection.delete(keys.alive_key(self.worker))
         if not self.connection.llen(self.key):
-            self.connection.srem(keys.workers_key(self.queue.name), self.worker)
+            self.connection.srem(keys.workers_key(self.line), self.worker)
 
     def recover(self) -> int | None:
         """Recover this worker's leftover claims and those of dead workers; how many jobs moved.
@@ -114,20 +114,20 @@ class Claims:
             return None
         self._recovered_at = time.monotonic()
         moved = 0
-        for raw in self.connection.smembers(keys.workers_key(self.queue.name)):
+        for raw in self.connection.smembers(keys.workers_key(self.line)):
             worker = text(raw)
             # Of this worker's own claims, those it is not working on are leftovers.
             if worker != self.worker and self.connection.exists(keys.alive_key(worker)):
                 continue
             claims_key = keys.claims_key(worker)
             if worker != self.worker:
-                self.connection.hdel(keys.running_key(self.queue.name), worker)  # it runs nothing now
+                self.connection.hdel(keys.running_key(self.line), worker)  # it runs nothing now
             held = set(self._held) if worker == self.worker else set()
             for job_id in self.connection.lrange(claims_key, 0, -1):
                 if text(job_id) not in held:
                     moved += self._recover_one(claims_key, text(job_id))
             if worker != self.worker and not self.connection.llen(claims_key):
-                self.connection.srem(keys.workers_key(self.queue.name), worker)
+                self.connection.srem(keys.workers_key(self.line), worker)
         return moved
 
     def recover_now(self, job_id: str) -> None:

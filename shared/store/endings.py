@@ -66,11 +66,11 @@ def cancel(queue: Queue, settings: Settings, job: Job) -> bool:
     # The flag first: if a worker takes the job after this point, it sees the flag at start.
     connection.set(keys.cancel_key(job.id), 1, ex=settings.record_ttl_s)
     # Removal decides ownership: either we take the id out of the line or a worker already has it.
-    if not waiting.remove(connection, queue.name, job.id):
+    if not waiting.remove(connection, waiting.line_of(job), job.id):
         return False
     with connection.pipeline() as pipe:
         end_job(job, queue, settings, pipe, RQStatus.CANCELED)
-        pipe.zrem(keys.deadlines_key(queue.name), job.id)
+        pipe.zrem(keys.deadlines_key(waiting.line_of(job)), job.id)
         pipe.execute()
     return True
 
@@ -80,7 +80,7 @@ def expire_claimed(job: Job, queue: Queue, settings: Settings, claims_key: str) 
     job.meta["expired"] = True
     with queue.connection.pipeline() as pipe:
         end_job(job, queue, settings, pipe, RQStatus.CANCELED)
-        pipe.zrem(keys.deadlines_key(queue.name), job.id)
+        pipe.zrem(keys.deadlines_key(waiting.line_of(job)), job.id)
         pipe.lrem(claims_key, 1, job.id)
         pipe.execute()
 
@@ -124,7 +124,7 @@ def requeue_at_front(job: Job, queue: Queue, pipe: Pipeline) -> None:
     job.set_status(RQStatus.QUEUED, pipeline=pipe)
     save_meta(job, pipe)
     _forget_executions(job, queue, pipe)
-    waiting.requeue(pipe, queue.name, job.id)
+    waiting.requeue(pipe, waiting.line_of(job), job.id)
     events.announce(pipe, queue.name, job.id)
 
 

@@ -65,13 +65,15 @@ def job_view(job: Job, position: int | None = None) -> JobView:
         position = None
     elif position is None:
         # None here means a worker took it a moment ago: it is next, about to run.
-        position = waiting.position(job.connection, job.origin, job.id) or 0
+        position = waiting.position(job.connection, waiting.line_of(job), job.id) or 0
     progress, error = meta.get("progress"), meta.get("error")
     images = meta.get("images", 0) if status is JobStatus.SUCCEEDED else 0
     deadline = meta.get("deadline_at")
     return JobView(
         id=job.id,
         status=status,
+        model=waiting.job_model(job),
+        worker=job.worker_name or None,
         attempt=int(meta.get("attempt", 0)),
         position=position,
         progress=Progress(**progress) if progress else None,
@@ -250,7 +252,7 @@ def current_view(queue: Queue, settings: Settings, job: Job, tenant: Tenant | No
     view = standing_view(queue, job)
     if view.status is JobStatus.QUEUED and view.deadline_at and view.deadline_at <= datetime.now(UTC):
         # Nothing ends a waiting job the moment its deadline passes: the first read past it does.
-        waiting.expire_due(queue, settings)
+        waiting.expire_due(queue, settings, waiting.line_of(job))
         view = standing_view(queue, fetch_job(queue, job.id, tenant))
     return view
 

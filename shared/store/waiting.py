@@ -1,14 +1,16 @@
-"""The waiting line: RQ's own lists, three priority classes, each shared fairly between tenants.
+"""The waiting lines: RQ's own lists, one line per model, three priority classes, each shared
+fairly between tenants.
 
-Waiting job ids sit in RQ queues, that is Redis lists ``rq.Queue`` reads: one per priority class
-and tenant, named ``<queue>:<class>`` (``slotq:normal``) or ``<queue>:<class>:<tenant>``
-(``slotq:high:acme``) with API keys on, so ``rq info`` and rq-dashboard show exactly the jobs that
-wait, each with RQ status ``queued``. A worker always takes from the highest class that has work.
-Inside a class, tenants share by start-time fair queueing weighted by cost: a job's start tag is
-where its tenant's previous job finished, but never before the class's virtual time (the tag of
-the job taken last), and a sorted set per class orders the class's ids by tag. Tenants thus take
-turns by GPU work, and a tenant that arrives behind another's 500-job burst waits for at most one
-job of each other tenant.
+Each model has its own line, ``<queue>:<model>`` (``slotq:default``), capped on its own, and a worker
+claims only from its model's. Waiting job ids sit in RQ queues, that is Redis lists ``rq.Queue``
+reads: one per priority class and tenant, named ``<line>:<class>`` (``slotq:default:normal``) or
+``<line>:<class>:<tenant>`` (``slotq:default:high:acme``) with API keys on, so ``rq info`` and
+rq-dashboard show exactly the jobs that wait, each with RQ status ``queued``. A worker always takes
+from the highest class that has work. Inside a class, tenants share by start-time fair queueing
+weighted by cost: a job's start tag is where its tenant's previous job finished, but never before
+the class's virtual time (the tag of the job taken last), and a sorted set per class orders the
+class's ids by tag. Tenants thus take turns by GPU work, and a tenant that arrives behind another's
+500-job burst waits for at most one job of each other tenant.
 
 Every change to the line is a script of ``lua/`` built on ``lua/lib/line.lua``, so the lists and
 the order never disagree; a claim moves the chosen id from its list into the worker's claims list
@@ -28,6 +30,7 @@ from rq.utils import utcformat
 
 from shared.contract import keys
 from shared.contract.jobs import PRIORITIES
+from shared.contract.models import DEFAULT_MODEL_NAME
 from shared.contract.settings import Settings
 from shared.store import scripts
 
@@ -52,13 +55,23 @@ class Affinity:
     resident: tuple[str, ...] = ()
 
 
-def claim(connection: Redis, queue_name: str, claims_key: str, affinity: Affinity | None = None
+def job_model(job: Job) -> str:
+    """The name of the model a job runs on (admission names it in the request)."""
+    return job.kwargs.get("request", {}).get("model") or DEFAULT_MODEL_NAME
+
+
+def line_of(job: Job) -> str:
+    """The line a job waits in: its model's, under the queue it names as its origin."""
+    return keys.line_name(job.origin, job_model(job))
+
+
+def claim(connection: Redis, line: str, claims_key: str, affinity: Affinity | None = None
           ) -> Claimed | None:
     """Move the next job id into a worker's claims list, atomically; None when none waits. With
     ``affinity``, a job of the adapters the worker holds may go first, within its bound."""
     affinity = affinity or Affinity()
     claimed = scripts.run(connection, "claim", [claims_key],
-                          [queue_name, Job.redis_job_namespace_prefix, affinity.max_skip, affinity.last,
+                          [line, Job.redis_job_namespace_prefix, affinity.max_skip, affinity.last,
                            *affinity.resident])
     if not claimed:
         return None
@@ -66,54 +79,54 @@ def claim(connection: Redis, queue_name: str, claims_key: str, affinity: Affinit
     return Claimed(job_id.decode(), dict(zip(flat[::2], flat[1::2], strict=True)), float(at))
 
 
-def claim_compatible(connection: Redis, queue_name: str, claims_key: str, like: Claimed, count: int,
+def claim_compatible(connection: Redis, line: str, claims_key: str, like: Claimed, count: int,
                      window: int) -> list[Claimed]:
     """Claim up to ``count`` more jobs that may share a batch with ``like``: of its class and batch
     key, among the first ``window`` of that class (a bounded step out of line)."""
     priority, batch = like.record.get(b"priority", b"normal"), like.record.get(b"batch", b"")
     taken = scripts.run(connection, "claim_compatible", [claims_key],
-                        [queue_name, Job.redis_job_namespace_prefix, priority, batch, count, window])
+                        [line, Job.redis_job_namespace_prefix, priority, batch, count, window])
     return [Claimed(job_id.decode(), dict(zip(flat[::2], flat[1::2], strict=True)), like.at)
             for job_id, flat in taken]
 
 
-def wait_for_work(connection: Redis, queue_name: str, timeout: float) -> None:
+def wait_for_work(connection: Redis, line: str, timeout: float) -> None:
     """Block until a job may be waiting (each admission rings a doorbell) or the timeout passes."""
-    connection.blpop([f"{keys.line_key(queue_name)}:doorbell"], timeout=timeout)
+    connection.blpop([f"{keys.line_key(line)}:doorbell"], timeout=timeout)
 
 
-def requeue(client: Redis | Pipeline, queue_name: str, job_id: str) -> None:
+def requeue(client: Redis | Pipeline, line: str, job_id: str) -> None:
     """Put a job back at the head of its class (in a pipeline: when it executes)."""
-    scripts.run(client, "requeue", [Job.key_for(job_id)], [queue_name, job_id])
+    scripts.run(client, "requeue", [Job.key_for(job_id)], [line, job_id])
 
 
-def remove(connection: Redis, queue_name: str, job_id: str) -> bool:
+def remove(connection: Redis, line: str, job_id: str) -> bool:
     """Take a waiting job out of the line; False when it was not waiting (a worker has it)."""
-    return bool(scripts.run(connection, "remove", [Job.key_for(job_id)], [queue_name, job_id]))
+    return bool(scripts.run(connection, "remove", [Job.key_for(job_id)], [line, job_id]))
 
 
-def counts(connection: Redis, queue_name: str) -> dict[str, int]:
+def counts(connection: Redis, line: str) -> dict[str, int]:
     """How many jobs wait in each class."""
-    answer = scripts.run(connection, "counts", [], [queue_name])
+    answer = scripts.run(connection, "counts", [], [line])
     return dict(zip(PRIORITIES, (int(n) for n in answer), strict=True))
 
 
-def position(connection: Redis, queue_name: str, job_id: str) -> int | None:
+def position(connection: Redis, line: str, job_id: str) -> int | None:
     """How many jobs a worker takes before this one; None when it is not waiting."""
-    answer = scripts.run(connection, "position", [Job.key_for(job_id)], [queue_name, job_id])
+    answer = scripts.run(connection, "position", [Job.key_for(job_id)], [line, job_id])
     return None if answer is None else int(answer)
 
 
-def expire_due(queue: Queue, settings: Settings) -> float:
-    """End the waiting jobs whose deadline has passed; returns Redis's clock."""
-    now = scripts.run(queue.connection, "expire", [keys.deadlines_key(queue.name)],
-                      [queue.name, Job.redis_job_namespace_prefix, utcformat(datetime.now(UTC)),
+def expire_due(queue: Queue, settings: Settings, line: str) -> float:
+    """End the waiting jobs of a line whose deadline has passed; returns Redis's clock."""
+    now = scripts.run(queue.connection, "expire", [keys.deadlines_key(line)],
+                      [line, Job.redis_job_namespace_prefix, utcformat(datetime.now(UTC)),
                        settings.record_ttl_s, keys.events_channel(queue.name),
                        keys.webhooks_key(queue.name), keys.ended_key(queue.name), settings.result_ttl_s])
     return float(now)
 
 
-def waiting_counts(queue: Queue, settings: Settings) -> dict[str, int]:
-    """Jobs waiting now in each priority class, after the expired ones have left."""
-    expire_due(queue, settings)
-    return counts(queue.connection, queue.name)
+def waiting_counts(queue: Queue, settings: Settings, line: str) -> dict[str, int]:
+    """Jobs waiting now in each priority class of a line, after the expired ones have left."""
+    expire_due(queue, settings, line)
+    return counts(queue.connection, line)

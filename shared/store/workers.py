@@ -26,13 +26,19 @@ class WorkerIdentity(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     name: str
-    queue: str
+    queue: str = Field(description="SLOTQ_QUEUE_NAME: the queue its jobs name as their origin.")
     host: str | None = Field(description="The worker's host name (in a container: the container's).")
     pid: int | None
     device: str = Field(description="The torch device the model is on, e.g. `cuda:1` or `cpu`.")
-    model: str
+    model: str = Field(description="The name of the model it serves (SLOTQ_MODEL_NAME).")
+    checkpoint: str | None = Field(None, description="What it loaded: SLOTQ_MODEL, a path or a hub id.")
     family: Family | None = Field(None, description="The model's family (`sd`, `sdxl`, `flux`).")
     loras: list[str] = Field(default_factory=list, description="The LoRA adapters it can load.")
+
+    @property
+    def line(self) -> str:
+        """The line it claims from: its model's."""
+        return keys.line_name(self.queue, self.model)
 
 
 class WorkerView(WorkerIdentity):
@@ -50,13 +56,13 @@ def beat(connection: Redis, identity: WorkerIdentity, ttl_s: float) -> None:
     # cjson would write an empty list back as {}: a worker with no adapters leaves them out.
     record = identity.model_dump_json(exclude=None if identity.loras else {"loras"})
     scripts.run(connection, "beat",
-                [keys.alive_key(name), keys.claims_key(name), keys.workers_key(identity.queue)],
+                [keys.alive_key(name), keys.claims_key(name), keys.workers_key(identity.line)],
                 [int(ttl_s * 1000), record, name])
 
 
-def live_workers(connection: Redis, queue_name: str) -> list[WorkerView]:
-    """The workers of a queue whose heartbeat has not expired, by name."""
-    names = sorted(text(raw) for raw in connection.smembers(keys.workers_key(queue_name)))
+def live_workers(connection: Redis, line: str) -> list[WorkerView]:
+    """The workers of a line whose heartbeat has not expired, by name."""
+    names = sorted(text(raw) for raw in connection.smembers(keys.workers_key(line)))
     if not names:
         return []
     views = []
@@ -67,18 +73,16 @@ def live_workers(connection: Redis, queue_name: str) -> list[WorkerView]:
             view = WorkerView.model_validate_json(raw)
         except ValidationError:
             continue  # a worker of an older version keeps only "1" there: alive, but it says no more
-        if view.queue == queue_name:  # a fixed name may be reused on another queue
+        if view.line == line:  # a fixed name may be reused on another line
             views.append(view)
     return views
 
 
-def live_models(connection: Redis, queue_name: str) -> list[ModelInfo]:
-    """The models the live workers of a queue hold, by name, each with its count of workers."""
-    held: dict[tuple[str, Family], int] = {}
-    loras: dict[tuple[str, Family], set[str]] = {}
-    for view in live_workers(connection, queue_name):
-        if view.family is not None:  # a worker of an older version does not say
-            held[view.model, view.family] = held.get((view.model, view.family), 0) + 1
-            loras.setdefault((view.model, view.family), set()).update(view.loras)
-    return [model_info(name, family, count, sorted(loras[name, family]))
-            for (name, family), count in sorted(held.items())]
+def live_model(connection: Redis, line: str, name: str) -> ModelInfo | None:
+    """The model of this name as the live workers of its line hold it; None while none does."""
+    views = [view for view in live_workers(connection, line) if view.family is not None]  # older: silent
+    if not views:
+        return None
+    loras = sorted({lora for view in views for lora in view.loras})
+    return model_info(name, views[0].family or "sd", loras, views[0].checkpoint,
+                      [view.name for view in views])
