@@ -35,12 +35,15 @@ DATABASE = 5  # the others: 0 per test, 1 the worker, 2 batching and fuzz, 3 sch
 
 @pytest.fixture(scope="module", params=list(TINY_MODELS))
 def family_settings(request: pytest.FixtureRequest, redis_url: str, model_cache: Path) -> Settings:
-    """A queue of its own (database 5, flushed per family) for one tiny model, batching up to 4."""
+    """A queue of its own (database 5, flushed per family) for one tiny model and its tiny adapters,
+    batching up to 4."""
+    from worker.tiny_loras import ensure_tiny_loras
+
     url = redis_url.removesuffix("/0") + f"/{DATABASE}"
     Redis.from_url(url).flushdb()
     return Settings(redis_url=url, queue_name=f"family-{request.param}", queue_capacity=50,
                     cache_dir=model_cache, model=request.param, max_batch=4, batch_wait_ms=0, drain_s=0,
-                    max_side=512)
+                    max_side=512, lora_dir=ensure_tiny_loras(model_cache, request.param))
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +106,17 @@ def test_the_api_learns_the_family_from_the_worker(client: FlaskClient, family_s
     foreign = "euler" if family == "flux" else "flow_euler"
     refused = post_job(client, scheduler=foreign, width=64, height=64, steps=1)
     assert refused.status_code == 422 and refused.get_json()["error"]["details"][0]["loc"] == ["scheduler"]
+
+
+def test_an_adapter_of_the_family_changes_the_image_and_at_scale_0_is_the_bare_model(
+        client: FlaskClient) -> None:
+    body = {"width": 64, "height": 64, "steps": 2, "seed": 8}
+    bare = pixels(client, run(client, **body))
+    inked = run(client, **body, loras=[{"name": "ink"}])
+    assert inked["request"]["loras"] == [{"name": "ink", "scale": 1.0}]
+    changed = np.frombuffer(pixels(client, inked), np.uint8).astype(int)
+    assert np.abs(changed - np.frombuffer(bare, np.uint8)).mean() > 5  # of 255: clearly another image
+    assert pixels(client, run(client, **body, loras=[{"name": "ink", "scale": 0.0}])) == bare
 
 
 def test_text_to_image_with_progress_and_the_same_seed_twice(client: FlaskClient) -> None:

@@ -360,3 +360,28 @@ def test_resident_adapters_go_before_ones_that_must_be_loaded(adapter_line: Flas
     took = waiting.claim(redis, settings.line, claims, waiting.Affinity(8, "", ("a",)))
     assert took is not None and took.job_id == bare  # it ran the bare model last: the bare job
     assert waiting_ids(redis, settings) == [needs_load]
+
+
+def test_affinity_keeps_fair_share_between_tenants_within_the_bound(settings: Settings, redis: Redis,
+                                                                     tmp_path: Any) -> None:
+    """Alice's burst runs adapter `a`, Carol's `b`: a worker that ran `a` prefers Alice's jobs, but
+    no job starts more than max_skip claims later than fair share alone would start it."""
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.safetensors").write_bytes(b"")
+    max_skip, tenant_of = 4, {}
+    for client in with_settings(settings, queue_capacity=100, lora_dir=tmp_path, api_keys=KEYS):
+        for key, name in (("key-a", "a"), ("key-c", "b")):  # alice's twelve, then carol's twelve
+            for _ in range(12):
+                response = submit(client, key, loras=[{"name": name}], width=64, height=64)
+                tenant_of[response.get_json()["id"]] = name
+    fair = waiting_ids(redis, settings)  # the order without affinity: the tenants take turns
+    turns = "".join(tenant_of[job_id] for job_id in fair)
+    assert all(sorted(turns[i:i + 2]) == ["a", "b"] for i in range(0, 24, 2)), turns
+    affine = take_all(redis, settings, max_skip=max_skip)
+    print("started as", "".join(tenant_of[job_id] for job_id in affine))
+    assert sorted(affine) == sorted(fair) and switches(affine, tenant_of) < switches(fair, tenant_of)
+    late = [affine.index(job_id) - index for index, job_id in enumerate(fair)]
+    assert 0 < max(late) <= max_skip, late  # reordered, within the bound
+    for claims in range(1, len(affine) + 1):  # so neither tenant falls behind its turns by more
+        served = [tenant_of[job_id] for job_id in affine[:claims]]
+        assert abs(served.count("a") - served.count("b")) <= max_skip + 1, served
