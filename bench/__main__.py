@@ -30,7 +30,8 @@ def sections(quick: bool) -> list[Section]:
                 ("End to end", lambda: end_to_end.report(jobs=8, clients=4, size=64, steps=1)),
                 ("Memory", lambda: memory.report(jobs=40, first=10, clients=4)),
                 ("Image inputs", lambda: images.report(size=256, checks=20, posts=20, runs=2, steps=1)),
-                ("LoRA adapters", lambda: adapters.report(rounds=2, size=64, jobs=12))]
+                ("LoRA adapters",
+                 lambda: adapters.report(rounds=2, size=64, jobs=12, duty_jobs=3, duty_rounds=1))]
     return [("GPU duty cycle and dispatch overhead", gpu.report),
             ("Dynamic batching", batching.batching_lines),
             ("Admission", admission.report),

@@ -1,13 +1,15 @@
 """What LoRA adapters cost the worker: loading one, switching between resident ones, and a job with one.
 
-    python -m bench.adapters [--rounds 7] [--size 256] [--jobs 40]
+    python -m bench.adapters [--rounds 7] [--size 256] [--jobs 40] [--duty-jobs 30]
 
 In-process, the tiny model and its tiny adapters (worker/tiny_loras.py), through the worker's own
 ``Adapters`` and ``ImagePipeline``: the GPU section of a bare job (the baseline, measured in this
 run) against a job with one resident adapter and with two; then an adapter's load from disk and
 unload (``load_lora_weights``, ``delete_adapters``), a switch between two resident adapters
 (``set_adapters``) and a switch back to the bare model (``disable_lora``), each the median of
-``rounds``; and a line of jobs alternating between two adapters, with the claim's affinity off and on.
+``rounds``; a line of jobs alternating between two adapters, with the claim's affinity off and on;
+and bench/gpu.py's duty cycle on a line of jobs that all run one adapter, against the in-process
+loop running the same adapter.
 """
 
 from __future__ import annotations
@@ -35,9 +37,11 @@ def median_ms(action: Callable[[], object], rounds: int) -> float:
     return 1000 * statistics.median(times)
 
 
-def report(rounds: int = 7, size: int = 256, jobs: int = 40) -> list[str]:
-    """The three tables: the GPU section with and without adapters, what loading and switching
-    cost, and what affinity saves on a line of alternating adapters."""
+def report(rounds: int = 7, size: int = 256, jobs: int = 40, duty_jobs: int = 30, duty_rounds: int = 3
+           ) -> list[str]:
+    """The four tables: the GPU section with and without adapters, what loading and switching
+    cost, what affinity saves on a line of alternating adapters, and the worker's duty cycle on
+    LoRA jobs against the in-process loop running the same adapter."""
     from worker.pipeline import load_pipeline
     from worker.tiny_loras import ensure_tiny_loras
 
@@ -78,7 +82,32 @@ def report(rounds: int = 7, size: int = 256, jobs: int = 40) -> list[str]:
         lines += ["", f"adapter changes on the same pipeline (diffusers + peft), median of {rounds}",
                   f"{'':34}{'ms':>10}{'x bare job':>12}"]
         lines += [f"{label:34}{took:>10.2f}{took / bare:>11.2f}x" for label, took in costs]
-    return [*lines, "", *affinity_lines(jobs, min(size, 128))]
+    duty = duty_lines(duty_jobs, size, duty_rounds) if duty_jobs else []
+    return [*lines, "", *affinity_lines(jobs, min(size, 128)), *([""] + duty if duty else [])]
+
+
+def duty_lines(jobs: int, size: int, rounds: int, steps: int = 4) -> list[str]:
+    """bench/gpu.py's duty cycle on a saturated line of jobs that all run adapter `ink`: the
+    in-process loop with the same adapter (the ceiling), plain RQ and the slotq worker."""
+    from bench import gpu
+    from slotq.localredis import free_port, start_redis
+    from worker.tiny_loras import ensure_tiny_loras
+
+    with tempfile.TemporaryDirectory(prefix="slotq-bench-") as scratch:
+        port = free_port()
+        server = start_redis(port, Path(scratch) / "redis")
+        try:
+            settings = Settings(redis_url=f"redis://127.0.0.1:{port}/0", queue_name="bench",
+                                queue_capacity=100_000, cache_dir=Path(scratch) / "models",
+                                log_level="WARNING", lora_dir=ensure_tiny_loras(Path(scratch) / "models"))
+            batch = [JobRequest(prompt="bench", width=size, height=size, steps=steps, seed=seed,
+                                loras=[LoraRef(name="ink", scale=0.8)]) for seed in range(jobs)]
+            lines = gpu.duty_cycle(settings, batch, Path(scratch), rounds)
+        finally:
+            server.terminate()
+            server.wait(10)
+    title = lines[0].replace("GPU duty cycle:", "GPU duty cycle, every job with LoRA ink at 0.8:")
+    return [title, *lines[1:]]
 
 
 def affinity_lines(jobs: int = 40, size: int = 128, steps: int = 2) -> list[str]:
@@ -144,8 +173,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--size", type=int, default=256)
     parser.add_argument("--jobs", type=int, default=40, help="the alternating line's length")
+    parser.add_argument("--duty-jobs", type=int, default=30, help="jobs of the LoRA duty-cycle run (0: skip)")
+    parser.add_argument("--duty-rounds", type=int, default=3)
     args = parser.parse_args()
-    print("\n".join(report(args.rounds, args.size, args.jobs)))
+    print("\n".join(report(args.rounds, args.size, args.jobs, args.duty_jobs, args.duty_rounds)))
 
 
 if __name__ == "__main__":

@@ -65,7 +65,7 @@ def bench_settings(scratch: Path, clients: int, redis_url: str = "redis://127.0.
 def slotq_env(settings: Settings) -> dict[str, str]:
     """The environment that gives a slotq process these settings, and nothing else of SLOTQ_*."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("SLOTQ_")}
-    env.update({f"SLOTQ_{name.upper()}": str(value)
+    env.update({f"SLOTQ_{name.upper()}": json.dumps(value) if isinstance(value, list | dict) else str(value)
                 for name, value in settings.model_dump(mode="json").items() if value is not None})
     return env
 

@@ -128,7 +128,7 @@ def through_worker(kind: str, settings: Settings, batch: list[JobRequest], scrat
             queue.enqueue("worker.tasks.generate", kwargs={"request": request.model_dump(mode="json")})
     trace = scratch / f"{kind}-trace.json"
     env = {key: value for key, value in os.environ.items() if not key.startswith("SLOTQ_")}
-    env |= {f"SLOTQ_{name.upper()}": str(value)
+    env |= {f"SLOTQ_{name.upper()}": json.dumps(value) if isinstance(value, list | dict) else str(value)
             for name, value in settings.model_dump(mode="json").items() if value is not None}
     command = [sys.executable, "-m", "bench.gpu", "--serve", kind, "--trace", str(trace)]
     with (scratch / f"{kind}.log").open("wb") as log:
