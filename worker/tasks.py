@@ -92,6 +92,9 @@ def _validated(job: Job) -> JobRequest | Exception:
                                    max_steps=settings.max_steps, side_multiple=info.side_multiple)
     except (ValidationError, KeyError) as exc:
         return JobFailedError("invalid_request", f"the stored request is invalid: {exc}")
+    if request.model not in (None, settings.model_name):  # never claimed from another model's line
+        return JobFailedError("unknown_model", f"this worker serves {settings.model_name}, "
+                                               f"not {request.model}")
     if request.scheduler is not None and request.scheduler not in info.schedulers:
         return JobFailedError("invalid_request", f"a {info.family} model cannot use the "
                               f"{request.scheduler} sampler; it takes {', '.join(info.schedulers)}")

@@ -94,9 +94,10 @@ def enqueue_job(queue: Queue, settings: Settings, request: JobRequest,
     admission = _admission(queue, job, answer, digest, tenant)
     if settings.min_replicas_ack:
         _await_replicas(queue.connection, settings, admission.job.id, name)
-    log.info("%s job %s: priority %s, %dx%d, %d steps, prompt %s",
-             "replayed" if admission.replayed else "admitted", admission.job.id, request.priority,
-             request.width, request.height, request.steps, logs.prompt_for_log(settings, request.prompt))
+    log.info("%s job %s: model %s, priority %s, %dx%d, %d steps, prompt %s",
+             "replayed" if admission.replayed else "admitted", admission.job.id, request.model,
+             request.priority, request.width, request.height, request.steps,
+             logs.prompt_for_log(settings, request.prompt))
     return admission
 
 
