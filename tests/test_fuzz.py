@@ -234,6 +234,12 @@ def check_submit(client: FlaskClient, body: Any, settings: Settings,
         # What no schema can say: that a data: URL holds a valid image of the right size.
         assert isinstance(body, dict) and any(isinstance(body.get(name), str) for name in ("image", "mask"))
         return 422
+    if code == "unknown_model":
+        # A name the service does not run, which the document's enumeration of them refuses too.
+        assert isinstance(body, dict) and isinstance(body.get("model"), str)
+        assert body["model"] not in settings.offered_models
+        assert not validators["JobRequest"].is_valid(body), body
+        return 422
     assert code == "invalid_request"
     # The converse: what the service refuses, the document refuses too (integral numbers like 8.0
     # included, which JSON Schema's integer admits and so does the service), but for the steps that
