@@ -4,6 +4,7 @@ where a client asked to wait, the long-poll waits, and returns a shared model or
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,11 +14,11 @@ from api import longpoll
 from api.longpoll import Waits
 from shared.contract.adapters import available_adapters
 from shared.contract.images import ImageRef, InputName
-from shared.contract.jobs import PRIORITIES, JobView, Submission
+from shared.contract.jobs import PRIORITIES, JobStatus, JobView, Submission
 from shared.contract.models import Family, ModelInfo, model_info
 from shared.contract.settings import Settings
 from shared.contract.tenants import Tenant
-from shared.store import admission, endings, records, waiting, workers
+from shared.store import admission, endings, listing, records, waiting, workers
 from shared.store.workers import WorkerView
 
 
@@ -79,6 +80,11 @@ class Jobs:
         job = records.fetch_job(self.queue, job_id, tenant)
         data = records.fetch_input(job, name)
         return data, ImageRef.model_validate(job.kwargs["request"][name]).media_type
+
+    def page(self, tenant: Tenant | None, limit: int, statuses: Collection[JobStatus] = (),
+             cursor: str | None = None) -> listing.Page:
+        """The caller's jobs, newest first, a page at a time."""
+        return listing.list_jobs(self.queue, tenant, limit, statuses, cursor)
 
     def cancel(self, job_id: str, tenant: Tenant | None = None) -> tuple[JobView, bool]:
         """Cancel a job, keeping its record; its view, and whether it ended now (not at its next step)."""

@@ -8,13 +8,14 @@ from functools import lru_cache
 from typing import Any
 
 from api.longpoll import MAX_WAIT_S
-from api.routes import MAX_IDEMPOTENCY_KEY
+from api.routes import DEFAULT_LIMIT, MAX_IDEMPOTENCY_KEY, MAX_LIMIT
 from shared.contract import errors
 from shared.contract.adapters import available_adapters
 from shared.contract.images import FORMATS, INPUT_NAMES
-from shared.contract.jobs import PRIORITIES, JobRequest, JobView
+from shared.contract.jobs import PRIORITIES, JobRequest, JobStatus, JobView
 from shared.contract.models import ModelInfo, model_info
 from shared.contract.settings import Settings
+from shared.store.listing import CURSOR
 from shared.store.workers import WorkerView
 
 REF = "#/components/schemas/{model}"
@@ -58,6 +59,23 @@ QUEUE_SCHEMA: dict[str, Any] = {
                    "models": {"type": "object", "additionalProperties": LINE_SCHEMA}},
 }
 
+# GET /v1/jobs: a page of views and the cursor of the next (null on the last page).
+JOBS_PAGE: dict[str, Any] = {
+    "type": "object", "required": ["jobs", "next"],
+    "properties": {"jobs": {"type": "array", "maxItems": MAX_LIMIT,
+                            "items": {"$ref": REF.format(model="JobView")}},
+                   "next": {"anyOf": [{"type": "string"}, {"type": "null"}]}},
+}
+LIST_PARAMETERS = [
+    {"name": "status", "in": "query", "required": False, "style": "form", "explode": True,
+     "description": "Only jobs of these statuses (repeat it, or separate them with commas).",
+     "schema": {"type": "array", "items": {"type": "string", "enum": list(JobStatus)}}},
+    {"name": "limit", "in": "query", "required": False, "description": "Jobs a page lists.",
+     "schema": {"type": "integer", "minimum": 1, "maximum": MAX_LIMIT, "default": DEFAULT_LIMIT}},
+    {"name": "cursor", "in": "query", "required": False,
+     "schema": {"type": "string", "pattern": f"^{CURSOR.pattern}$"},
+     "description": "The `next` of the page before, as it was given: the jobs admitted before it."},
+]
 WORKERS_SCHEMA: dict[str, Any] = {
     "type": "object", "required": ["workers"],
     "properties": {"workers": {"type": "array", "items": {"$ref": REF.format(model="WorkerView")}}},
@@ -175,7 +193,10 @@ def _job_paths(codes: dict[int, list[str]]) -> dict[str, Any]:
              "200": {**_json("An idempotent retry, or with `Prefer: wait=N` a job that ended within N s.",
                              "JobView", APPLIED), "links": JOB_LINKS}},
             (400, 403, 409, 413, 415, 422, 429, 503), parameters=[IDEMPOTENCY_KEY, PREFER],
-            requestBody={"required": True, "content": {JSON: {"schema": _ref("JobRequest")}}})},
+            requestBody={"required": True, "content": {JSON: {"schema": _ref("JobRequest")}}}),
+            "get": _operation(codes, "listJobs", "The caller's jobs, newest first, a page at a time.",
+                              {"200": _json("A page of jobs.", JOBS_PAGE)}, (422, 503),
+                              parameters=LIST_PARAMETERS)},
         "/v1/jobs/{id}": {
             "parameters": [JOB_ID],
             "get": _operation(codes, "getJob", "A job's status, progress and result links.",

@@ -24,12 +24,13 @@ from shared.contract.errors import (
     UnsupportedMediaTypeError,
 )
 from shared.contract.images import INPUT_NAMES
-from shared.contract.jobs import Submission, requested_model, validate_submission
+from shared.contract.jobs import JobStatus, Submission, requested_model, validate_submission
 from shared.contract.settings import Settings
 from shared.contract.tenants import Tenant
 
 bp = Blueprint("slotq", __name__)
 MAX_IDEMPOTENCY_KEY = 255
+DEFAULT_LIMIT, MAX_LIMIT = 20, 100  # jobs a page of GET /v1/jobs lists
 
 
 def _queue() -> Queue:
@@ -68,6 +69,15 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
         headers["Preference-Applied"] = f"wait={submitted.waited}"
     status = 200 if submitted.replayed or submitted.view.status.is_terminal else 202
     return _json(submitted.view), status, headers
+
+
+@bp.get("/v1/jobs")
+def list_jobs() -> Response:
+    """The caller's jobs, newest first: ``?status=`` (repeated or comma-separated), ``?limit=``
+    (default 20, at most 100) and ``?cursor=`` (the ``next`` of the page before)."""
+    page = _jobs().page(_tenant(), _limit(request.args.get("limit")),
+                        _statuses(request.args.getlist("status")), request.args.get("cursor"))
+    return jsonify({"jobs": [view.model_dump(mode="json") for view in page.jobs], "next": page.next})
 
 
 @bp.get("/v1/jobs/<job_id>")
@@ -146,6 +156,24 @@ def readyz() -> Response:
         raise DrainingError(retry_after=1)
     _queue().connection.ping()  # a Redis error becomes 503 in the app's error handler
     return jsonify({"status": "ready"})
+
+
+def _limit(value: str | None) -> int:
+    if value is None:
+        return DEFAULT_LIMIT
+    if not (value.isdigit() and len(value) <= 3 and 1 <= int(value) <= MAX_LIMIT):
+        message = f"must be a whole number from 1 to {MAX_LIMIT}"
+        raise InvalidRequestError(details=[{"loc": ["query", "limit"], "msg": message}])
+    return int(value)
+
+
+def _statuses(values: list[str]) -> set[JobStatus]:
+    names = {name.strip() for value in values for name in value.split(",")}
+    unknown = sorted(names - set(JobStatus))
+    if unknown:
+        message = f"{', '.join(unknown)[:100]}: not a status; one of {', '.join(JobStatus)}"
+        raise InvalidRequestError(details=[{"loc": ["query", "status"], "msg": message}])
+    return {JobStatus(name) for name in names}
 
 
 def _json(view: BaseModel) -> Response:

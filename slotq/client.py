@@ -44,9 +44,10 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 TERMINAL = {"succeeded", "failed", "canceled", "expired"}
 LONG_POLL_S = 30  # the service holds a ?wait request at most 60 s
@@ -202,6 +203,16 @@ class Client:
     def input_bytes(self, job_id: str, name: str = "image") -> bytes:
         """A job's input image (``image`` or ``mask``), as it was sent."""
         return self._send("GET", f"/v1/jobs/{job_id}/inputs/{name}", _read_retryable)
+
+    def jobs(self, *statuses: str, limit: int = 20) -> Iterator[dict[str, Any]]:
+        """The caller's jobs, newest first, of these statuses (any if none), fetched a page at a time."""
+        query = {"limit": str(limit), **({"status": ",".join(statuses)} if statuses else {})}
+        while True:
+            page = json.loads(self._send("GET", f"/v1/jobs?{urlencode(query)}", _read_retryable))
+            yield from page["jobs"]
+            if page["next"] is None:
+                return
+            query["cursor"] = page["next"]
 
     def models(self) -> list[dict[str, Any]]:
         """The models the service runs: family, samplers, defaults and live workers of each."""

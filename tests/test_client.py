@@ -121,6 +121,16 @@ def test_full_queue_is_retried_after_retry_after_then_refused(
     assert capped == [0.25]
 
 
+def test_the_client_lists_jobs_across_pages(settings: Settings, start_api: Callable[..., Process]) -> None:
+    api = start_api(settings, queue_capacity=10)
+    client = Client(api.url)
+    ids = [client.submit("listed", **SMALL)["id"] for _ in range(5)]
+    client.cancel(ids[0])
+    assert [view["id"] for view in client.jobs(limit=2)] == ids[::-1]  # three pages
+    assert [view["id"] for view in client.jobs("canceled")] == [ids[0]]
+    assert [view["id"] for view in client.jobs("queued", "canceled", limit=4)] == ids[::-1]
+
+
 def test_unreachable_api_is_retried_with_backoff() -> None:
     pauses = Pauses()
     client = Client(f"http://127.0.0.1:{free_port()}", retries=3, max_retry_wait=1.5, sleep=pauses)

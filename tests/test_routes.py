@@ -166,7 +166,7 @@ def test_wrong_method_gets_405(client: FlaskClient) -> None:
 
 
 @pytest.mark.parametrize(("method", "path", "allowed"), [
-    ("PUT", "/v1/jobs", {"POST", "OPTIONS"}),
+    ("PUT", "/v1/jobs", {"GET", "HEAD", "POST", "OPTIONS"}),
     ("PATCH", "/v1/jobs/{id}", {"GET", "HEAD", "DELETE", "OPTIONS"}),
     ("POST", "/v1/jobs/{id}/images/0", {"GET", "HEAD", "OPTIONS"}),
     ("DELETE", "/v1/queue", {"GET", "HEAD", "OPTIONS"}),

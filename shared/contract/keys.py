@@ -63,6 +63,11 @@ def events_channel(queue: str) -> str:
     return f"{PREFIX}:events:{queue}"
 
 
+def listed_key(queue: str, tenant: str) -> str:
+    """Sorted set of one tenant's jobs ('' without API keys: every job) by admission time."""
+    return f"{PREFIX}:listed:{queue}:{tenant}"
+
+
 def deadlines_key(line: str) -> str:
     """Sorted set of a line's waiting jobs by the time they expire."""
     return f"{PREFIX}:deadlines:{line}"

@@ -86,7 +86,7 @@ def enqueue_job(queue: Queue, settings: Settings, request: JobRequest,
     idem = keys.idempotency_key(queue.name, _hashed(f"{name} {idempotency_key}")) if idempotency_key else ""
     script_keys = [job.key, idem or job.key, keys.deadlines_key(line), keys.issued_key(job.id),
                    keys.bucket_key(queue.name, name), keys.model_key(line),
-                   keys.running_key(line), keys.inputs_key(job.id)]
+                   keys.running_key(line), keys.inputs_key(job.id), keys.listed_key(queue.name, name)]
     fields, inputs = _fields(job, request), inputs or {}
     params = _parameters(queue, line, settings, job, request, tenant, cost, digest if idem else None,
                          len(fields), list(inputs))
@@ -140,6 +140,7 @@ def _parameters(queue: Queue, line: str, settings: Settings, job: Job, request: 
         "idempotency_ttl": IDEMPOTENCY_TTL_S, "deadline_s": request.deadline_s,
         "ended_at": utcformat(datetime.now(UTC)),
         "record_ttl": settings.record_ttl_s, "issued_ttl": settings.issued_ttl_s,
+        "listed_ttl": max(settings.record_ttl_s, settings.failure_ttl_s),
         "channel": keys.events_channel(queue.name), "outbox": keys.webhooks_key(queue.name),
         "ended": keys.ended_key(queue.name), "inputs_ttl": settings.result_ttl_s,
         "fields": fields, "inputs": inputs or None, **limits,

@@ -2,7 +2,8 @@
 -- Admission in one script call: every check first, and only an admitted job writes anything, so
 -- a refusal costs one round trip and no writes however hard the service is flooded. Redis runs
 -- scripts one at a time, so the limits hold exactly however many API processes admit at once.
--- KEYS: job, idempotency (or job), deadlines, issued, bucket, model, running, inputs.
+-- KEYS: job, idempotency (or job), deadlines, issued, bucket, model, running, inputs, the tenant's
+-- listed jobs (GET /v1/jobs).
 -- ARGV[1]: the parameters as JSON; ARGV[2..]: the RQ job's fields, as Job.save would write them
 -- (`p.fields` of them), then the bytes of each input image that `p.inputs` names.
 -- Answers {position, starts in, finishes in, deadline}, or a refusal: {-1 full, -2 replay,
@@ -44,6 +45,11 @@ if p.rate then
 end
 if p.digest then redis.call('SET', KEYS[2], p.digest .. ' ' .. p.id, 'EX', p.idempotency_ttl) end
 redis.call('SET', KEYS[4], p.tenant, 'EX', p.issued_ttl)
+-- Listed by admission time (unique to the microsecond: scripts run one at a time); entries past
+-- any record's TTL go, so the set never outgrows the records it lists.
+redis.call('ZADD', KEYS[9], now, p.id)
+redis.call('ZREMRANGEBYSCORE', KEYS[9], '-inf', now - p.listed_ttl)
+redis.call('EXPIRE', KEYS[9], p.listed_ttl)
 local deadline = false
 if p.deadline_s then
   deadline = now + p.deadline_s
