@@ -15,6 +15,7 @@ from api.longpoll import Waits
 from api.metrics import ApiMetrics
 from api.page import page
 from api.routes import bp
+from api.streams import Streams
 from shared.contract.errors import (
     MethodNotAllowedError,
     NotFoundError,
@@ -49,6 +50,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     draining = app.extensions["slotq.draining"] = threading.Event()  # set by the server on SIGTERM
     waits = app.extensions["slotq.waits"] = Waits.for_settings(queue.connection, settings, draining)
     app.extensions["slotq.jobs"] = Jobs(queue, settings, waits)
+    app.extensions["slotq.streams"] = Streams(queue, waits, settings.max_streams)
     app.extensions["slotq.keys"] = policies(settings)
     observability.install(app, ApiMetrics(settings, queue))
     app.register_blueprint(bp)

@@ -16,7 +16,8 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from redis import Redis
@@ -123,6 +124,25 @@ class Waits:
             self._leave(job.id, wake)
             self._slots.release()
         return True
+
+    @contextmanager
+    def watching(self, *names: str) -> Iterator[threading.Event]:
+        """An event set whenever any of these names (job ids, ``keys.line_changed``) is announced,
+        or the process drains; once subscribed, so that nothing announced after it is missed."""
+        wake = threading.Event()
+        for name in names:
+            self._enter(name, wake)
+        try:
+            self._subscribed.wait(READY_S)
+            yield wake
+        finally:
+            for name in names:
+                self._leave(name, wake)
+
+    @property
+    def draining(self) -> bool:
+        """Whether the process is shutting down: whoever waits answers now."""
+        return self._draining.is_set()
 
     def _watch(self, job: Job, until: float, done: Done, wake: threading.Event) -> None:
         # Announcements count from the subscription on: read the status only once it is in place.

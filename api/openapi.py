@@ -9,6 +9,7 @@ from typing import Any
 
 from api.longpoll import MAX_WAIT_S
 from api.routes import DEFAULT_LIMIT, MAX_IDEMPOTENCY_KEY, MAX_LIMIT
+from api.streams import EVENT_ID
 from shared.contract import errors
 from shared.contract.adapters import available_adapters
 from shared.contract.images import FORMATS, INPUT_NAMES
@@ -128,6 +129,16 @@ def _text(description: str, media_type: str) -> dict[str, Any]:
     return {"description": description, "content": {media_type: {"schema": _STRING}}}
 
 
+EVENT_ID_SCHEMA = {"type": "string", "pattern": "^" + EVENT_ID.pattern + "$"}
+EVENT_PARAMETERS = [
+    {"name": "Last-Event-ID", "in": "header", "required": False, "schema": EVENT_ID_SCHEMA,
+     "description": "The id of the last event had: the stream goes on after it (EventSource sends it)."},
+    {"name": "last_event_id", "in": "query", "required": False, "schema": EVENT_ID_SCHEMA,
+     "description": "The same, for a first connection (EventSource cannot set the header)."},
+]
+EVENTS_DESCRIPTION = ("`queued` (the view: position, ETA; again each time the position changes), `started`, "
+                      "`progress` (`{\"step\", \"total\"}`), then one of `succeeded`, `failed`, `canceled`, "
+                      "`expired` (the final view), after which the stream ends; a comment every 15 s.")
 JOB_ID = {"name": "id", "in": "path", "required": True, "schema": _STRING,
           "description": "The job id that POST /v1/jobs returned."}
 INPUT_NAME = {"name": "name", "in": "path", "required": True,
@@ -205,6 +216,13 @@ def _job_paths(codes: dict[int, list[str]]) -> dict[str, Any]:
                                  {"200": _json("Canceled now.", "JobView"),
                                   "202": _json("Its worker stops it at its next step.", "JobView")},
                                  (404, 409, 410, 503), description=CANCEL_KEEPS_THE_RECORD),
+        },
+        "/v1/jobs/{id}/events": {
+            "parameters": [JOB_ID],
+            "get": _operation(codes, "streamJobEvents", "A job's events, as server-sent events.",
+                              {"200": _text(EVENTS_DESCRIPTION, "text/event-stream"),
+                               "204": {"description": "The client had the final event: nothing more comes."}},
+                              (404, 410, 422, 503), parameters=EVENT_PARAMETERS),
         },
         "/v1/jobs/{id}/images/{index}": {
             "parameters": [JOB_ID, IMAGE_INDEX],

@@ -86,6 +86,19 @@ def get_job(job_id: str) -> Response:
     return _json(_jobs().read(job_id, _tenant(), longpoll.wait_query(request.args.get("wait"))))
 
 
+@bp.get("/v1/jobs/<job_id>/events")
+def job_events(job_id: str) -> Response:
+    """A job's events as server-sent events, from after ``Last-Event-ID`` (the header, or the
+    ``last_event_id`` query for a first connection); 204 once the client had the final one."""
+    last = request.headers.get("Last-Event-ID") or request.args.get("last_event_id")
+    stream = current_app.extensions["slotq.streams"].open(job_id, _tenant(), last)
+    if stream is None:
+        return Response(status=204)
+    # No caching, and no buffering in a proxy (nginx honours X-Accel-Buffering): each event at once.
+    return Response(stream, mimetype="text/event-stream",
+                    headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+
+
 @bp.get("/v1/jobs/<job_id>/images/<int:index>")
 def get_image(job_id: str, index: int) -> Response:
     """One finished image as PNG."""

@@ -51,6 +51,7 @@ from urllib.parse import urlencode
 
 TERMINAL = {"succeeded", "failed", "canceled", "expired"}
 LONG_POLL_S = 30  # the service holds a ?wait request at most 60 s
+STREAM_SILENCE_S = 45.0  # an event stream silent this long (no event, no keep-alive comment) is broken
 MAX_PREFER_WAIT_S = 60
 BACKOFF_S = 0.5
 
@@ -218,13 +219,92 @@ class Client:
         """The models the service runs: family, samplers, defaults and live workers of each."""
         return json.loads(self._send("GET", "/v1/models", _read_retryable))["models"]
 
+    def events(self, job_id: str, last_event_id: str | None = None,
+               timeout: float = 600.0) -> Iterator[tuple[str, dict[str, Any]]]:
+        """A job's events as (name, data) from ``GET /v1/jobs/<id>/events``, until the final one;
+        a dropped connection is opened again after the last event had (``Last-Event-ID``), at most
+        ``retries`` times in a row. ``TimeoutError`` once ``timeout`` seconds have passed."""
+        deadline, attempt = time.monotonic() + timeout, 0
+        while True:
+            try:
+                for event_id, name, data in self._stream(job_id, last_event_id, deadline):
+                    last_event_id, attempt = event_id, 0
+                    yield name, data
+                    if name in TERMINAL:
+                        return
+                return  # 204: the final event was had already
+            except UnavailableError as error:
+                if attempt >= self.retries or time.monotonic() > deadline:
+                    raise
+                self.sleep(self._pause(error, attempt))
+                attempt += 1
+
+    def _stream(self, job_id: str, last_event_id: str | None, deadline: float
+                ) -> Iterator[tuple[str, str, dict[str, Any]]]:
+        headers = {**self.headers, "Accept": "text/event-stream",
+                   **({"Last-Event-ID": last_event_id} if last_event_id else {})}
+        request = urllib.request.Request(f"{self.base_url}/v1/jobs/{job_id}/events", headers=headers)
+        try:
+            # The socket's timeout outlasts the server's 15 s keep-alive comments.
+            with urllib.request.urlopen(request, timeout=max(self.timeout, STREAM_SILENCE_S)) as response:
+                fields: dict[str, str] = {}
+                for raw in response:
+                    line = raw.decode().rstrip("\r\n")
+                    if line:
+                        name, _, value = line.partition(":")
+                        fields[name] = value.removeprefix(" ")
+                    elif "data" in fields:
+                        yield fields.get("id", ""), fields.get("event", "message"), json.loads(fields["data"])
+                        fields = {}
+                    else:
+                        fields = {}
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"job {job_id} did not end in time")
+        except urllib.error.HTTPError as exc:
+            raise _answered_error(exc) from None
+        except (OSError, http.client.HTTPException) as exc:
+            reason = getattr(exc, "reason", None) or exc
+            raise UnavailableError(503, "unreachable", f"the stream from {self.base_url} broke: {reason}"
+                                   ) from exc
+        if response.status != 204:
+            raise UnavailableError(503, "unreachable", "the stream ended before the job")
+
     def wait(self, job_id: str, timeout: float = 600.0, interval: float = 0.25,
              on_update: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
         """Follow the job until it ends or ``timeout`` passes; returns the last view.
 
-        Without ``on_update`` it long-polls (one request per status change); with it, it polls every
-        ``interval`` seconds so that queue position and step progress show as they change.
+        Without ``on_update`` it long-polls (one request per status change); with it, it follows the
+        job's event stream, so that queue position and step progress show as they change (or, from
+        a service without streams or with all its streams taken, polls every ``interval`` seconds).
         """
+        if on_update is not None:
+            try:
+                return self._follow(job_id, timeout, on_update)
+            except (NotFoundError, UnavailableError) as error:
+                if isinstance(error, NotFoundError) and not self._exists(job_id):
+                    raise  # no such job; else a service without streams: poll it
+        return self._poll(job_id, timeout, interval, on_update)
+
+    def _follow(self, job_id: str, timeout: float, on_update: Callable[[dict[str, Any]], None]
+                ) -> dict[str, Any]:
+        view: dict[str, Any] = {}
+        for name, data in self.events(job_id, timeout=timeout):
+            if name == "progress":  # a step: the view as it stood, with this progress
+                view = {**view, "status": "running", "progress": data}
+            elif name != "preview":
+                view = data
+            on_update(view)
+        return view
+
+    def _exists(self, job_id: str) -> bool:
+        try:
+            self.get(job_id)
+            return True
+        except NotFoundError:
+            return False
+
+    def _poll(self, job_id: str, timeout: float, interval: float,
+              on_update: Callable[[dict[str, Any]], None] | None) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         status = None
         while True:

@@ -192,9 +192,22 @@ def test_wait_and_prefer_wait_on_the_worker(worker: Process, worker_settings: Se
     assert client.image_bytes(job_id).startswith(b"\x89PNG\r\n\x1a\n")
 
     seen: list[str] = []
-    polled = client.wait(client.submit("polled", **SMALL)["id"], timeout=60,
-                         on_update=lambda v: seen.append(v["status"]))
-    assert polled["status"] == seen[-1] == "succeeded"
+    reads: list[str] = []
+    counting = Client(client.base_url)
+    counting._request = lambda method, path, *rest: reads.append(path) or Client._request(  # type: ignore[method-assign]
+        counting, method, path, *rest)
+    followed = counting.wait(client.submit("followed", **SMALL)["id"], timeout=60,
+                             on_update=lambda v: seen.append(v["status"]))
+    # The worker is idle: the job may have started before the stream opened (then no `queued`).
+    assert followed["status"] == seen[-1] == "succeeded" and seen[0] in ("queued", "running")
+    assert "running" in seen
+    assert reads == []  # it followed the event stream: not one poll
+
+    events = list(client.events(client.submit("streamed", **SMALL)["id"], timeout=60))
+    names = [name for name, _ in events]
+    assert names[0] in ("queued", "started") and "started" in names and names[-1] == "succeeded"
+    steps = [data["step"] for name, data in events if name == "progress"]
+    assert steps[0] == 0 and steps[-1] == SMALL["steps"] and steps == sorted(steps)
 
     finished = client.submit("held", wait=30, **SMALL)
     assert finished["status"] == "succeeded" and finished["images"]

@@ -412,6 +412,21 @@ def test_nginx_balances_over_api_replicas() -> None:
         assert variables.get(target[1:]) == "http://api:8000"
 
 
+def test_nginx_passes_event_streams_through_unbuffered() -> None:
+    """A job's event stream has a location of its own: unbuffered, read timeout above the keep-alive."""
+    from api.streams import KEEPALIVE_S
+
+    conf = NGINX_CONF.read_text()
+    found = re.search(r"location ~ \^/v1/jobs/\[\^/\]\+/events\$ \{(?P<body>[^}]*)\}", conf)
+    assert found, "no location for /v1/jobs/<id>/events"
+    body = found["body"]
+    assert re.search(r"^\s*proxy_buffering\s+off;", body, re.M)
+    assert re.search(r"^\s*proxy_http_version\s+1\.1;", body, re.M)
+    read = re.search(r"^\s*proxy_read_timeout\s+(\d+)s;", body, re.M)
+    assert read and int(read[1]) > 2 * KEEPALIVE_S
+    assert re.match(found.group(0).split()[2], "/v1/jobs/abc-123/events")
+
+
 def test_nginx_limits_and_forwards_headers() -> None:
     """The proxy caps request bodies and forwards request id and client address."""
     conf = NGINX_CONF.read_text()

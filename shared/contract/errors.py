@@ -121,6 +121,11 @@ class NotReplicatedError(ServiceError):
     message = "The job is not yet on enough replicas; retry with the same Idempotency-Key."
 
 
+class TooManyStreamsError(ServiceError):
+    status, code = 503, "too_many_streams"
+    message = "This API process follows SLOTQ_MAX_STREAMS event streams already; retry shortly or poll."
+
+
 class JobCanceledError(Exception):
     """Raised inside a running job when its cancellation has been requested."""
 

@@ -14,6 +14,7 @@ RQ_QUEUES_KEY = "rq:queues"
 # "<line>:<class>:<tenant>" (lua/lib/line.lua names them); no queue, model or tenant name can hold the
 # separator (settings), so a name splits back. Jobs name the queue itself as their origin.
 QUEUE_SEPARATOR = ":"
+LOG_LENGTH = 512  # events a job's log keeps (about: XADD's MAXLEN ~); a job has a few dozen
 DOORBELL_TOKENS = 16  # enough to wake every idle worker of a host; more would only spin them
 JOB_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")  # use with fullmatch: "$" allows a final newline
 
@@ -26,6 +27,21 @@ def line_name(queue: str, model: str) -> str:
 def cancel_key(job_id: str) -> str:
     """Set when a client cancels a job that a worker may already hold."""
     return f"{PREFIX}:cancel:{job_id}"
+
+
+def log_key(job_id: str) -> str:
+    """A job's events as a Redis stream, in order, for GET /v1/jobs/<id>/events (shared/store/events.py)."""
+    return f"{PREFIX}:log:{job_id}"
+
+
+def queue_of(line: str) -> str:
+    """The queue a line is under (the inverse of :func:`line_name`)."""
+    return line.split(QUEUE_SEPARATOR)[0]
+
+
+def line_changed(line: str) -> str:
+    """What the events channel carries, beside job ids, when a line's order changed (a claim, a cancel)."""
+    return f"line{QUEUE_SEPARATOR}{line}"
 
 
 def issued_key(job_id: str) -> str:

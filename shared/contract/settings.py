@@ -108,6 +108,7 @@ class Settings(BaseSettings):
     api_port: int = Field(8000, ge=1, le=65535)
     api_workers: int = Field(2, ge=1, le=64)
     api_threads: int = Field(16, ge=1, le=256)
+    max_streams: int = Field(8, ge=1, le=10_000)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_format: Literal["text", "json"] = "text"
     log_prompts: bool = False

@@ -45,11 +45,14 @@ def end_job(job: Job, queue: Queue, settings: Settings, pipe: Pipeline, status: 
 
 
 def ended(pipe: Pipeline, queue_name: str, job: Job, inputs_ttl_s: int) -> None:
-    """Queue what follows a job's final status: its count by status, its `completed` webhook, and
-    the expiry of its input images, which are kept as long as its images."""
-    pipe.hincrby(keys.ended_key(queue_name), job_status(job).value, 1)
+    """Queue what follows a job's final status: its count by status, its `completed` webhook, its
+    final event, and the expiry of its input images and event log, kept as long as its images."""
+    status = job_status(job)
+    pipe.hincrby(keys.ended_key(queue_name), status.value, 1)
     outbox.schedule(pipe, queue_name, job, "completed")
+    events.log(pipe, job.id, status.value)
     pipe.expire(keys.inputs_key(job.id), inputs_ttl_s)
+    pipe.expire(keys.log_key(job.id), inputs_ttl_s)
 
 
 def ended_counts(queue: Queue) -> dict[str, int]:
@@ -71,6 +74,7 @@ def cancel(queue: Queue, settings: Settings, job: Job) -> bool:
     with connection.pipeline() as pipe:
         end_job(job, queue, settings, pipe, RQStatus.CANCELED)
         pipe.zrem(keys.deadlines_key(waiting.line_of(job)), job.id)
+        events.announce(pipe, queue.name, keys.line_changed(waiting.line_of(job)))  # the others moved up
         pipe.execute()
     return True
 
@@ -125,6 +129,7 @@ def requeue_at_front(job: Job, queue: Queue, pipe: Pipeline) -> None:
     save_meta(job, pipe)
     _forget_executions(job, queue, pipe)
     waiting.requeue(pipe, waiting.line_of(job), job.id)
+    events.log(pipe, job.id, "queued")
     events.announce(pipe, queue.name, job.id)
 
 

@@ -8,6 +8,9 @@ it answer sooner.
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from redis import Redis
 from redis.client import Pipeline, PubSub
 
@@ -17,6 +20,12 @@ from shared.contract import keys
 def announce(client: Redis | Pipeline, queue_name: str, job_id: str) -> None:
     """Publish that this job's status changed (in a pipeline: when it executes)."""
     client.publish(keys.events_channel(queue_name), job_id)
+
+
+def log(client: Redis | Pipeline, job_id: str, event: str, data: Any = None) -> None:
+    """Append an event to the job's log (in a pipeline: when it executes); announce it separately."""
+    fields: dict[Any, Any] = {"event": event, **({"data": json.dumps(data)} if data is not None else {})}
+    client.xadd(keys.log_key(job_id), fields, maxlen=keys.LOG_LENGTH, approximate=True)
 
 
 def subscribe(connection: Redis, queue_name: str) -> PubSub:

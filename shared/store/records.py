@@ -140,22 +140,24 @@ def _report_start(jobs: list[Job]) -> list[bool]:
     with jobs[0].connection.pipeline(transaction=False) as pipe:
         for job in jobs:
             save_meta(job, pipe)
+            events.log(pipe, job.id, "started")
+            events.log(pipe, job.id, "progress", job.meta["progress"])
             events.announce(pipe, job.origin, job.id)
             pipe.exists(keys.cancel_key(job.id))
         for job in jobs:  # after the others' commands, since not every job adds one
             outbox.schedule(pipe, job.origin, job, "started")
         answers = pipe.execute()
-    return [bool(answer) for answer in answers[2:3 * len(jobs):3]]  # each job's EXISTS comes third
+    return [bool(answer) for answer in answers[4:5 * len(jobs):5]]  # each job's EXISTS comes fifth
 
 
 def _report_step(jobs: list[Job]) -> list[bool]:
-    # For each job: its hash, cancel key and fence key; its meta and its attempt's token ('' when
-    # the writer holds no fence: a plain RQ worker).
+    # For each job: its hash, cancel key, fence key and event log; its meta and its attempt's token
+    # ('' when the writer holds no fence: a plain RQ worker).
     tokens = {fence.job_id: fence.token for fence in fencing.held()}
     job_keys: list[str] = []
-    args: list[str | bytes] = []
+    args: list[str | bytes] = [keys.events_channel(jobs[0].origin)]
     for job in jobs:
-        job_keys += [job.key, keys.cancel_key(job.id), keys.fence_key(job.id)]
+        job_keys += [job.key, keys.cancel_key(job.id), keys.fence_key(job.id), keys.log_key(job.id)]
         args += [job.serializer.dumps(job.meta), tokens.get(job.id, "")]
     # The script is the fence: no watched transaction around it. One EVALSHA, not in a pipeline
     # (a pipeline asks SCRIPT EXISTS first: a second round trip).

@@ -25,6 +25,8 @@ USES = re.compile(r"^-- uses:(.*)$", re.M)
 CONSTANTS = {
     "LINE_PREFIX": keys.line_key(""),
     "INPUTS_PREFIX": keys.inputs_key(""),
+    "LOG_PREFIX": keys.log_key(""),
+    "LOG_LENGTH": str(keys.LOG_LENGTH),
     "SEP": keys.QUEUE_SEPARATOR,
     "RQ_QUEUE_PREFIX": keys.RQ_QUEUE_PREFIX,
     "RQ_QUEUES_KEY": keys.RQ_QUEUES_KEY,

@@ -71,7 +71,8 @@ def claim(connection: Redis, line: str, claims_key: str, affinity: Affinity | No
     ``affinity``, a job of the adapters the worker holds may go first, within its bound."""
     affinity = affinity or Affinity()
     claimed = scripts.run(connection, "claim", [claims_key],
-                          [line, Job.redis_job_namespace_prefix, affinity.max_skip, affinity.last,
+                          [line, Job.redis_job_namespace_prefix, affinity.max_skip,
+                           keys.events_channel(keys.queue_of(line)), affinity.last,
                            *affinity.resident])
     if not claimed:
         return None

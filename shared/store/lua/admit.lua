@@ -45,6 +45,8 @@ if p.rate then
 end
 if p.digest then redis.call('SET', KEYS[2], p.digest .. ' ' .. p.id, 'EX', p.idempotency_ttl) end
 redis.call('SET', KEYS[4], p.tenant, 'EX', p.issued_ttl)
+redis.call('XADD', '@LOG_PREFIX@' .. p.id, 'MAXLEN', '~', @LOG_LENGTH@, '*', 'event', 'queued')
+redis.call('EXPIRE', '@LOG_PREFIX@' .. p.id, p.record_ttl)
 -- Listed by admission time (unique to the microsecond: scripts run one at a time); entries past
 -- any record's TTL go, so the set never outgrows the records it lists.
 redis.call('ZADD', KEYS[9], now, p.id)

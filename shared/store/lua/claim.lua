@@ -2,12 +2,14 @@
 -- The next job, moved from its RQ list into the worker's claims in one step; with its record and
 -- Redis's clock, so starting a job costs no extra round trip.
 -- With affinity, a job of the adapters the worker holds may go first, within its bound (line.lua).
--- KEYS: the worker's claims list; ARGV: the queue's name, RQ's job key prefix, the most times a job
--- may be passed over (0: no affinity), the adapters key the worker ran last, its resident adapters.
+-- KEYS: the worker's claims list; ARGV: the line's name, RQ's job key prefix, the most times a job
+-- may be passed over (0: no affinity), the events channel (told that the line moved up), the
+-- adapters key the worker ran last, its resident adapters.
 local resident = {}
-for i = 5, #ARGV do resident[ARGV[i]] = true end
-local id = line_pop_affine(line_of(ARGV[1]), ARGV[2], tonumber(ARGV[3]), ARGV[4], resident)
+for i = 6, #ARGV do resident[ARGV[i]] = true end
+local id = line_pop_affine(line_of(ARGV[1]), ARGV[2], tonumber(ARGV[3]), ARGV[5], resident)
 if not id then return false end
 redis.call('RPUSH', KEYS[1], id)
+redis.call('PUBLISH', ARGV[4], 'line@SEP@' .. ARGV[1])
 local clock = redis.call('TIME')
 return {id, redis.call('HGETALL', ARGV[2] .. id), clock[1] .. '.' .. string.format('%06d', clock[2])}

@@ -14,7 +14,12 @@ local function expire_due(line, deadlines_key, job_prefix, ended_at, ttl, channe
       redis.call('HSET', key, 'status', 'canceled', 'ended_at', ended_at, 'meta', cjson.encode(meta))
       redis.call('EXPIRE', key, ttl)
       redis.call('EXPIRE', '@INPUTS_PREFIX@' .. id, inputs_ttl)
-      if channel then redis.call('PUBLISH', channel, id) end
+      redis.call('XADD', '@LOG_PREFIX@' .. id, 'MAXLEN', '~', @LOG_LENGTH@, '*', 'event', 'expired')
+      redis.call('EXPIRE', '@LOG_PREFIX@' .. id, inputs_ttl)
+      if channel then
+        redis.call('PUBLISH', channel, id)
+        redis.call('PUBLISH', channel, 'line@SEP@' .. line.queue)  -- the others moved up
+      end
       redis.call('HINCRBY', ended, 'expired', 1)
       webhook_completed(outbox, key, id, now)
     end

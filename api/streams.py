@@ -1,0 +1,169 @@
+"""Event streams: ``GET /v1/jobs/<id>/events`` as server-sent events, from the job's event log.
+
+Every writer of a job's record appends to its log in the same round trip (a Redis stream,
+``shared/store/events.py``): ``queued``, ``started``, ``progress``, ``preview`` and the final
+status. A stream sends the log's entries after the client's ``Last-Event-ID``, each once, then
+waits on the process's one pub/sub listener (``api/longpoll.py``), which wakes it when the job or
+its line is announced; it reads the log again only then. The data of ``queued``, ``started`` and
+the final event is the job's view when it is sent, so a ``queued`` or ``started`` the job has
+moved past by then is left out (what it is now follows). Between entries it sends the job's place
+in the line each time it changes (a claim or a cancel ahead of it moved it up), with an id that
+names the place, so a client that reconnects is told again only if it moved. A comment goes out
+every ``KEEPALIVE_S`` so that proxies keep the stream open; the stream ends after the final event,
+or when the process drains (the client reconnects to another).
+
+A stream holds one of the process's SLOTQ_MAX_STREAMS slots while it is open; past them a request
+is refused with 503 and ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass
+from typing import cast
+
+from redis import Redis
+from rq import Queue
+from rq.exceptions import NoSuchJobError
+from rq.job import Job
+
+from api.longpoll import Waits
+from shared.contract import keys
+from shared.contract.errors import InvalidRequestError, TooManyStreamsError
+from shared.contract.jobs import JobStatus, JobView
+from shared.contract.tenants import Tenant
+from shared.store import records, waiting
+from shared.store.connection import text
+
+KEEPALIVE_S = 15.0
+READ_COUNT = 100  # log entries read per round trip
+# A log entry's id ("1764604012345-0"), with the place the client was last told ("…/q3"), or
+# marking the final event ("…/end").
+EVENT_ID = re.compile(r"(?P<entry>[0-9]{1,20}-[0-9]{1,20})(?:/q(?P<position>[0-9]{1,9})|(?P<end>/end))?")
+TERMINAL = {status.value for status in JobStatus if status.is_terminal}
+# The events whose view is sent only while the job is still as the event says.
+CURRENT = {"queued": JobStatus.QUEUED, "started": JobStatus.RUNNING}
+
+
+@dataclass
+class Cursor:
+    """Where a stream is: the last log entry sent, and the last place it told."""
+
+    entry: str = "0-0"
+    position: int | None = None
+    ended: bool = False
+
+    @classmethod
+    def parse(cls, last_event_id: str | None) -> Cursor:
+        """The cursor a ``Last-Event-ID`` names, or ``InvalidRequestError``."""
+        if not last_event_id:
+            return cls()
+        match = EVENT_ID.fullmatch(last_event_id)
+        if match is None:
+            raise InvalidRequestError(details=[{"loc": ["header", "Last-Event-ID"],
+                                                "msg": "not an event id this service sent"}])
+        position = match["position"]
+        return cls(match["entry"], int(position) if position is not None else None, match["end"] is not None)
+
+
+class Streams:
+    """The event streams of one API process, at most ``capacity`` open at once."""
+
+    def __init__(self, queue: Queue, waits: Waits, capacity: int) -> None:
+        self.queue, self.waits = queue, waits
+        self._slots = threading.BoundedSemaphore(capacity)
+
+    def open(self, job_id: str, tenant: Tenant | None, last_event_id: str | None) -> Opened | None:
+        """The stream of a job this tenant may read (else ``JobNotFoundError``), as SSE text; None
+        for a client that already had the final event (204 tells EventSource to stop)."""
+        job = records.fetch_job(self.queue, job_id, tenant)
+        cursor = Cursor.parse(last_event_id)
+        if cursor.ended:
+            return None
+        if not self._slots.acquire(blocking=False):
+            raise TooManyStreamsError(retry_after=2)
+        return Opened(self._events(job, cursor), self._slots)
+
+    def _events(self, job: Job, cursor: Cursor) -> Iterator[str]:
+        line = keys.line_changed(waiting.line_of(job))
+        with self.waits.watching(job.id, line) as wake:
+            yield "retry: 1000\n\n"  # EventSource reconnects after a second
+            while not self.waits.draining:
+                wake.clear()  # before the reads: an announcement during them wakes the next wait
+                ended = yield from self._pending(job, cursor)
+                if ended:
+                    return
+                if not wake.wait(KEEPALIVE_S):
+                    yield ": keep-alive\n\n"
+
+    def _pending(self, job: Job, cursor: Cursor) -> Generator[str, None, bool]:
+        """What the client has not had yet; returns whether the job's stream is over."""
+        connection: Redis = self.queue.connection
+        while True:
+            entries = cast(list[tuple[bytes, dict[bytes, bytes]]],
+                           connection.xrange(keys.log_key(job.id), f"({cursor.entry}", "+", count=READ_COUNT))
+            for entry_id, fields in entries:
+                cursor.entry = text(entry_id)
+                event = text(fields[b"event"])
+                yield from self._sent(job, cursor, event, fields.get(b"data"))
+                if event in TERMINAL:
+                    return True
+            if len(entries) < READ_COUNT:
+                break
+        view = self._view(job)
+        if view is None or view.status.is_terminal:  # ended, but its log is gone (or never had it)
+            if view is not None:
+                yield _frame(f"{cursor.entry}/end", view.status.value, view.model_dump_json())
+            return True
+            return True
+        if view.status is JobStatus.QUEUED and view.position != cursor.position:
+            cursor.position = view.position
+            yield _frame(f"{cursor.entry}/q{view.position}", "queued", view.model_dump_json())
+        return False
+
+    def _sent(self, job: Job, cursor: Cursor, event: str, data: bytes | None) -> Iterator[str]:
+        """One logged event as the client gets it."""
+        if data is not None:  # progress, preview: what the writer logged
+            yield _frame(cursor.entry, event, text(data))
+            return
+        view = self._view(job)  # queued, started, the final status: the job's view as it is now
+        if view is None or CURRENT.get(event, view.status) is not view.status:
+            return  # queued or started, but no longer: what it is now comes next
+        if event in TERMINAL:
+            yield _frame(f"{cursor.entry}/end", event, view.model_dump_json())
+        elif view.status is JobStatus.QUEUED:
+            cursor.position = view.position
+            yield _frame(f"{cursor.entry}/q{view.position}", event, view.model_dump_json())
+        else:
+            yield _frame(cursor.entry, event, view.model_dump_json())
+
+    def _view(self, job: Job) -> JobView | None:
+        try:
+            fresh = Job.fetch(job.id, connection=self.queue.connection, serializer=self.queue.serializer)
+        except NoSuchJobError:  # its record expired: nothing more to say
+            return None
+        return records.standing_view(self.queue, fresh)
+
+
+class Opened:
+    """An open stream as the WSGI server iterates it; closing it (the server does, however the
+    stream ends, even unread) gives its slot back once."""
+
+    def __init__(self, events: Iterator[str], slots: threading.BoundedSemaphore) -> None:
+        self._events, self._slots, self._open = events, slots, True
+
+    def __iter__(self) -> Iterator[str]:
+        return self._events
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            getattr(self._events, "close", lambda: None)()  # the watch ends with the generator
+            self._slots.release()
+
+
+def _frame(event_id: str, event: str, data: str) -> str:
+    """One server-sent event; ``data`` is one line of JSON (both writers' JSON holds no newline)."""
+    return f"id: {event_id}\nevent: {event}\ndata: {data}\n\n"
