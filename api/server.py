@@ -48,6 +48,13 @@ def drain_on_sigterm(worker: Any) -> None:
 
     def drain(signum: int, frame: FrameType | None) -> None:
         app.extensions["slotq.draining"].set()
+        if settings.api_worker_class == "gevent":
+            # A signal handler runs in gevent's event loop, where nothing may block (starting a
+            # thread waits for it): the stop is scheduled as a greenlet instead.
+            import gevent  # type: ignore[import-untyped]  # gevent ships no stubs
+
+            gevent.spawn_later(settings.drain_s, worker.handle_exit, signum, frame)
+            return
         timer = threading.Timer(settings.drain_s, worker.handle_exit, args=(signum, frame))
         timer.daemon = True
         timer.start()
@@ -64,7 +71,8 @@ def serve(host: str | None = None, port: int | None = None, settings: Settings |
         "bind": f"{host or settings.api_host}:{port or settings.api_port}",
         "workers": settings.api_workers,
         "threads": settings.api_threads,
-        "worker_class": "gthread",
+        "worker_class": settings.api_worker_class,
+        "worker_connections": 1000,  # gevent's: requests in progress per process, streams included
         "timeout": 30,
         # No gunicorn access log: the app logs each request itself, with its request id.
         "accesslog": None,

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench import adapters, admission, batching, end_to_end, gpu, images, memory
+from bench import adapters, admission, batching, end_to_end, gpu, images, memory, streams
 
 Section = tuple[str, Callable[[], list[str]]]
 
@@ -31,14 +31,16 @@ def sections(quick: bool) -> list[Section]:
                 ("Memory", lambda: memory.report(jobs=40, first=10, clients=4)),
                 ("Image inputs", lambda: images.report(size=256, checks=20, posts=20, runs=2, steps=1)),
                 ("LoRA adapters",
-                 lambda: adapters.report(rounds=2, size=64, jobs=12, duty_jobs=3, duty_rounds=1))]
+                 lambda: adapters.report(rounds=2, size=64, jobs=12, duty_jobs=3, duty_rounds=1)),
+                ("Event streams", lambda: streams.report(streams=4, threads=2, requests=5))]
     return [("GPU duty cycle and dispatch overhead", gpu.report),
             ("Dynamic batching", batching.batching_lines),
             ("Admission", admission.report),
             ("End to end", end_to_end.report),
             ("Memory", memory.report),
             ("Image inputs", images.report),
-            ("LoRA adapters", adapters.report)]
+            ("LoRA adapters", adapters.report),
+            ("Event streams", streams.report)]
 
 
 def cpu_model() -> str:

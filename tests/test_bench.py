@@ -32,7 +32,11 @@ ROWS = {
                      "after 1st inpainting job", "after a 2nd job of each kind"],
     "LoRA adapters": ["bare model (baseline)", "with ink (resident)", "with ink + neon (resident)",
                       "load from disk, then unload", "switch between two resident",
-                      "switch adapter <-> bare model", "affinity off (baseline)", "affinity on, max skip 8"],
+                      "switch adapter <-> bare model", "affinity off (baseline)", "affinity on, max skip 8",
+                      "in-process loop (ceiling)", "slotq worker"],
+    # gthread's row with its streams open has no figure when every call timed out, as it should.
+    "Event streams": ["gthread, no stream (baseline)", "gevent, no stream (baseline)",
+                      "gevent, 4 of 4 streams open"],
 }
 
 

@@ -205,3 +205,39 @@ def test_a_running_job_streams_its_start_progress_and_result(worker_client: Flas
     assert frames[-1][2]["images"] == [f"/v1/jobs/{job_id}/images/0"]
     ids = [event_id for event_id, _, _ in frames]
     assert len(set(ids)) == len(ids)  # each event once
+
+
+def test_open_streams_hold_no_thread_of_the_api(settings: Settings, start_api: Any) -> None:
+    """With gevent (the default), six open streams on a process of two threads leave it answering."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    api = start_api(settings, api_workers=1, api_threads=2, max_streams=20, queue_capacity=20)
+    port = urlsplit(api.url).port
+    assert settings.api_worker_class == "gevent"
+    opened = []
+    for _ in range(6):
+        job_id = http_submit(api.url)
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        connection.request("GET", f"/v1/jobs/{job_id}/events")
+        response = connection.getresponse()
+        assert response.status == 200 and response.readline() == b"retry: 1000\n"
+        opened.append(connection)
+    for _ in range(3):  # each answered at once, while every stream stays open
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        try:
+            connection.request("GET", "/v1/queue")
+            assert json.loads(connection.getresponse().read())["waiting"] == 6
+        finally:
+            connection.close()
+    assert http_submit(api.url)
+    for connection in opened:
+        connection.close()
+
+
+def http_submit(url: str) -> str:
+    from tests.conftest import http_post_job
+
+    status, body, _ = http_post_job(url, {"prompt": "a fox", "steps": 2})
+    assert status == 202, body
+    return str(body["id"])

@@ -108,7 +108,10 @@ class Settings(BaseSettings):
     api_port: int = Field(8000, ge=1, le=65535)
     api_workers: int = Field(2, ge=1, le=64)
     api_threads: int = Field(16, ge=1, le=256)
-    max_streams: int = Field(8, ge=1, le=10_000)
+    # gthread: a thread per request in progress, open streams and long-polls included; gevent: a
+    # greenlet each, so open streams hold no thread (docs/scaling.md measures both).
+    api_worker_class: Literal["gthread", "gevent"] = "gevent"
+    max_streams: int = Field(200, ge=1, le=10_000)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_format: Literal["text", "json"] = "text"
     log_prompts: bool = False
