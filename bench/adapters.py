@@ -90,22 +90,17 @@ def duty_lines(jobs: int, size: int, rounds: int, steps: int = 4) -> list[str]:
     """bench/gpu.py's duty cycle on a saturated line of jobs that all run adapter `ink`: the
     in-process loop with the same adapter (the ceiling), plain RQ and the slotq worker."""
     from bench import gpu
-    from slotq.localredis import free_port, start_redis
+    from slotq.localredis import running_redis
     from worker.tiny_loras import ensure_tiny_loras
 
-    with tempfile.TemporaryDirectory(prefix="slotq-bench-") as scratch:
-        port = free_port()
-        server = start_redis(port, Path(scratch) / "redis")
-        try:
-            settings = Settings(redis_url=f"redis://127.0.0.1:{port}/0", queue_name="bench",
-                                queue_capacity=100_000, cache_dir=Path(scratch) / "models",
-                                log_level="WARNING", lora_dir=ensure_tiny_loras(Path(scratch) / "models"))
-            batch = [JobRequest(prompt="bench", width=size, height=size, steps=steps, seed=seed,
-                                loras=[LoraRef(name="ink", scale=0.8)]) for seed in range(jobs)]
-            lines = gpu.duty_cycle(settings, batch, Path(scratch), rounds)
-        finally:
-            server.terminate()
-            server.wait(10)
+    with tempfile.TemporaryDirectory(prefix="slotq-bench-") as scratch, \
+            running_redis(Path(scratch) / "redis") as url:
+        settings = Settings(redis_url=url, queue_name="bench", queue_capacity=100_000,
+                            cache_dir=Path(scratch) / "models", log_level="WARNING",
+                            lora_dir=ensure_tiny_loras(Path(scratch) / "models"))
+        batch = [JobRequest(prompt="bench", width=size, height=size, steps=steps, seed=seed,
+                            loras=[LoraRef(name="ink", scale=0.8)]) for seed in range(jobs)]
+        lines = gpu.duty_cycle(settings, batch, Path(scratch), rounds)
     title = lines[0].replace("GPU duty cycle:", "GPU duty cycle, every job with LoRA ink at 0.8:")
     return [title, *lines[1:]]
 
@@ -118,7 +113,7 @@ def affinity_lines(jobs: int = 40, size: int = 128, steps: int = 2) -> list[str]
     from shared.contract.keys import claims_key
     from shared.store import admission, waiting
     from shared.store.connection import connect, job_queue
-    from slotq.localredis import free_port, start_redis
+    from slotq.localredis import running_redis
     from worker.adapters import Adapters
     from worker.pipeline import load_pipeline
     from worker.tiny_loras import ensure_tiny_loras
@@ -127,10 +122,9 @@ def affinity_lines(jobs: int = 40, size: int = 128, steps: int = 2) -> list[str]
              "resident (SLOTQ_LORA_CACHE=1), claimed by the claim script, run in-process",
              f"{'':34}{'switches':>10}{'loads':>8}{'img/s':>8}{'x off':>8}"]
     with tempfile.TemporaryDirectory(prefix="slotq-bench-") as scratch:
-        folder, port = ensure_tiny_loras(Path(scratch)), free_port()
-        server = start_redis(port, Path(scratch) / "redis")
-        try:
-            settings = Settings(redis_url=f"redis://127.0.0.1:{port}/0", cache_dir=Path(scratch),
+        folder = ensure_tiny_loras(Path(scratch))
+        with running_redis(Path(scratch) / "redis") as url:
+            settings = Settings(redis_url=url, cache_dir=Path(scratch),
                                 device="cpu", lora_dir=folder, lora_cache=1, queue_capacity=jobs + 1)
             pipeline = load_pipeline(settings)
             queue = job_queue(connect(settings), settings)
@@ -162,9 +156,6 @@ def affinity_lines(jobs: int = 40, size: int = 128, steps: int = 2) -> list[str]
                 lines.append(f"{label:34}{changes:>10}{pipeline.adapters.loads:>8}{rate:>8.1f}"
                              f"{rate / baseline:>7.2f}x")
                 queue.connection.delete(claims_key("bench"))
-        finally:
-            server.terminate()
-            server.wait(10)
     return lines
 
 

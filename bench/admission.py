@@ -36,7 +36,7 @@ from redis.connection import Connection
 from api.app import create_app
 from shared.contract.settings import Settings
 from shared.store.connection import connect
-from slotq.localredis import free_port, start_redis
+from slotq.localredis import free_port, running_redis
 
 BODY = json.dumps({"prompt": "bench", "width": 256, "height": 256, "steps": 4})
 SETTLE_S = 3.0  # after the API first answers, until every gunicorn process takes connections
@@ -206,16 +206,10 @@ def over_http(url: str, jobs: int, processes: int, clients: int, scratch: Path) 
 
 def report(jobs: int = 2000, processes: int = 2, clients: int = 16) -> list[str]:
     """Both views on their own Redis; the tables."""
-    with tempfile.TemporaryDirectory(prefix="slotq-bench-") as scratch:
-        port = free_port()
-        server = start_redis(port, Path(scratch) / "redis")
-        try:
-            url = f"redis://127.0.0.1:{port}/0"
-            return (in_process(url, jobs, Path(scratch)) + [""]
-                    + over_http(url, jobs, processes, clients, Path(scratch)))
-        finally:
-            server.terminate()
-            server.wait(10)
+    with tempfile.TemporaryDirectory(prefix="slotq-bench-") as scratch, \
+            running_redis(Path(scratch) / "redis") as url:
+        return (in_process(url, jobs, Path(scratch)) + [""]
+                + over_http(url, jobs, processes, clients, Path(scratch)))
 
 
 def main() -> None:

@@ -43,7 +43,7 @@ from shared.contract.models import ModelInfo, model_info
 from shared.contract.settings import Settings
 from shared.store import admission
 from shared.store.connection import connect, job_queue
-from slotq.localredis import free_port, start_redis
+from slotq.localredis import running_redis
 from worker.adapters import Adapters
 
 Sections = list[tuple[float, float]]
@@ -231,23 +231,17 @@ def dispatch(settings: Settings, count: int, scratch: Path) -> list[str]:
 def report(jobs: int = 60, size: int = 256, steps: int = 4, large_jobs: int = 12,
            dispatch_jobs: int = 400, rounds: int = 5) -> list[str]:
     """Every table of this benchmark (a count of 0 skips its run), on a Redis of its own."""
-    with tempfile.TemporaryDirectory(prefix="slotq-bench-") as scratch:
-        port = free_port()
-        server = start_redis(port, Path(scratch) / "redis")
-        try:
-            settings = Settings(redis_url=f"redis://127.0.0.1:{port}/0", queue_name="bench",
-                                queue_capacity=100_000, cache_dir=Path(scratch) / "models",
-                                log_level="WARNING", max_steps=1000)
-            lines: list[str] = []
-            for count, side, denoise in ((jobs, size, steps), (large_jobs, 1024, 1)):
-                if count:
-                    batch = requests(count, side, denoise)
-                    lines += duty_cycle(settings, batch, Path(scratch), rounds) + [""]
-            if dispatch_jobs:
-                lines += dispatch(settings, dispatch_jobs, Path(scratch))
-        finally:
-            server.terminate()
-            server.wait(10)
+    with tempfile.TemporaryDirectory(prefix="slotq-bench-") as scratch, \
+            running_redis(Path(scratch) / "redis") as url:
+        settings = Settings(redis_url=url, queue_name="bench", queue_capacity=100_000,
+                            cache_dir=Path(scratch) / "models", log_level="WARNING", max_steps=1000)
+        lines: list[str] = []
+        for count, side, denoise in ((jobs, size, steps), (large_jobs, 1024, 1)):
+            if count:
+                batch = requests(count, side, denoise)
+                lines += duty_cycle(settings, batch, Path(scratch), rounds) + [""]
+        if dispatch_jobs:
+            lines += dispatch(settings, dispatch_jobs, Path(scratch))
     return lines
 
 

@@ -45,7 +45,7 @@ from bench.memory import finishing_process, memory
 from shared.contract import images
 from shared.contract.jobs import JobKind, JobRequest, validate_submission
 from shared.contract.settings import Settings
-from slotq.localredis import free_port, start_redis
+from slotq.localredis import running_redis
 
 CHUNK = 50  # admitted requests between two (untimed) flushes: about 50 MB of inputs at 512x512
 MIB = 2**20
@@ -274,13 +274,8 @@ def report(size: int = 512, checks: int = 300, posts: int = 200, runs: int = 10,
     with tempfile.TemporaryDirectory(prefix="slotq-bench-") as scratch:
         settings = bench_settings(Path(scratch), 1)
         lines = checking(settings, inputs, steps, checks) + [""]
-        port = free_port()
-        server = start_redis(port, Path(scratch) / "redis-admit")
-        try:
-            lines += admitting(f"redis://127.0.0.1:{port}/0", Path(scratch), inputs, steps, posts) + [""]
-        finally:
-            server.terminate()
-            server.wait(10)
+        with running_redis(Path(scratch) / "redis-admit") as url:
+            lines += admitting(url, Path(scratch), inputs, steps, posts) + [""]
         side = worker_side(settings, inputs, steps, runs)
         return lines + side.lines + [""] + memory_lines(Path(scratch), inputs, steps, side)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from bench.end_to_end import bench_settings, spawn, stop
 from shared.contract.settings import Settings
-from slotq.localredis import free_port, start_redis
+from slotq.localredis import free_port, running_redis
 
 TIMEOUT_S = 2.0
 CLASSES = ("gthread", "gevent")
@@ -114,19 +114,15 @@ def run_class(settings: Settings, worker_class: str, scratch: Path, streams: int
 
 
 def report(streams: int = 40, threads: int = 4, requests: int = 60) -> list[str]:
-    with tempfile.TemporaryDirectory(prefix="slotq-bench-") as scratch_dir:
-        scratch, port = Path(scratch_dir), free_port()
-        server = start_redis(port, scratch / "redis")
-        try:
-            settings = bench_settings(scratch, 1, f"redis://127.0.0.1:{port}/0").model_copy(
-                update={"api_workers": 1, "api_threads": threads, "max_streams": streams + 10})
-            lines = [f"GET /v1/queue with event streams open: one API process, {threads} threads, "
-                     f"{requests} calls", f"{'':34}{'p50 ms':>9}{'p99 ms':>9}{'timed out':>12}"]
-            for worker_class in CLASSES:
-                lines += run_class(settings, worker_class, scratch, streams, requests)
-        finally:
-            server.terminate()
-            server.wait(10)
+    with tempfile.TemporaryDirectory(prefix="slotq-bench-") as scratch_dir, \
+            running_redis(Path(scratch_dir) / "redis") as url:
+        scratch = Path(scratch_dir)
+        settings = bench_settings(scratch, 1, url).model_copy(
+            update={"api_workers": 1, "api_threads": threads, "max_streams": streams + 10})
+        lines = [f"GET /v1/queue with event streams open: one API process, {threads} threads, "
+                 f"{requests} calls", f"{'':34}{'p50 ms':>9}{'p99 ms':>9}{'timed out':>12}"]
+        for worker_class in CLASSES:
+            lines += run_class(settings, worker_class, scratch, streams, requests)
     return lines
 
 

@@ -1,4 +1,4 @@
-"""Start a throwaway local ``redis-server``: for ``slotq dev`` and the test suite."""
+"""Start a throwaway local ``redis-server``: for ``slotq dev``, the test suite and the benchmarks."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from redis import Redis
@@ -41,6 +43,18 @@ def is_reachable(url: str, timeout: float = 1.0) -> bool:
         return False
     finally:
         client.close()
+
+
+@contextmanager
+def running_redis(data_dir: Path) -> Iterator[str]:
+    """A private ``redis-server`` on a free loopback port for the ``with`` block; its URL."""
+    port = free_port()
+    process = start_redis(port, data_dir)
+    try:
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        process.terminate()
+        process.wait(10)
 
 
 def start_redis(port: int, data_dir: Path, *, appendonly: bool = False,

@@ -166,16 +166,16 @@ class Settings(BaseSettings):
             raise ValueError("must start with redis://, rediss:// or unix://")
         return value
 
-    @field_validator("redis_sentinels", mode="before")
+    @field_validator("redis_sentinels", "model_names", mode="before")
     @classmethod
-    def _sentinel_list(cls, value: object) -> object:
+    def _text_list(cls, value: object) -> object:
         if isinstance(value, str):
             text = value.strip()
             if text.startswith("["):
                 try:
                     return json.loads(text)
                 except ValueError:
-                    raise ValueError("must be a JSON list or comma-separated host:port entries") from None
+                    raise ValueError("must be a JSON list or comma-separated entries") from None
             return [entry.strip() for entry in text.split(",") if entry.strip()]
         return value
 
@@ -186,18 +186,6 @@ class Settings(BaseSettings):
             match = ADDRESS_PATTERN.match(entry)
             if not match or not 1 <= int(match["port"]) <= 65535:
                 raise ValueError(f"{entry!r} is not host:port")
-        return value
-
-    @field_validator("model_names", mode="before")
-    @classmethod
-    def _name_list(cls, value: object) -> object:
-        if isinstance(value, str):
-            if value.strip().startswith("["):
-                try:
-                    return json.loads(value)
-                except ValueError:
-                    raise ValueError("must be a JSON list or comma-separated names") from None
-            return [entry.strip() for entry in value.split(",") if entry.strip()]
         return value
 
     @field_validator("model_names")
