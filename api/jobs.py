@@ -75,6 +75,10 @@ class Jobs:
         """One finished image of a job, as PNG."""
         return records.fetch_image(records.fetch_job(self.queue, job_id, tenant), index)
 
+    def preview(self, job_id: str, tenant: Tenant | None = None) -> tuple[bytes, int]:
+        """A running job's latest preview as JPEG, and the step it shows."""
+        return records.fetch_preview(records.fetch_job(self.queue, job_id, tenant))
+
     def input(self, job_id: str, name: InputName, tenant: Tenant | None = None) -> tuple[bytes, str]:
         """One input image of a job as the client sent it, and its media type."""
         job = records.fetch_job(self.queue, job_id, tenant)

@@ -137,7 +137,9 @@ EVENT_PARAMETERS = [
      "description": "The same, for a first connection (EventSource cannot set the header)."},
 ]
 EVENTS_DESCRIPTION = ("`queued` (the view: position, ETA; again each time the position changes), `started`, "
-                      "`progress` (`{\"step\", \"total\"}`), then one of `succeeded`, `failed`, `canceled`, "
+                      "`progress` (`{\"step\", \"total\"}`), `preview` (with `\"previews\": true`: "
+                      "`{\"step\", \"image\"}`, the image a JPEG `data:` URL of at most 256 px), "
+                      "then one of `succeeded`, `failed`, `canceled`, "
                       "`expired` (the final view), after which the stream ends; a comment every 15 s.")
 JOB_ID = {"name": "id", "in": "path", "required": True, "schema": _STRING,
           "description": "The job id that POST /v1/jobs returned."}
@@ -228,6 +230,18 @@ def _job_paths(codes: dict[int, list[str]]) -> dict[str, Any]:
             "parameters": [JOB_ID, IMAGE_INDEX],
             "get": _operation(codes, "getImage", "One finished image as PNG.",
                               {"200": {"description": "The image.", "content": png}}, (404, 409, 410, 503)),
+        },
+        "/v1/jobs/{id}/preview": {
+            "parameters": [JOB_ID],
+            "get": _operation(codes, "getPreview", "A running job's latest preview, as JPEG.",
+                              {"200": {"description": "The preview, at most 256 px on its long side; the "
+                                                      "`Preview-Step` header says which step it shows.",
+                                       "headers": {"Preview-Step": {"schema": {"type": "integer"}}},
+                                       "content": {"image/jpeg": {"schema": {
+                                           "type": "string", "contentMediaType": "image/jpeg"}}}}},
+                              (404, 409, 410, 503),
+                              description='For a job submitted with `"previews": true`, while it runs; '
+                                          "otherwise `409 no_preview`."),
         },
         "/v1/jobs/{id}/inputs/{name}": {
             "parameters": [JOB_ID, INPUT_NAME],

@@ -8,7 +8,8 @@ from flask import Blueprint, Response, send_from_directory
 
 STATIC = Path(__file__).parent / "static"
 # Only this origin's files run or load. Images are blob: URLs (fetched with the API key); data: is
-# the empty favicon, which spares a request that would 404.
+# the live previews (JPEG data: URLs from the event streams), the chosen start image, and the empty
+# favicon, which spares a request that would 404.
 CSP = ("default-src 'self'; img-src 'self' blob: data:; object-src 'none'; base-uri 'none'; "
        "form-action 'self'; frame-ancestors 'none'")
 
@@ -17,7 +18,7 @@ page = Blueprint("page", __name__, static_folder=STATIC, static_url_path="/ui")
 
 @page.get("/")
 def index() -> Response:
-    """The page: a prompt form, then the job it submitted as it goes."""
+    """The page: a prompt form, the caller's jobs as they go, and a gallery of the finished ones."""
     return send_from_directory(STATIC, "index.html", max_age=0)
 
 

@@ -106,6 +106,14 @@ def get_image(job_id: str, index: int) -> Response:
                     headers={"Cache-Control": "private, max-age=3600"})
 
 
+@bp.get("/v1/jobs/<job_id>/preview")
+def get_preview(job_id: str) -> Response:
+    """A running job's latest preview as JPEG; ``Preview-Step`` says which step it shows."""
+    jpeg, step = _jobs().preview(job_id, _tenant())
+    return Response(jpeg, mimetype="image/jpeg",
+                    headers={"Cache-Control": "no-store", "Preview-Step": str(step)})
+
+
 @bp.get("/v1/jobs/<job_id>/inputs/<name>")
 def get_input(job_id: str, name: str) -> Response:
     """One input image of a job (``image`` or ``mask``), as the client sent it."""

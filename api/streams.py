@@ -18,6 +18,7 @@ is refused with 503 and ``Retry-After``.
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from collections.abc import Generator, Iterator
@@ -104,9 +105,15 @@ class Streams:
         while True:
             entries = cast(list[tuple[bytes, dict[bytes, bytes]]],
                            connection.xrange(keys.log_key(job.id), f"({cursor.entry}", "+", count=READ_COUNT))
-            for entry_id, fields in entries:
+            # A preview's picture is the job's latest (one key): of a run of them, send the last.
+            previews = [index for index, (_, fields) in enumerate(entries) if fields[b"event"] == b"preview"]
+            for index, (entry_id, fields) in enumerate(entries):
                 cursor.entry = text(entry_id)
                 event = text(fields[b"event"])
+                if event == "preview":
+                    if index == previews[-1]:
+                        yield from self._preview(job, cursor)
+                    continue
                 yield from self._sent(job, cursor, event, fields.get(b"data"))
                 if event in TERMINAL:
                     return True
@@ -125,7 +132,7 @@ class Streams:
 
     def _sent(self, job: Job, cursor: Cursor, event: str, data: bytes | None) -> Iterator[str]:
         """One logged event as the client gets it."""
-        if data is not None:  # progress, preview: what the writer logged
+        if data is not None:  # progress: what the writer logged
             yield _frame(cursor.entry, event, text(data))
             return
         view = self._view(job)  # queued, started, the final status: the job's view as it is now
@@ -138,6 +145,11 @@ class Streams:
             yield _frame(f"{cursor.entry}/q{view.position}", event, view.model_dump_json())
         else:
             yield _frame(cursor.entry, event, view.model_dump_json())
+
+    def _preview(self, job: Job, cursor: Cursor) -> Iterator[str]:
+        preview = records.latest_preview(job)
+        if preview is not None:  # gone once the job has ended a while: its images say more
+            yield _frame(cursor.entry, "preview", json.dumps(preview, separators=(",", ":")))
 
     def _view(self, job: Job) -> JobView | None:
         try:

@@ -53,7 +53,7 @@ def report(rounds: int = 7, size: int = 256, jobs: int = 40, duty_jobs: int = 30
         def job(*names: str) -> Callable[[], object]:
             loras = [LoraRef(name=name) for name in names]
             request = JobRequest(prompt="bench", width=size, height=size, steps=4, seed=1, loras=loras)
-            return lambda: pipeline.generate(request, on_step=lambda step, total: None)
+            return lambda: pipeline.generate(request)
 
         bare = median_ms(job(), rounds)
         lines = [f"GPU section: tiny model on cpu, {size}x{size}, 4 steps, median of {rounds}",
@@ -148,7 +148,7 @@ def affinity_lines(jobs: int = 40, size: int = 128, steps: int = 2) -> list[str]
                     name = claimed.record[b"adapters"].decode().split(":")[0]
                     lora = [LoraRef(name=name)]
                     pipeline.generate(JobRequest(prompt="line", width=size, height=size, steps=steps, seed=1,
-                                                 loras=lora), on_step=lambda step, total: None)
+                                                 loras=lora))
                     ran.append(name)
                 rate = jobs / (time.perf_counter() - began)
                 baseline = baseline or rate

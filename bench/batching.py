@@ -27,11 +27,11 @@ def images_per_second(pipeline: object, size: int, batch: int, rounds: int) -> f
     requests = [JobRequest(prompt=f"b{i}", width=size, height=size, steps=4, seed=i) for i in range(batch)]
     run = pipeline.generate_batch  # type: ignore[attr-defined]
     for _ in range(2):  # the first calls of a shape are slower: warm up, untimed
-        run(requests, on_step=lambda step, total: None)
+        run(requests)
     times = []
     for _ in range(rounds):
         began = time.perf_counter()
-        run(requests, on_step=lambda step, total: None)
+        run(requests)
         times.append(time.perf_counter() - began)
     return batch / statistics.median(times)
 
@@ -46,7 +46,7 @@ def batching_lines(rounds: int = 7, sizes: tuple[int, ...] = SIZES) -> list[str]
     settle = [JobRequest(prompt="settle", width=64, height=64, steps=4, seed=0)]
     until = time.perf_counter() + 5
     while time.perf_counter() < until:
-        pipeline.generate_batch(settle, on_step=lambda step, total: None)
+        pipeline.generate_batch(settle)
     header = "".join(f"{f'batch {b} img/s':>16}" for b in BATCHES) + f"{'x at 8':>8}"
     lines = [f"Dynamic batching: tiny model, 4 steps, in-process; median of {rounds} executions each",
              f"{'':14}{header}"]

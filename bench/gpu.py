@@ -45,9 +45,11 @@ from shared.store import admission
 from shared.store.connection import connect, job_queue
 from slotq.localredis import running_redis
 from worker.adapters import Adapters
+from worker.previews import Previewer
 
 Sections = list[tuple[float, float]]
 LOOP = "in-process loop (ceiling)"
+PREVIEWS = "slotq worker, previews"
 
 
 @dataclass
@@ -60,12 +62,13 @@ class NullPipeline:
     device: str = "null"  # not a torch device: the worker's metrics name it and ask nothing more
     info: ModelInfo = field(default_factory=lambda: model_info("tiny", "sd"))  # what the jobs are checked for
     adapters: Adapters = field(default_factory=lambda: Adapters(None, 1))  # none: every job is bare
+    previewer: Previewer = field(default_factory=lambda: Previewer("sd", 8))  # no job here asks for one
 
-    def generate_batch(self, requests: list[JobRequest], on_step: Callable[[int, int], None],
+    def generate_batch(self, requests: list[JobRequest], on_step: Callable[[int, int, None], None],
                        inputs: Sequence[Mapping[str, Image.Image]] = ()) -> list[list[Image.Image]]:
         began, first = time.perf_counter(), requests[0]
         for step in range(1, first.steps_run + 1):
-            on_step(step, first.steps_run)
+            on_step(step, first.steps_run, None)
         self.sections.append((began, time.perf_counter()))
         return [[Image.new("RGB", (r.width, r.height)) for _ in range(r.num_images)] for r in requests]
 
@@ -97,8 +100,8 @@ class Figures:
         return 1000 * ordered[int(share * (len(ordered) - 1))]
 
 
-def requests(count: int, size: int, steps: int) -> list[JobRequest]:
-    return [JobRequest(prompt="bench", width=size, height=size, steps=steps, seed=seed)
+def requests(count: int, size: int, steps: int, previews: bool = False) -> list[JobRequest]:
+    return [JobRequest(prompt="bench", width=size, height=size, steps=steps, seed=seed, previews=previews)
             for seed in range(count)]
 
 
@@ -110,7 +113,7 @@ def in_process_loop(settings: Settings, batch: list[JobRequest]) -> Sections:
     pipeline = load_pipeline(settings)
     pipeline.sections.clear()  # not the warm-up
     for request in batch:
-        for image in pipeline.generate(request, on_step=lambda step, total: None):
+        for image in pipeline.generate(request):
             encode_png(image, request)
     return list(pipeline.sections)
 
@@ -189,6 +192,11 @@ def duty_table(title: str, measured: dict[str, list[Figures]]) -> list[str]:
                      f"{figures.gap_ms(0.99):>12.2f}")
     for name in list(measured)[1:]:
         lines.append(f"% of loop by round, {name}: " + " ".join(f"{share:.1f}" for share in shares[name]))
+    if PREVIEWS in measured:  # the cost of previews: against the same worker without, round by round
+        ratios = sorted(100 * run.per_second / plain.per_second
+                        for run, plain in zip(measured[PREVIEWS], measured["slotq worker"], strict=True))
+        lines.append(f"previews' jobs/s, % of without (median {ratios[len(ratios) // 2]:.1f}) by round: "
+                     + " ".join(f"{ratio:.1f}" for ratio in ratios))
     return lines
 
 
@@ -202,11 +210,14 @@ def duty_cycle(settings: Settings, batch: list[JobRequest], scratch: Path, round
         LOOP: lambda: in_process_loop(settings, batch),
         "plain RQ SimpleWorker": lambda: through_worker("rq", settings, batch, scratch),
         "slotq worker": lambda: through_worker("slotq", settings, batch, scratch)}
+    first = batch[0]
+    if first.steps > 1:  # a job of one step has no preview
+        previewing = [request.model_copy(update={"previews": True}) for request in batch]
+        ways[PREVIEWS] = lambda: through_worker("slotq", settings, previewing, scratch)
     measured: dict[str, list[Figures]] = {name: [] for name in ways}
     for _ in range(rounds):
         for name, run in ways.items():
             measured[name].append(Figures.of(run()))
-    first = batch[0]
     return duty_table(f"GPU duty cycle: tiny model, {first.width}x{first.height}, {first.steps} steps, "
                       f"{len(batch)} jobs, saturated queue, {rounds} interleaved rounds", measured)
 

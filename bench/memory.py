@@ -80,7 +80,7 @@ def run_loop(jobs: int, first: int) -> None:
     pipeline = load_pipeline(load_settings())
     samples = [memory("self")]
     for index, request in enumerate(requests(jobs, SIZE, STEPS), start=1):
-        for image in pipeline.generate(request, on_step=lambda step, total: None):
+        for image in pipeline.generate(request):
             encode_png(image, request)
         if index in (first, jobs):
             samples.append(memory("self"))

@@ -200,8 +200,8 @@ def start_api(tmp_path: Path) -> Iterator[Callable[..., Process]]:
     """Start real gunicorn API processes: ``start_api(settings, **env)``."""
     started: list[Process] = []
 
-    def start(settings: Settings, **extra: Any) -> Process:
-        port = free_port()
+    def start(settings: Settings, port: int | None = None, **extra: Any) -> Process:
+        port = port or free_port()
         process = spawn(["api", "--port", str(port)], slotq_env(settings, **extra),
                         tmp_path / f"api-{port}.log")
         process.url = f"http://127.0.0.1:{port}"

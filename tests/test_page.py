@@ -6,6 +6,7 @@ downloaded). Without it these tests skip, unless ``SLOTQ_REQUIRE_BROWSER=1`` (CI
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import importlib.util
 import io
@@ -440,3 +441,196 @@ def test_refused_images(tab: Tab, start_api: Callable[..., Process], worker_sett
     expect(page.locator("#job")).to_be_hidden()
     assert "#job=" not in page.url
     assert [error for error in tab.errors if not re.search("status of 422", error)] == []
+
+
+# --- The queue panel, live previews and the gallery ---------------------------------------------------
+
+# Installed before the page's own script: what the page showed, in order, as it happened. Each card's
+# places in the line (attribute changes, old values included, so none is lost to batching), and each
+# picture put in a card: a preview (a data: URL) or an image (a blob: URL).
+RECORDER = """
+window.seen = {places: {}, pictures: []};
+new MutationObserver((changes) => {
+  for (const change of changes) {
+    const target = change.target;
+    if (change.attributeName === "data-position") {
+      const places = (window.seen.places[target.dataset.id] ??= []);
+      if (change.oldValue !== null) places.push(change.oldValue);
+      if (target.dataset.position !== undefined) places.push(target.dataset.position);
+    } else if (change.attributeName === "src" && target.classList.contains("thumb")) {
+      const kind = target.src.startsWith("data:") ? "preview" : "image";
+      window.seen.pictures.push([target.closest("li.card").dataset.id, kind, target.src]);
+    }
+  }
+}).observe(document, {subtree: true, attributes: true, attributeOldValue: true,
+                      attributeFilter: ["data-position", "src"]});
+"""
+
+
+def card(page: Page, job_id: str) -> Any:
+    return page.locator(f'li.card[data-id="{job_id}"]')
+
+
+def submit_from_page(page: Page, prompt: str, **fields: Any) -> str:
+    """Fill the form, submit it, and return the new job's id (the page selects it)."""
+    from playwright.sync_api import expect
+
+    page.fill("#prompt", "")
+    fill_form(page, prompt, **fields)
+    before = page.text_content("#job-id") if page.locator("#job").is_visible() else None
+    page.click("#submit")
+    expect(page.locator("#job-id")).not_to_have_text(before or "")
+    job_id = page.text_content("#job-id")
+    assert job_id
+    return job_id
+
+
+def distinct(values: list[str]) -> list[int]:
+    """A sequence with repeats of the same value in a row folded into one."""
+    folded: list[int] = []
+    for value in values:
+        if value != "" and (not folded or folded[-1] != int(value)):
+            folded.append(int(value))
+    return folded
+
+
+@needs_browser
+@pytest.mark.usefixtures("worker")
+def test_a_live_preview_shows_before_the_image(tab: Tab, start_api: Callable[..., Process],
+                                               worker_settings: Settings) -> None:
+    from playwright.sync_api import expect
+
+    api = start_api(worker_settings)
+    page = tab.page
+    page.add_init_script(RECORDER)
+    page.goto(api.url + "/")
+    expect(page.locator("#previews")).to_be_checked()  # on unless unticked
+    job_id = submit_from_page(page, "a harbour at night", width=256, height=256, steps=20)
+    expect(card(page, job_id)).to_have_attribute("data-status", "succeeded")
+    expect(page.locator(f'#gallery li.card[data-id="{job_id}"] .thumb')).to_be_visible()
+    wait_for_image(page, 256)
+    # The list shows the other tests' jobs too (no API keys): this job's pictures only.
+    pictures = [(kind, src) for shown, kind, src in page.evaluate("window.seen.pictures") if shown == job_id]
+    kinds = [kind for kind, _ in pictures]
+    assert "preview" in kinds and "image" in kinds and kinds.index("preview") < kinds.index("image"), kinds
+    url = next(src for kind, src in pictures if kind == "preview")
+    head, _, payload = url.partition(",")
+    assert head == "data:image/jpeg;base64"
+    preview = Image.open(io.BytesIO(base64.b64decode(payload)))
+    assert preview.format == "JPEG" and preview.size == (256, 256)
+    assert job_of(api, page)["request"]["previews"] is True
+    assert tab.errors == []
+
+
+@needs_browser
+def test_the_queue_panel_counts_places_down_and_cancels_from_the_list(
+        tab: Tab, start_api: Callable[..., Process], worker: Process, worker_settings: Settings) -> None:
+    from playwright.sync_api import expect
+
+    api = start_api(worker_settings)
+    page = tab.page
+    page.add_init_script(RECORDER)
+    page.goto(api.url + "/")
+    page.uncheck("#previews")
+    blocker = submit_from_page(page, "the one in the way", width=256, height=256, steps=30)
+    expect(card(page, blocker)).to_have_attribute("data-status", "running")
+    worker.popen.send_signal(signal.SIGSTOP)  # the line stands still until all four are in it
+    try:
+        queued = [submit_from_page(page, f"waiting {n}", width=64, height=64, steps=2) for n in range(3)]
+        doomed = submit_from_page(page, "canceled while it waits", width=64, height=64, steps=2)
+        for place, job_id in enumerate([*queued, doomed]):
+            expect(card(page, job_id)).to_have_attribute("data-position", str(place))
+        expect(card(page, doomed).locator(".line")).to_contain_text("3 ahead")
+        # Cancel the last from its card: it leaves the line for the gallery, as canceled.
+        with page.expect_response(lambda response: response.request.method == "DELETE") as answer:
+            card(page, doomed).locator("button.cancel").click()
+        assert answer.value.status == 200
+        expect(card(page, doomed)).to_have_attribute("data-status", "canceled")
+        expect(page.locator(f'#gallery li.card[data-id="{doomed}"]')).to_be_visible()
+        assert json.loads(api_get(api, f"/v1/jobs/{doomed}"))["status"] == "canceled"
+    finally:
+        worker.popen.send_signal(signal.SIGCONT)
+
+    for job_id in [blocker, *queued]:
+        expect(card(page, job_id)).to_have_attribute("data-status", "succeeded")
+    places = page.evaluate("window.seen.places")
+    # The third waited behind two: it was told 2, then 1, then 0 as the ones ahead were taken.
+    assert distinct(places[queued[2]]) == [2, 1, 0], places[queued[2]]
+    assert distinct(places[queued[1]]) == [1, 0], places[queued[1]]
+    screenshot(page, "page-gallery.png")
+    assert [error for error in tab.errors if not re.search("status of 4", error)] == []
+
+
+@needs_browser
+@pytest.mark.usefixtures("worker")
+def test_the_gallery_after_a_reload_and_a_change_of_key_with_retry_and_start_image(
+        tab: Tab, start_api: Callable[..., Process], worker_settings: Settings) -> None:
+    from playwright.sync_api import expect
+
+    api = start_api(worker_settings, api_keys='{"k": "web", "m": "other"}')
+    page = tab.page
+    page.goto(api.url + "/")
+    expect(page.locator("#queue-note")).to_contain_text("Enter your API key")
+    page.fill("#api_key", "k")
+    page.locator("#api_key").blur()
+    job_id = submit_from_page(page, "a gallery piece", width=64, height=64, steps=2, seed=11)
+    expect(card(page, job_id)).to_have_attribute("data-status", "succeeded")
+
+    page.reload()  # the list comes back from GET /v1/jobs, the images fetched with the key
+    gallery_card = page.locator(f'#gallery li.card[data-id="{job_id}"]')
+    expect(gallery_card).to_be_visible()
+    page.wait_for_function(f"""() => {{
+        const img = document.querySelector('#gallery li.card[data-id="{job_id}"] .thumb');
+        return img && img.complete && img.naturalWidth === 64;
+    }}""")
+
+    # Another key is another tenant: none of these jobs; back to the first, they return.
+    page.fill("#api_key", "m")
+    page.locator("#api_key").blur()
+    expect(page.locator("#gallery li.card")).to_have_count(0)
+    page.fill("#api_key", "k")
+    page.locator("#api_key").blur()
+    expect(gallery_card).to_be_visible()
+
+    # Retry with the same settings: a new job with the same request, seed included.
+    with page.expect_response(lambda response: response.request.method == "POST") as answer:
+        gallery_card.locator("button.retry").click()
+    again = answer.value.json()
+    assert answer.value.status == 202 and again["id"] != job_id
+    first = json.loads(api_get(api, f"/v1/jobs/{job_id}", "k"))["request"]
+    assert again["request"] == first
+    expect(card(page, again["id"])).to_have_attribute("data-status", "succeeded")
+
+    # Its image as the next start image: the form switches to image-to-image at its size.
+    gallery_card.locator("button.use").click()
+    expect(page.locator("#image-preview")).to_be_visible()
+    expect(page.locator("#image-size")).to_have_text("64 × 64 px")
+    expect(page.locator("#width")).to_be_disabled()
+    # 401: the list before the key was entered; 404: the first key's job in the URL, asked with the second.
+    assert [error for error in tab.errors if not re.search("status of (401|404)", error)] == []
+
+
+@needs_browser
+def test_a_followed_job_survives_a_restart_of_the_api(tab: Tab, start_api: Callable[..., Process],
+                                                       worker: Process, worker_settings: Settings) -> None:
+    from playwright.sync_api import expect
+
+    api = start_api(worker_settings)
+    page = tab.page
+    page.goto(api.url + "/")
+    job_id = submit_from_page(page, "through a restart", width=256, height=256, steps=30)
+    expect(card(page, job_id)).to_have_attribute("data-status", "running")
+    worker.popen.send_signal(signal.SIGSTOP)  # it is still running when the API comes back
+    try:
+        port = int(api.url.rsplit(":", 1)[1])
+        assert api.stop() == 0
+        start_api(worker_settings, port=port)
+    finally:
+        worker.popen.send_signal(signal.SIGCONT)
+    # The stream reconnects to the new process with Last-Event-ID and sees the job to its end.
+    expect(card(page, job_id)).to_have_attribute("data-status", "succeeded")
+    expect(page.locator("#status")).to_have_text("succeeded")
+    wait_for_image(page, 256)
+    # While the API was down the page's requests failed; nothing else went wrong.
+    lost = "ERR_CONNECTION_REFUSED|ERR_EMPTY_RESPONSE|ERR_INCOMPLETE_CHUNKED_ENCODING|network"
+    assert [error for error in tab.errors if not re.search(lost, error)] == []

@@ -24,12 +24,15 @@ from shared.contract.jobs import JobKind, JobRequest
 from shared.contract.models import PIPELINE_CLASSES, TINY_MODELS, Family, ModelInfo, model_info
 from shared.contract.settings import Settings
 from worker.adapters import Adapters
+from worker.previews import Previewer, load_decoder
 from worker.samplers import Samplers
 from worker.tiny_model import ensure_tiny_model
 
 log = logging.getLogger(__name__)
 
-StepCallback = Callable[[int, int], None]
+# After each denoising step: (step, total, latents), the latents as the sampler holds them (None
+# before the first step).
+StepCallback = Callable[[int, int, "torch.Tensor | None"], None]
 Inputs = Mapping[str, Image.Image]  # a request's decoded input images: "image" (RGB), "mask" (L)
 VARIANTS = {"image": AutoPipelineForImage2Image, "inpaint": AutoPipelineForInpainting}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -58,6 +61,7 @@ class ImagePipeline:
     samplers: Samplers
     info: ModelInfo
     adapters: Adapters
+    previewer: Previewer
     variants: dict[JobKind, DiffusionPipeline] = field(default_factory=dict)
     # When each recent GPU section (denoising and decoding) began and ended, by time.perf_counter():
     # what the duty cycle is computed from.
@@ -65,12 +69,12 @@ class ImagePipeline:
     busy_s: float = 0.0  # the sum of every section, the warm-up's included
     running_since: float | None = None  # when the section in progress began
 
-    def generate(self, request: JobRequest, on_step: StepCallback, inputs: Inputs | None = None
+    def generate(self, request: JobRequest, on_step: StepCallback | None = None, inputs: Inputs | None = None
                  ) -> list[Image.Image]:
-        """Run one request; ``on_step(step, total)`` runs after each denoising step and may raise."""
+        """Run one request; ``on_step(step, total, latents)`` runs after each denoising step and may raise."""
         return self.generate_batch([request], on_step, [inputs or {}])[0]
 
-    def generate_batch(self, requests: list[JobRequest], on_step: StepCallback,
+    def generate_batch(self, requests: list[JobRequest], on_step: StepCallback | None = None,
                        inputs: Sequence[Inputs] = ()) -> list[list[Image.Image]]:
         """Run requests of one batch key (kind, size, steps, strength, guidance, sampler, adapters, images)
         as one execution; the images of each. Each image keeps its own generator, so it is the one it
@@ -80,7 +84,8 @@ class ImagePipeline:
         pipe = self._pipeline_for(first.kind)
 
         def step_end(pipe: DiffusionPipeline, step: int, timestep: object, kwargs: dict) -> dict:
-            on_step(step + 1, first.steps_run)
+            if on_step is not None:
+                on_step(step + 1, first.steps_run, kwargs.get("latents"))
             return kwargs  # diffusers expects the callback's tensors back
 
         # One CPU generator per image, in diffusers' order (each prompt's images together): image i
@@ -160,11 +165,13 @@ def load_pipeline(settings: Settings) -> ImagePipeline:
     pipe.set_progress_bar_config(disable=True)
     lora_dir = settings.lora_dir_of(settings.model_name)
     info = model_info(settings.model_name, family_of(pipe), available_adapters(lora_dir), settings.model)
+    decoder = load_decoder(settings.preview_decoder, device, dtype) if settings.preview_decoder else None
     loaded = ImagePipeline(pipe=pipe, device=device, samplers=Samplers(pipe.scheduler), info=info,
-                           adapters=Adapters(lora_dir, settings.lora_cache))
+                           adapters=Adapters(lora_dir, settings.lora_cache),
+                           previewer=Previewer(info.family, pipe.vae_scale_factor, decoder))
     side = max(64, info.side_multiple * 4)
     warm_up = JobRequest(prompt="warm-up", width=side, height=side, steps=1, seed=0)
-    loaded.generate(warm_up, on_step=lambda step, total: None)
+    loaded.generate(warm_up)
     return loaded
 
 

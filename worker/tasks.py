@@ -20,12 +20,13 @@ from shared.contract import images
 from shared.contract.adapters import available_adapters
 from shared.contract.errors import InvalidImageError, JobCanceledError, JobFailedError, JobInterruptedError
 from shared.contract.jobs import JobRequest, validate_request
-from shared.contract.settings import get_settings
+from shared.contract.settings import Settings, get_settings
 from shared.store import records
-from worker import lifecycle, progress
+from worker import lifecycle, previews, progress
 from worker.finisher import store_result
 from worker.messages import Rendered
 from worker.pipeline import Inputs, current_pipeline
+from worker.previews import Previewer
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +58,11 @@ def render(jobs: list[Job]) -> list[RenderResult]:
     requests = [prepared[index][0] for index in members]  # type: ignore[index]
     inputs = [prepared[index][1] for index in members]  # type: ignore[index]
     live = list(members)
-    settings = get_settings()
+    settings, pipeline = get_settings(), current_pipeline()
     faults, cadence = settings.fault_injection, progress.Cadence(settings.progress_interval_ms / 1000)
+    show = PreviewOffers(pipeline.previewer, settings, requests)
 
-    def on_step(step: int, total: int) -> None:
+    def on_step(step: int, total: int, latents: torch.Tensor | None = None) -> None:
         for index in check_in([jobs[index] for index in live], step, total, cadence):
             outcomes[live[index]] = JobCanceledError()
         live[:] = [index for index in live if not isinstance(outcomes[index], JobCanceledError)]
@@ -69,13 +71,44 @@ def render(jobs: list[Job]) -> list[RenderResult]:
         if faults and step == 1:
             for request in requests:
                 inject_fault(request)
+        if latents is not None:
+            show.offer([jobs[index] if index in live else None for index in members], step, total, latents)
 
     on_step(0, requests[0].steps_run)
-    made_by_job = current_pipeline().generate_batch(requests, on_step, inputs)
+    try:
+        made_by_job = pipeline.generate_batch(requests, on_step, inputs)
+    finally:
+        show.flush()
     for index, request, made in zip(members, requests, made_by_job, strict=True):
         if index in live:
             outcomes[index] = (request, made)
     return outcomes  # type: ignore[return-value]
+
+
+class PreviewOffers:
+    """Which rows of a batch's latents go to the preview thread, and when."""
+
+    def __init__(self, previewer: Previewer, settings: Settings, requests: list[JobRequest]) -> None:
+        self.previewer, self.requests = previewer, requests
+        self.cadence = previews.Cadence(settings.preview_interval_ms / 1000)
+        self.wanted = any(request.previews for request in requests)
+
+    def offer(self, members: list[Job | None], step: int, total: int, latents: torch.Tensor) -> None:
+        """Offer the first image's latents of each live member that asked (None: canceled)."""
+        if not self.wanted:
+            return
+        asking = enumerate(zip(members, self.requests, strict=True))
+        wanted = [(place, job) for place, (job, request) in asking if job is not None and request.previews]
+        if not wanted or not self.cadence.due(step, total):
+            return
+        per_job, first = self.requests[0].num_images, self.requests[0]
+        rows = [place * per_job for place, _ in wanted]  # diffusers orders a prompt's images together
+        self.previewer.offer([job for _, job in wanted], step, latents[rows], first.width, first.height)
+
+    def flush(self) -> None:
+        """Once the execution is over, before its end is recorded: so that no preview follows it."""
+        if self.wanted:
+            self.previewer.flush()
 
 
 def _prepared(job: Job) -> tuple[JobRequest, Inputs] | Exception:

@@ -1,14 +1,19 @@
-// The slotq page: submit a job to /v1/jobs and follow it until it ends. Plain DOM, no build step.
+// The slotq page: submit jobs to /v1/jobs and watch them wait, run and finish. Plain DOM, no build
+// step. Every job on the page follows its event stream (GET /v1/jobs/<id>/events, read with fetch
+// so that it can send the API key), never a timer; the list comes from GET /v1/jobs.
 // Nothing from the server is parsed as HTML: every value goes in through textContent or attributes.
 "use strict";
 
 const ACTIVE = new Set(["queued", "running"]);
 const KEY_STORAGE = "slotq.apiKey";
-// ?wait=N answers at once when the status changes, so a short wait still sees a start or an end at
-// once, and meanwhile refreshes the position (queued) or the step progress (running).
-const WAIT_S = { queued: 3, running: 1 };
-const RETRY_S = 2; // after a transient failure that named no Retry-After
+const RETRY_S = 1; // before reconnecting a stream, doubled after each failure up to MAX_RETRY_S
+const MAX_RETRY_S = 10;
 const TRANSIENT = new Set([0, 429, 502, 503, 504]);
+// A browser opens at most six connections to one origin (HTTP/1.1): the page keeps four streams open,
+// for the running jobs and the ones next in line, and two for everything else. A job beyond them
+// shows what the list said of it until a stream frees up.
+const LIVE_STREAMS = 4;
+const LISTED = 50; // the newest jobs the page shows
 const IMAGE_TYPES = new Set(["image/png", "image/jpeg", "image/webp"]);
 // The page's own bound on a chosen file, for a friendly message before sending: the service's default
 // SLOTQ_MAX_IMAGE_BYTES (where a service allows more, larger files go through the API or `slotq submit`).
@@ -23,8 +28,12 @@ class APIError extends Error {
   }
 }
 
-let current = null; // the job this page follows: {id, controller, canceling}
-let objectUrls = [];
+// Every job the page shows, by id: {id, view, card, lastId, following, controller, canceling,
+// preview, blobs: its images once fetched, urls: their blob: URLs}. `generation` counts the lists loaded: a
+// change of API key starts a new one, and what the old one still had in flight is dropped.
+const jobs = new Map();
+let selected = null; // the id of the job the detail panel shows
+let generation = 0;
 // What the next job sends besides the form's fields, as data: URLs. The image: {url, width, height}
 // (its natural size). The mask: {url, picture} for a chosen file, {url, rect} for a drawn rectangle.
 const inputs = { image: null, mask: null, imageRead: 0, maskRead: 0, pending: new Set() };
@@ -36,10 +45,14 @@ function apiKey() {
   return $("api_key").value.trim();
 }
 
-async function call(method, path, { body, signal } = {}) {
-  const headers = {};
+function headersFor(extra = {}) {
+  const headers = { ...extra };
   if (apiKey()) headers.Authorization = `Bearer ${apiKey()}`;
-  if (body !== undefined) headers["Content-Type"] = "application/json";
+  return headers;
+}
+
+async function call(method, path, { body, signal } = {}) {
+  const headers = headersFor(body === undefined ? {} : { "Content-Type": "application/json" });
   let response;
   try {
     response = await fetch(path, {
@@ -129,11 +142,16 @@ function stepsRun(request) {
   return Math.min(Math.floor(request.steps * request.strength), request.steps);
 }
 
+// The step a job is at and the steps it runs, for a progress bar.
+function stepsOf(view) {
+  const total = view.progress ? view.progress.total : stepsRun(view.request);
+  const step = view.status === "succeeded" ? total : (view.progress ? view.progress.step : 0);
+  return [step, total];
+}
+
 function showProgress(view) {
   const bar = $("progress");
-  const total = view.progress ? view.progress.total : stepsRun(view.request);
-  let step = view.progress ? view.progress.step : 0;
-  if (view.status === "succeeded") step = total;
+  const [step, total] = stepsOf(view);
   bar.max = total;
   bar.value = step;
   $("progress-text").textContent = `${step} / ${total}`;
@@ -146,7 +164,248 @@ function inputText(request) {
   return `a start image of ${image.width} × ${image.height} px, strength ${request.strength}${mask}`;
 }
 
-function show(view) {
+// --- Event streams --------------------------------------------------------------------------------
+
+function parseEvent(block) {
+  const event = { id: null, event: "message", data: "" };
+  for (const line of block.split("\n")) {
+    if (line.startsWith(":")) continue; // a keep-alive comment
+    const colon = line.indexOf(":");
+    const name = colon < 0 ? line : line.slice(0, colon);
+    const value = colon < 0 ? "" : line.slice(colon + 1).replace(/^ /, "");
+    if (name === "id") event.id = value;
+    else if (name === "event") event.event = value;
+    else if (name === "data") event.data += value;
+  }
+  return event.data ? { ...event, data: JSON.parse(event.data) } : null;
+}
+
+// A job's events as they come, from after `lastId`. Ends when the server ends the stream (after the
+// final event, or when the API process drains); throws APIError for a refusal or a lost connection.
+async function* streamOf(id, { signal, lastId }) {
+  const headers = headersFor({ Accept: "text/event-stream" });
+  if (lastId) headers["Last-Event-ID"] = lastId;
+  let response;
+  try {
+    response = await fetch(`${jobPath(id)}/events`, { headers, signal, cache: "no-store" });
+  } catch (error) {
+    if (error.name === "AbortError") throw error;
+    throw new APIError(0, "unreachable", "The service did not answer.");
+  }
+  if (response.status === 204) return; // it had the final event already
+  if (!response.ok) throw await errorOf(response);
+  const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+  let buffer = "";
+  try {
+    for (;;) {
+      let chunk;
+      try {
+        chunk = await reader.read();
+      } catch (error) {
+        if (error.name === "AbortError") throw error;
+        throw new APIError(0, "unreachable", "The connection to the service was lost.");
+      }
+      if (chunk.done) return;
+      buffer += chunk.value.replace(/\r\n?/g, "\n");
+      for (let end = buffer.indexOf("\n\n"); end >= 0; end = buffer.indexOf("\n\n")) {
+        const event = parseEvent(buffer.slice(0, end));
+        buffer = buffer.slice(end + 2);
+        if (event) yield event;
+      }
+    }
+  } finally {
+    reader.cancel().catch(() => {});
+  }
+}
+
+// Follow one job's stream until its final event, reconnecting with Last-Event-ID after a dropped
+// connection or an API restart, so that nothing is missed and nothing comes twice.
+async function follow(entry) {
+  const { signal } = entry.controller;
+  let wait = RETRY_S;
+  while (!signal.aborted && ACTIVE.has(entry.view.status)) {
+    try {
+      for await (const event of streamOf(entry.id, { signal, lastId: entry.lastId })) {
+        if (event.id) entry.lastId = event.id;
+        apply(entry, event);
+        wait = RETRY_S;
+      }
+      if (ACTIVE.has(entry.view.status) && entry.lastId?.endsWith("/end")) {
+        // Told the end before, yet not in this view: read the job once instead.
+        apply(entry, { event: "view", data: await (await call("GET", jobPath(entry.id), { signal })).json() });
+      }
+      entry.error = null;
+    } catch (error) {
+      if (error.name === "AbortError") return;
+      entry.error = error;
+      render(entry);
+      if (!TRANSIENT.has(error.status)) return; // 401, 404, 410: asking again will not help
+      wait = error.retryAfter ?? Math.min(wait * 2, MAX_RETRY_S);
+    }
+    if (ACTIVE.has(entry.view.status)) await pause(wait, signal).catch(() => {});
+  }
+}
+
+// One event into the job's state. `queued`, `started` and the final ones carry the whole view.
+function apply(entry, { event, data }) {
+  if (event === "progress") {
+    entry.view = { ...entry.view, progress: data };
+  } else if (event === "preview") {
+    entry.preview = data;
+  } else {
+    entry.view = data;
+    entry.error = null;
+  }
+  render(entry);
+  if (!ACTIVE.has(entry.view.status)) ended(entry);
+}
+
+// Streams for the jobs next to run, as many as LIVE_STREAMS allows.
+function schedule() {
+  const entries = [...jobs.values()];
+  let free = LIVE_STREAMS - entries.filter((entry) => entry.following).length;
+  for (const entry of entries.filter((each) => !each.following && !each.stopped && ACTIVE.has(each.view.status))
+    .sort(inLine)) {
+    if (free-- <= 0) break;
+    entry.following = true;
+    entry.controller = new AbortController();
+    const started = generation;
+    follow(entry).catch((error) => {
+      if (error.name !== "AbortError") entry.error = error;
+    }).finally(() => {
+      entry.following = false;
+      entry.stopped = entry.stopped || ACTIVE.has(entry.view.status); // refused: no retry loop
+      if (started === generation) schedule();
+    });
+  }
+}
+
+// Running jobs first, then waiting ones by their place in the line, then the older first.
+function inLine(a, b) {
+  const rank = (view) => (view.status === "running" ? -1 : view.position ?? Number.MAX_SAFE_INTEGER);
+  return rank(a.view) - rank(b.view) || String(a.view.created_at).localeCompare(String(b.view.created_at));
+}
+
+// --- The queue panel, the gallery and the detail ----------------------------------------------------
+
+function element(tag, className, text) {
+  const node = document.createElement(tag);
+  if (className) node.className = className;
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+
+function button(label, className, onClick) {
+  const node = element("button", `secondary ${className}`, label);
+  node.type = "button";
+  node.addEventListener("click", onClick);
+  return node;
+}
+
+// A job's card, made once; render() keeps it up to date and puts it in the queue or the gallery.
+function cardOf(entry) {
+  const card = element("li", "card");
+  card.dataset.id = entry.id;
+  const picture = element("img", "thumb");
+  picture.hidden = true;
+  const open = button("", "open", () => select(entry.id));
+  open.setAttribute("aria-label", `Open job ${entry.id}`);
+  open.append(picture, element("span", "prompt"));
+  const status = element("p", "line");
+  status.setAttribute("role", "status");
+  const bar = element("progress");
+  bar.max = 1;
+  bar.value = 0;
+  const actions = element("div", "actions");
+  actions.append(
+    button("Cancel", "cancel", () => cancel(entry)),
+    button("Retry", "retry", () => retry(entry)),
+    button("Use as start image", "use", () => useAsStart(entry)),
+  );
+  card.append(open, status, bar, actions);
+  return card;
+}
+
+function lineText(entry) {
+  const view = entry.view;
+  const parts = [view.status];
+  if (view.status === "queued") parts.push(positionText(view), etaText(view));
+  if (view.status === "running") parts.push(etaText(view));
+  if (view.error && !ACTIVE.has(view.status)) parts.push(view.error.code);
+  if (entry.error) parts.push(`(${entry.error.code}: reconnecting)`);
+  return parts.filter((part) => part && part !== "–").join(" · ");
+}
+
+function render(entry) {
+  entry.card ??= cardOf(entry);
+  const { card, view } = entry;
+  card.dataset.status = view.status;
+  if (view.status === "queued") card.dataset.position = String(view.position ?? "");
+  else delete card.dataset.position;
+  card.querySelector(".prompt").textContent = view.request.prompt;
+  card.querySelector(".line").textContent = lineText(entry);
+  const bar = card.querySelector("progress");
+  const [step, total] = stepsOf(view);
+  bar.max = total;
+  bar.value = step;
+  bar.hidden = view.status !== "running";
+  const picture = card.querySelector(".thumb");
+  if (view.status === "running" && entry.preview) {
+    picture.src = entry.preview.image; // a data: URL the server made
+    picture.alt = `A preview at step ${entry.preview.step} of: ${view.request.prompt}`;
+    card.dataset.preview = String(entry.preview.step);
+    picture.hidden = false;
+  } else if (entry.urls?.length) {
+    picture.src = entry.urls[0];
+    picture.alt = `The image of: ${view.request.prompt}`;
+    picture.hidden = false;
+  }
+  card.querySelector(".cancel").hidden = !ACTIVE.has(view.status);
+  card.querySelector(".cancel").disabled = Boolean(entry.canceling);
+  card.querySelector(".retry").hidden = ACTIVE.has(view.status);
+  card.querySelector(".use").hidden = view.status !== "succeeded";
+  place(entry);
+  if (entry.id === selected) show(entry);
+}
+
+// Waiting and running jobs in the queue panel, in line order; ended ones in the gallery, newest first.
+function place(entry) {
+  const list = ACTIVE.has(entry.view.status) ? $("queue-list") : $("gallery");
+  const others = [...jobs.values()].filter((other) => other !== entry && other.card?.parentNode === list);
+  const order = ACTIVE.has(entry.view.status) ? inLine
+    : (a, b) => String(b.view.created_at).localeCompare(String(a.view.created_at));
+  const before = others.filter((other) => order(other, entry) > 0)
+    .sort(order)[0];
+  if (entry.card.parentNode !== list || entry.card.nextSibling !== (before?.card ?? null)) {
+    list.insertBefore(entry.card, before?.card ?? null);
+  }
+  $("queue-note").hidden = $("queue-list").children.length > 0;
+  $("gallery-note").hidden = $("gallery").children.length > 0;
+}
+
+async function ended(entry) {
+  entry.controller?.abort();
+  if (entry.view.status !== "succeeded" || entry.urls) return;
+  entry.urls = [];
+  entry.blobs = [];
+  const started = generation;
+  try {
+    for (const path of entry.view.images) {
+      const blob = await (await call("GET", path)).blob();
+      if (started !== generation) return;
+      // A blob: URL, because an <img src> could not send the Authorization header.
+      entry.blobs.push(blob);
+      entry.urls.push(URL.createObjectURL(blob));
+    }
+  } catch (error) {
+    entry.error = error;
+  }
+  render(entry);
+}
+
+// The detail panel: the selected job, with its full images once it has them.
+function show(entry) {
+  const view = entry.view;
   $("job").hidden = false;
   $("job-id").textContent = view.id;
   $("status").textContent = view.status;
@@ -155,80 +414,97 @@ function show(view) {
   $("eta").textContent = etaText(view);
   $("input").textContent = inputText(view.request);
   showProgress(view);
-  $("cancel").disabled = !ACTIVE.has(view.status) || current === null || current.canceling;
+  $("cancel").disabled = !ACTIVE.has(view.status) || Boolean(entry.canceling);
+  const preview = $("job-preview");
+  preview.hidden = !(view.status === "running" && entry.preview);
+  if (!preview.hidden) preview.src = entry.preview.image;
   if (view.status === "failed" || view.status === "expired") {
     const error = view.error || { code: view.status, message: "The job's deadline passed before it started." };
     showError(new APIError(null, error.code, error.message));
   }
+  showImages(entry);
 }
 
-async function showImages(view, signal) {
-  for (const [index, path] of view.images.entries()) {
-    const blob = await (await call("GET", path, { signal })).blob();
-    // A blob: URL, because an <img src> could not send the Authorization header.
-    const url = URL.createObjectURL(blob);
-    objectUrls.push(url);
-    const link = document.createElement("a");
+function showImages(entry) {
+  const shown = $("images");
+  if (shown.dataset.id === entry.id && shown.children.length === (entry.urls?.length ?? 0)) return;
+  shown.dataset.id = entry.id;
+  shown.replaceChildren(...(entry.urls ?? []).map((url, index) => {
+    const link = element("a");
     link.href = url;
-    link.download = `${view.id}-${index}.png`;
-    const image = document.createElement("img");
+    link.download = `${entry.id}-${index}.png`;
+    const image = element("img");
     image.src = url;
-    image.alt = `Image ${index + 1} of ${view.images.length} for: ${view.request.prompt}`;
+    image.alt = `Image ${index + 1} of ${entry.urls.length} for: ${entry.view.request.prompt}`;
     link.append(image);
-    $("images").append(link);
-  }
+    return link;
+  }));
 }
 
-function resetJob() {
-  current?.controller.abort();
-  current = null;
-  objectUrls.forEach((url) => URL.revokeObjectURL(url));
-  objectUrls = [];
+function select(id) {
+  if (selected !== id) clearError();
+  selected = id;
+  history.replaceState(null, "", `#job=${encodeURIComponent(id)}`);
+  const entry = jobs.get(id);
+  if (entry) show(entry);
+}
+
+// A job the page has not shown yet (just submitted, or named in the URL), from its view.
+function track(view) {
+  let entry = jobs.get(view.id);
+  if (!entry) {
+    entry = { id: view.id, view, lastId: null, following: false };
+    jobs.set(view.id, entry);
+  }
+  render(entry);
+  if (ACTIVE.has(view.status)) schedule();
+  else ended(entry);
+  return entry;
+}
+
+function forgetAll() {
+  generation += 1;
+  for (const entry of jobs.values()) {
+    entry.controller?.abort();
+    for (const url of entry.urls ?? []) URL.revokeObjectURL(url);
+  }
+  jobs.clear();
+  selected = null;
+  $("job").hidden = true;
+  $("queue-list").replaceChildren();
+  $("gallery").replaceChildren();
   $("images").replaceChildren();
-  clearError();
+  delete $("images").dataset.id;
+  $("queue-note").hidden = false;
+  $("queue-note").textContent = "No job is waiting or running.";
+  $("gallery-note").hidden = false;
 }
 
-// --- Following a job ------------------------------------------------------------------------------
-
-async function poll(view, signal) {
-  const wait = WAIT_S[view.status];
-  const asked = performance.now();
-  const next = await (await call("GET", `${jobPath(view.id)}?wait=${wait}`, { signal })).json();
-  // A busy API answers ?wait at once; pause rather than turn that into a busy loop.
-  if (next.status === view.status && performance.now() - asked < (wait * 1000) / 2) {
-    await pause(1, signal);
+// The caller's newest jobs (the API key's tenant), then the job in the URL if the list lacks it.
+async function load() {
+  forgetAll();
+  const started = generation;
+  const wanted = new URLSearchParams(location.hash.slice(1)).get("job");
+  try {
+    const page = await (await call("GET", `/v1/jobs?limit=${LISTED}`)).json();
+    if (started !== generation) return;
+    page.jobs.forEach(track);
+  } catch (error) {
+    if (started !== generation) return;
+    // Without a valid key the list is refused: say so where the list would be, not as an error.
+    if (error.status === 401) $("queue-note").textContent = "Enter your API key above to see your jobs.";
+    else showError(error);
   }
-  return next;
-}
-
-async function follow(view, job) {
-  const { signal } = job.controller;
-  show(view);
-  while (ACTIVE.has(view.status)) {
-    try {
-      view = await poll(view, signal);
-      clearError();
-    } catch (error) {
-      if (error.name === "AbortError") return;
-      showError(error);
-      if (!TRANSIENT.has(error.status)) return; // 401, 404, 410: asking again will not help
-      await pause(error.retryAfter ?? RETRY_S, signal).catch(() => {});
-      if (signal.aborted) return;
-      continue;
-    }
-    show(view);
+  if (!wanted) return;
+  try {
+    if (!jobs.has(wanted)) track(await (await call("GET", jobPath(wanted))).json());
+    if (started === generation) select(wanted);
+  } catch (error) {
+    if (started !== generation) return;
+    // Not this key's job (or long gone): the URL stops naming it.
+    if (error.status === 404) history.replaceState(null, "", location.pathname);
+    else showError(error);
   }
-  if (view.status === "succeeded") await showImages(view, signal);
-}
-
-function start(view) {
-  resetJob();
-  const job = { id: view.id, controller: new AbortController(), canceling: false };
-  current = job;
-  history.replaceState(null, "", `#job=${encodeURIComponent(view.id)}`);
-  follow(view, job).catch((error) => {
-    if (error.name !== "AbortError") showError(error);
-  });
 }
 
 // --- Start image and mask ------------------------------------------------------------------------
@@ -262,7 +538,7 @@ async function readPicture(file) {
 
 // Submitting waits for a file still being read, so a quick click does not send the old inputs; a
 // handler answers false when the file was refused, and then nothing is sent.
-function track(handler) {
+function pending(handler) {
   return () => {
     const settled = handler().catch((error) => {
       showError(error);
@@ -326,17 +602,22 @@ async function chooseImage() {
     clearImage();
     return true;
   }
-  const { naturalWidth: width, naturalHeight: height } = chosen.picture;
-  inputs.image = { url: chosen.url, width, height };
-  $("image-preview").src = chosen.url;
-  $("image-preview").alt = `The start image, ${chosen.name}`;
+  setStartImage(chosen);
+  return true;
+}
+
+// The start image the next job sends: {url, picture, name}, from a chosen file or a finished job.
+function setStartImage({ url, picture, name }) {
+  const { naturalWidth: width, naturalHeight: height } = picture;
+  inputs.image = { url, width, height };
+  $("image-preview").src = url;
+  $("image-preview").alt = `The start image, ${name}`;
   $("image-size").textContent = `${width} × ${height} px`;
   const canvas = $("mask-canvas");
   canvas.width = width; // the overlay draws in the image's own pixels, whatever size it shows at
   canvas.height = height;
   clearMask();
   setImageMode(true);
-  return true;
 }
 
 function setMask(mask, status) {
@@ -470,7 +751,14 @@ function requestBody() {
   if (inputs.image) body.image = inputs.image.url;
   if (inputs.image && inputs.mask) body.mask = inputs.mask.url;
   body.priority = $("priority").value;
+  if ($("previews").checked) body.previews = true;
   return body;
+}
+
+async function send(body) {
+  const view = await (await call("POST", "/v1/jobs", { body })).json();
+  track(view);
+  select(view.id);
 }
 
 async function submit(event) {
@@ -480,8 +768,7 @@ async function submit(event) {
   clearError();
   try {
     if ((await Promise.all(inputs.pending)).includes(false)) return; // its error shows
-    const response = await call("POST", "/v1/jobs", { body: requestBody() });
-    start(await response.json());
+    await send(requestBody());
   } catch (error) {
     showError(error);
   } finally {
@@ -489,26 +776,57 @@ async function submit(event) {
   }
 }
 
-async function cancel() {
-  const job = current;
-  if (job === null) return;
-  job.canceling = true;
-  $("cancel").disabled = true;
+async function cancel(entry) {
+  if (!entry || !ACTIVE.has(entry.view.status)) return;
+  entry.canceling = true;
+  render(entry);
   try {
-    // 200: canceled; 202: the running job stops at its next step, and following it shows that.
-    const view = await (await call("DELETE", jobPath(job.id))).json();
-    if (current === job) show(view);
+    // 200: canceled; 202: the running job stops at its next step, and its stream tells when.
+    const view = await (await call("DELETE", jobPath(entry.id))).json();
+    if (jobs.get(entry.id) === entry) apply(entry, { event: "view", data: view });
   } catch (error) {
-    job.canceling = false;
+    entry.canceling = false;
+    render(entry);
     showError(error);
   }
 }
 
-async function resume() {
-  const id = new URLSearchParams(location.hash.slice(1)).get("job");
-  if (!id) return;
+async function asDataUrl(blob) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.addEventListener("load", () => resolve(reader.result));
+    reader.addEventListener("error", () => reject(reader.error));
+    reader.readAsDataURL(blob);
+  });
+}
+
+// The same settings again, seed included; a start image and mask are fetched back from the job.
+async function retry(entry) {
+  clearError();
   try {
-    start(await (await call("GET", jobPath(id))).json());
+    const body = { ...entry.view.request };
+    for (const name of ["image", "mask"]) {
+      if (body[name]) body[name] = await asDataUrl(await (await call("GET", `${jobPath(entry.id)}/inputs/${name}`)).blob());
+    }
+    await send(body);
+  } catch (error) {
+    showError(error);
+  }
+}
+
+// A finished image as the next job's start image, as if its file had been chosen.
+async function useAsStart(entry) {
+  clearError();
+  try {
+    if (!entry.blobs?.length) throw new APIError(null, "not_ready", "The image is still loading.");
+    inputs.imageRead += 1; // a file still being read loses to this image
+    $("image").value = "";
+    const url = await asDataUrl(entry.blobs[0]);
+    const picture = new Image();
+    picture.src = url;
+    await picture.decode();
+    setStartImage({ url, picture, name: `the image of job ${entry.id}` });
+    $("prompt").focus();
   } catch (error) {
     showError(error);
   }
@@ -529,15 +847,18 @@ function init() {
   } catch {
     // As above: no storage, no remembered key.
   }
-  $("api_key").addEventListener("change", rememberKey);
+  $("api_key").addEventListener("change", () => {
+    rememberKey();
+    load(); // another key may be another tenant: its own jobs
+  });
   $("job-form").addEventListener("submit", submit);
-  $("cancel").addEventListener("click", cancel);
-  $("image").addEventListener("change", track(chooseImage));
+  $("cancel").addEventListener("click", () => cancel(jobs.get(selected)));
+  $("image").addEventListener("change", pending(chooseImage));
   $("image-clear").addEventListener("click", () => {
     clearImage();
     $("image").focus();
   });
-  $("mask").addEventListener("change", track(chooseMask));
+  $("mask").addEventListener("change", pending(chooseMask));
   $("mask-clear").addEventListener("click", clearMask);
   const canvas = $("mask-canvas");
   canvas.addEventListener("pointerdown", dragStart);
@@ -545,7 +866,7 @@ function init() {
   canvas.addEventListener("pointerup", dragEnd);
   canvas.addEventListener("pointercancel", dragEnd);
   clearImage(); // a reload may keep a file input's choice without its data: start from none
-  resume();
+  load();
 }
 
 init();

@@ -66,6 +66,10 @@ class NotReadyError(ServiceError):
     status, code, message = 409, "not_ready", "The job has no images yet."
 
 
+class NoPreviewError(ServiceError):
+    status, code, message = 409, "no_preview", "The job has no preview now."
+
+
 class ResultExpiredError(ServiceError):
     status, code, message = 410, "expired", "The job's images have expired."
 

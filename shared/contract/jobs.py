@@ -110,6 +110,8 @@ class JobRequest(BaseModel):
                             description="with `image`: the share of the schedule that is run again")
     loras: list[LoraRef] = Field(default_factory=list, max_length=MAX_LORAS,
                                  description="LoRA adapters at their scales; none: the bare model")
+    previews: bool = Field(False, description="send `preview` events (GET /v1/jobs/<id>/events) "
+                           "and keep the latest at GET /v1/jobs/<id>/preview while it runs")
     deadline_s: float | None = Field(None, gt=0, le=86_400, allow_inf_nan=False)
     priority: Priority = "normal"
     # The pattern documents the URL's shape in the schema; the validator below checks the rest.
@@ -353,4 +355,5 @@ class JobView(BaseModel):
     finished_at: datetime | None = None
     error: JobError | None = None
     images: list[str] = []
+    preview: str | None = Field(None, description="while it runs with previews: its latest preview, a JPEG")
     request: JobRequest

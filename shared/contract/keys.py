@@ -15,6 +15,7 @@ RQ_QUEUES_KEY = "rq:queues"
 # separator (settings), so a name splits back. Jobs name the queue itself as their origin.
 QUEUE_SEPARATOR = ":"
 LOG_LENGTH = 512  # events a job's log keeps (about: XADD's MAXLEN ~); a job has a few dozen
+PREVIEW_TTL_MS = 120_000  # a job's latest preview outlives the longest preview interval (60 s)
 DOORBELL_TOKENS = 16  # enough to wake every idle worker of a host; more would only spin them
 JOB_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")  # use with fullmatch: "$" allows a final newline
 
@@ -32,6 +33,11 @@ def cancel_key(job_id: str) -> str:
 def log_key(job_id: str) -> str:
     """A job's events as a Redis stream, in order, for GET /v1/jobs/<id>/events (shared/store/events.py)."""
     return f"{PREFIX}:log:{job_id}"
+
+
+def preview_key(job_id: str) -> str:
+    """A running job's latest preview, ``{"step", "image"}`` as JSON, for a while (worker/previews.py)."""
+    return f"{PREFIX}:preview:{job_id}"
 
 
 def queue_of(line: str) -> str:

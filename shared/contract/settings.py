@@ -88,6 +88,8 @@ class Settings(BaseSettings):
     max_batch: int = Field(1, ge=1, le=64)
     batch_wait_ms: int = Field(0, ge=0, le=10_000)
     progress_interval_ms: int = Field(100, ge=0, le=60_000)
+    preview_interval_ms: int = Field(500, ge=50, le=60_000)
+    preview_decoder: Path | None = None
     max_attempts: int = Field(2, ge=1, le=10)
     heartbeat_ttl_s: float = Field(6.0, ge=1, le=300)
     stop_timeout_s: float | None = Field(None, gt=0)

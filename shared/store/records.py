@@ -4,6 +4,8 @@ How a job ends is shared/store/endings.py's."""
 
 from __future__ import annotations
 
+import base64
+import json
 from datetime import UTC, datetime
 from typing import Any
 
@@ -15,7 +17,7 @@ from rq.job import JobStatus as RQStatus
 from rq.queue import Queue
 
 from shared.contract import keys
-from shared.contract.errors import JobNotFoundError, NotReadyError, ResultExpiredError
+from shared.contract.errors import JobNotFoundError, NoPreviewError, NotReadyError, ResultExpiredError
 from shared.contract.jobs import Eta, JobError, JobRequest, JobStatus, JobView, Progress, steps_run
 from shared.contract.settings import Settings
 from shared.contract.tenants import Tenant, job_cost
@@ -69,6 +71,7 @@ def job_view(job: Job, position: int | None = None) -> JobView:
     progress, error = meta.get("progress"), meta.get("error")
     images = meta.get("images", 0) if status is JobStatus.SUCCEEDED else 0
     deadline = meta.get("deadline_at")
+    request = JobRequest.model_validate(job.kwargs["request"], strict=False)
     return JobView(
         id=job.id,
         status=status,
@@ -83,7 +86,8 @@ def job_view(job: Job, position: int | None = None) -> JobView:
         finished_at=_aware(job.ended_at),
         error=JobError(**error) if error else _default_error(status),
         images=[f"/v1/jobs/{job.id}/images/{index}" for index in range(images)],
-        request=JobRequest.model_validate(job.kwargs["request"], strict=False),
+        preview=f"/v1/jobs/{job.id}/preview" if request.previews and status is JobStatus.RUNNING else None,
+        request=request,
     )
 
 
@@ -168,6 +172,39 @@ def _report_step(jobs: list[Job]) -> list[bool]:
     if stale:
         raise fencing.StaleAttemptError(f"a newer attempt took over job(s) {', '.join(stale)}")
     return [bool(answer) for answer in answers]
+
+
+def report_preview(jobs: list[Job], tokens: list[str], step: int, images: list[str]) -> int:
+    """Store each job's preview (a ``data:`` URL) of this step as its latest, and log and announce
+    it, each under its attempt's fence token ('' for none); how many were written (a stale
+    attempt's are not). Called from the worker's preview thread, off the GPU section."""
+    job_keys: list[str] = []
+    args: list[str | int] = [keys.events_channel(jobs[0].origin), keys.PREVIEW_TTL_MS, step]
+    for job, token, image in zip(jobs, tokens, images, strict=True):
+        job_keys += [keys.fence_key(job.id), keys.log_key(job.id), keys.preview_key(job.id)]
+        args += [token, image]
+    connection = jobs[0].connection
+    client = connection.unfenced if isinstance(connection, fencing.FencedRedis) else connection
+    return int(scripts.run(client, "preview", job_keys, args))
+
+
+def latest_preview(job: Job) -> dict[str, Any] | None:
+    """A job's latest preview, ``{"step", "image"}`` with the image a ``data:`` URL, while it has one."""
+    stored = job.connection.get(keys.preview_key(job.id))
+    return json.loads(stored) if stored is not None else None
+
+
+def fetch_preview(job: Job) -> tuple[bytes, int]:
+    """A running job's latest preview as JPEG bytes and its step, or the error that says why there is none."""
+    status = job_status(job)
+    if not job.kwargs["request"].get("previews"):
+        raise NoPreviewError('The job was submitted without "previews": true.')
+    if status is not JobStatus.RUNNING:
+        raise NoPreviewError(f"The job is {status.value}; a preview exists while it runs.")
+    preview = latest_preview(job)
+    if preview is None:
+        raise NoPreviewError("No preview yet: the first comes after the first step.")
+    return base64.b64decode(preview["image"].partition(",")[2]), int(preview["step"])
 
 
 def steps_run_of(request: dict[str, Any]) -> int | None:
