@@ -99,6 +99,21 @@ def test_a_tenant_lists_only_its_own_jobs(keyed: FlaskClient) -> None:
     assert keyed.get("/v1/jobs").status_code == 401  # a key is needed to list, as for every read
 
 
+def test_250_jobs_page_through_without_gaps_or_repeats_and_others_see_none(settings: Settings) -> None:
+    for client in app_client(Settings(**(settings.model_dump() | {"api_keys": KEYS, "queue_capacity": 300}))):
+        alices = [submit(client, "key-a", steps=1) for _ in range(250)]
+        carols = [submit(client, "key-c", steps=1) for _ in range(3)]
+        pages, cursor = [], None
+        while True:
+            page = listed(client, "?limit=100" + (f"&cursor={cursor}" if cursor else ""), key="key-a")
+            pages.append([view["id"] for view in page["jobs"]])
+            if (cursor := page["next"]) is None:
+                break
+        assert [len(page) for page in pages] == [100, 100, 50]
+        assert [job_id for page in pages for job_id in page] == alices[::-1]  # each once, newest first
+        assert [view["id"] for view in listed(client, "?limit=100", key="key-c")["jobs"]] == carols[::-1]
+
+
 @pytest.mark.parametrize("query, loc", [("?limit=0", "limit"), ("?limit=101", "limit"), ("?limit=x", "limit"),
                                         ("?limit=-1", "limit"), ("?status=done", "status"),
                                         ("?status=queued,", "status"), ("?cursor=bm90LWEtbnVtYmVy", "cursor"),

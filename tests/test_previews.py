@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import signal
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from rq.job import Job
 
 from shared.contract import keys
 from shared.store import records
-from tests.conftest import post_job
+from tests.conftest import Process, post_job
 from tests.test_streams import open_stream
 from worker import previews
 from worker.previews import Cadence, Previewer, load_decoder
@@ -141,7 +142,32 @@ def test_a_job_with_previews_streams_them_and_serves_the_latest(worker_client: F
     assert gone.status_code == 409 and gone.get_json()["error"]["code"] == "no_preview"
 
 
-def test_every_job_of_two_steps_or_more_gets_a_preview_before_its_end(worker_client: FlaskClient) -> None:
+def test_a_client_reading_only_the_stream_sees_the_whole_job(worker_client: FlaskClient,
+                                                             worker: Process) -> None:
+    worker.popen.send_signal(signal.SIGSTOP)  # so that the stream opens while the job waits
+    try:
+        job_id = post_job(worker_client, steps=4, width=64, height=64, previews=True).get_json()["id"]
+        reader = open_stream(worker_client, job_id)
+        first = reader.next()
+    finally:
+        worker.popen.send_signal(signal.SIGCONT)
+    assert first is not None and first[1] == "queued" and first[2]["status"] == "queued"
+    frames = [first]
+    while (frame := reader.next()) is not None:
+        frames.append(frame)
+    events = [event for _, event, _ in frames]
+    assert events[1] == "started" and events[-1] == "succeeded"
+    steps = [data["step"] for _, event, data in frames if event == "progress"]
+    assert steps == sorted(set(steps)) and steps[0] == 0 and steps[-1] == 4
+    previews = [data for _, event, data in frames if event == "preview"]
+    assert previews and all(1 <= data["step"] < 4 for data in previews)
+    assert decoded(previews[0]["image"]).size == (64, 64)
+    # Every preview comes while it runs: after the start, before the end.
+    assert events.index("started") < events.index("preview") < events.index("succeeded")
+    assert len({event_id for event_id, _, _ in frames}) == len(frames)  # each event once
+
+
+def test_every_job_of_two_steps_gets_a_preview_before_its_end(worker_client: FlaskClient) -> None:
     job_id = post_job(worker_client, steps=2, width=64, height=64, previews=True).get_json()["id"]
     reader = open_stream(worker_client, job_id)
     events = []
