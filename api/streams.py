@@ -6,7 +6,9 @@ status. A stream sends the log's entries after the client's ``Last-Event-ID``, e
 waits on the process's one pub/sub listener (``api/longpoll.py``), which wakes it when the job or
 its line is announced; it reads the log again only then. The data of ``queued``, ``started`` and
 the final event is the job's view when it is sent, so a ``queued`` or ``started`` the job has
-moved past by then is left out (what it is now follows). Between entries it sends the job's place
+moved past by then is left out (what it is now follows). A ``preview`` entry holds only its step:
+the picture is the job's latest preview (one key, ``shared/store/records.py``), so of several
+unsent previews only the last goes out, with the newest picture. Between entries it sends the job's place
 in the line each time it changes (a claim or a cancel ahead of it moved it up), with an id that
 names the place, so a client that reconnects is told again only if it moved. A comment goes out
 every ``KEEPALIVE_S`` so that proxies keep the stream open; the stream ends after the final event,

@@ -1,13 +1,14 @@
 """Do open event streams hold the API's threads? Request latency with streams open, per worker class.
 
-    python -m bench.streams [--streams 40] [--threads 4] [--requests 60]
+    python -m bench.streams [--streams 200] [--threads 4] [--requests 200]
 
 Starts its own ``redis-server`` and, for each gunicorn worker class (``gthread``, ``gevent``), one
-``slotq api`` of one process with ``--threads`` threads and room for every stream
-(SLOTQ_MAX_STREAMS). With no worker, ``--streams`` jobs are queued and a client thread each opens
-its event stream and keeps reading it; then ``--requests`` GET /v1/queue calls are timed, one after
-another. The baseline is the same calls with no stream open, on the same process, in this run.
-A call that does not answer within ``TIMEOUT_S`` counts as timed out.
+``slotq api`` of one process with ``--threads`` threads whose bound (SLOTQ_MAX_STREAMS) is
+``--streams``. With no worker, ``--streams`` jobs are queued and a client thread each opens its
+event stream and keeps reading it; then ``--requests`` POST /v1/jobs and as many GET /v1/queue
+calls are timed, one after another, and ``EXTRA`` more streams are asked for (past the bound: each
+should be refused with 503). The baseline is the same calls with no stream open, on the same
+process, in this run. A call that does not answer within ``TIMEOUT_S`` counts as timed out.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from shared.contract.settings import Settings
 from slotq.localredis import free_port, running_redis
 
 TIMEOUT_S = 2.0
+EXTRA = 10  # streams asked for past the bound
+GIVE_UP = 3  # calls timed out, none answered, before the rest are counted as timed out too
+JOB = json.dumps({"prompt": "timed", "width": 64, "height": 64, "steps": 1})
 CLASSES = ("gthread", "gevent")
 
 
@@ -64,27 +68,49 @@ def follow(port: int, job_id: str, opened: threading.Semaphore, stop_reading: th
         connection.close()
 
 
-def latencies(port: int, count: int) -> tuple[list[float], int]:
-    """Seconds of each GET /v1/queue that answered, and how many did not within TIMEOUT_S."""
+def latencies(port: int, count: int, method: str) -> tuple[list[float], int]:
+    """Seconds of each POST /v1/jobs (or GET /v1/queue) that answered, and how many did not
+    within TIMEOUT_S."""
     times, timed_out = [], 0
-    for _ in range(count):
+    path, body = ("/v1/jobs", JOB) if method == "POST" else ("/v1/queue", None)
+    for index in range(count):
+        if timed_out >= GIVE_UP and not times:  # it answers nothing: the rest would not either
+            return times, count - index + timed_out
         began = time.perf_counter()
         try:
             connection = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT_S)
-            connection.request("GET", "/v1/queue")
-            connection.getresponse().read()
+            connection.request(method, path, body, {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            response.read()
+            if response.status >= 400:
+                raise SystemExit(f"{method} {path} answered {response.status}")
             times.append(time.perf_counter() - began)
         except OSError:
             timed_out += 1
     return times, timed_out
 
 
+def past_the_bound(port: int, job_id: str) -> str:
+    """What EXTRA more streams got: how many 503 with Retry-After, and how many no answer."""
+    refused = timed_out = 0
+    for _ in range(EXTRA):
+        try:
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT_S)
+            connection.request("GET", f"/v1/jobs/{job_id}/events")
+            response = connection.getresponse()
+            refused += response.status == 503 and response.getheader("Retry-After") is not None
+            connection.close()
+        except OSError:
+            timed_out += 1
+    return f"{refused} refused (503), {timed_out} no answer"
+
+
 def row(label: str, times: list[float], timed_out: int, requests: int) -> str:
     if not times:
-        return f"{label:34}{'-':>9}{'-':>9}{timed_out:>7}/{requests}"
+        return f"{label:44}{'-':>9}{'-':>9}{timed_out:>7}/{requests}"
     ordered = sorted(times)
     p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-    return f"{label:34}{1000 * statistics.median(ordered):>9.1f}{1000 * p99:>9.1f}{timed_out:>7}/{requests}"
+    return f"{label:44}{1000 * statistics.median(ordered):>9.1f}{1000 * p99:>9.1f}{timed_out:>7}/{requests}"
 
 
 def run_class(settings: Settings, worker_class: str, scratch: Path, streams: int, requests: int) -> list[str]:
@@ -98,29 +124,36 @@ def run_class(settings: Settings, worker_class: str, scratch: Path, streams: int
                 raise SystemExit(f"the {worker_class} API did not start:\n"
                                  f"{(scratch / f'api-{worker_class}.log').read_text()}")
             time.sleep(0.1)
-        baseline = latencies(port, requests)
+        baseline = {method: latencies(port, requests, method) for method in ("POST", "GET")}
         opened, stop_reading = threading.Semaphore(0), threading.Event()
+        ids = submitted(port, streams)
         readers = [threading.Thread(target=follow, args=(port, job_id, opened, stop_reading), daemon=True)
-                   for job_id in submitted(port, streams)]
+                   for job_id in ids]
         for reader in readers:
             reader.start()
         held = sum(opened.acquire(timeout=TIMEOUT_S) for _ in readers)
-        loaded = latencies(port, requests)
+        loaded = {method: latencies(port, requests, method) for method in ("POST", "GET")}
+        beyond = (past_the_bound(port, ids[0]) if held == streams
+                  else "not asked (the open ones hold every thread)")
         stop_reading.set()
-        return [row(f"{worker_class}, no stream (baseline)", *baseline, requests),
-                row(f"{worker_class}, {held} of {streams} streams open", *loaded, requests)]
+        lines = []
+        for method, label in (("POST", "POST /v1/jobs"), ("GET", "GET /v1/queue")):
+            lines += [row(f"{worker_class}, {label}, no stream", *baseline[method], requests),
+                      row(f"{worker_class}, {label}, {held} streams", *loaded[method], requests)]
+        return [*lines, f"{worker_class}, {EXTRA} more streams past the bound of {streams}: {beyond}"]
     finally:
         stop(api)
 
 
-def report(streams: int = 40, threads: int = 4, requests: int = 60) -> list[str]:
+def report(streams: int = 200, threads: int = 4, requests: int = 200) -> list[str]:
     with tempfile.TemporaryDirectory(prefix="slotq-bench-") as scratch_dir, \
             running_redis(Path(scratch_dir) / "redis") as url:
         scratch = Path(scratch_dir)
         settings = bench_settings(scratch, 1, url).model_copy(
-            update={"api_workers": 1, "api_threads": threads, "max_streams": streams + 10})
-        lines = [f"GET /v1/queue with event streams open: one API process, {threads} threads, "
-                 f"{requests} calls", f"{'':34}{'p50 ms':>9}{'p99 ms':>9}{'timed out':>12}"]
+            update={"api_workers": 1, "api_threads": threads, "max_streams": streams})
+        lines = [f"Requests with event streams open: one API process, {threads} threads, "
+                 f"{requests} calls each",
+                 f"{'':44}{'p50 ms':>9}{'p99 ms':>9}{'timed out':>12}"]
         for worker_class in CLASSES:
             lines += run_class(settings, worker_class, scratch, streams, requests)
     return lines
@@ -128,9 +161,9 @@ def report(streams: int = 40, threads: int = 4, requests: int = 60) -> list[str]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--streams", type=int, default=40)
+    parser.add_argument("--streams", type=int, default=200)
     parser.add_argument("--threads", type=int, default=4)
-    parser.add_argument("--requests", type=int, default=60)
+    parser.add_argument("--requests", type=int, default=200)
     args = parser.parse_args()
     print("\n".join(report(args.streams, args.threads, args.requests)))
 
