@@ -131,7 +131,8 @@ def run_class(settings: Settings, worker_class: str, scratch: Path, streams: int
                    for job_id in ids]
         for reader in readers:
             reader.start()
-        held = sum(opened.acquire(timeout=TIMEOUT_S) for _ in readers)
+        deadline = time.monotonic() + TIMEOUT_S * 2  # for all of them: those not open by then never open
+        held = sum(opened.acquire(timeout=max(0.0, deadline - time.monotonic())) for _ in readers)
         loaded = {method: latencies(port, requests, method) for method in ("POST", "GET")}
         beyond = (past_the_bound(port, ids[0]) if held == streams
                   else "not asked (the open ones hold every thread)")

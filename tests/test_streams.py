@@ -235,6 +235,35 @@ def test_open_streams_hold_no_thread_of_the_api(settings: Settings, start_api: A
         connection.close()
 
 
+def test_many_streams_at_once_wait_for_a_redis_connection_rather_than_fail(settings: Settings,
+                                                                           start_api: Any) -> None:
+    """Streams opened together each want a Redis connection at the same moment: with fewer in the
+    pool than streams, they wait their turn (a blocking pool), and every one gets its events."""
+    import http.client
+    from concurrent.futures import ThreadPoolExecutor
+    from urllib.parse import urlsplit
+
+    api = start_api(settings, api_workers=1, max_streams=40, queue_capacity=40, redis_max_connections=3)
+    port = urlsplit(api.url).port
+    ids = [http_submit(api.url) for _ in range(24)]
+
+    def first_event(job_id: str) -> str:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+        try:
+            connection.request("GET", f"/v1/jobs/{job_id}/events")
+            response = connection.getresponse()
+            assert response.status == 200, response.read()
+            while not (line := response.readline().decode()).startswith("event:"):
+                assert line, "the stream ended before its first event"
+            return line.strip()
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(len(ids)) as pool:
+        assert list(pool.map(first_event, ids)) == ["event: queued"] * len(ids)
+    assert "Too many connections" not in api.output()
+
+
 def http_submit(url: str) -> str:
     from tests.conftest import http_post_job
 

@@ -52,6 +52,7 @@ class Settings(BaseSettings):
 
     redis_url: str = "redis://localhost:6379/0"
     redis_timeout_s: float = Field(1.0, gt=0, le=30)
+    redis_max_connections: int = Field(100, ge=2, le=10_000)
     # With sentinels, they name the master; redis_url then gives only the db, user, password and TLS.
     # NoDecode: the validator reads the variable itself, as JSON or as a comma-separated list.
     redis_sentinels: Annotated[list[str], NoDecode] = []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from redis import Redis
+from redis import BlockingConnectionPool, Redis
 from redis.backoff import NoBackoff
 from redis.connection import parse_url
 from redis.retry import Retry
@@ -39,7 +39,11 @@ def connect(settings: Settings, *, blocking: bool = False, redis_class: type[Red
         "retry": Retry(NoBackoff(), 1),
     }
     if not settings.redis_sentinels:
-        return redis_class.from_url(settings.redis_url, **options)
+        # A pool that makes a caller wait for a free connection (up to the timeout) rather than
+        # fail: under gevent hundreds of requests and event streams may each want one at once.
+        pool = BlockingConnectionPool.from_url(
+            settings.redis_url, max_connections=settings.redis_max_connections, timeout=timeout, **options)
+        return redis_class(connection_pool=pool)
     # The URL's db, user, password and TLS options apply to the master; its host and port do not.
     url = {key: value for key, value in parse_url(settings.redis_url).items()
            if key not in ("host", "port", "connection_class")}
@@ -49,8 +53,10 @@ def connect(settings: Settings, *, blocking: bool = False, redis_class: type[Red
         # (three, with backoff) would hold a request for seconds behind one dead sentinel.
         sentinel_kwargs={"socket_connect_timeout": timeout, "socket_timeout": timeout,
                          "password": settings.redis_sentinel_password, "retry": Retry(NoBackoff(), 0)})
+    # redis-py has no blocking pool for Sentinel: past max_connections a command fails at once.
     return sentinel.master_for(settings.redis_master, redis_class=redis_class, **options, **url,
-                               ssl=settings.redis_url.startswith("rediss://"))
+                               ssl=settings.redis_url.startswith("rediss://"),
+                               max_connections=settings.redis_max_connections)
 
 
 def job_queue(connection: Redis, settings: Settings) -> Queue:
