@@ -18,7 +18,7 @@ from shared.contract.jobs import PRIORITIES, JobStatus, JobView, Submission
 from shared.contract.models import Family, ModelInfo, model_info
 from shared.contract.settings import Settings
 from shared.contract.tenants import Tenant
-from shared.store import admission, endings, listing, records, waiting, workers
+from shared.store import admission, endings, listing, records, results, waiting, workers
 from shared.store.workers import WorkerView
 
 
@@ -71,9 +71,15 @@ class Jobs:
             job = records.fetch_job(self.queue, job_id, tenant)
         return records.current_view(self.queue, self.settings, job, tenant)
 
-    def image(self, job_id: str, index: int, tenant: Tenant | None = None) -> bytes:
-        """One finished image of a job, as PNG."""
-        return records.fetch_image(records.fetch_job(self.queue, job_id, tenant), index)
+    def image(self, job_id: str, index: int, tenant: Tenant | None = None) -> bytes | str:
+        """One finished image of a job, as PNG, or a short-lived URL of it in the store."""
+        job, store = records.fetch_job(self.queue, job_id, tenant), results.of(self.settings)
+        return store.image_url(job, index) or store.image(job, index)
+
+    def check_ready(self) -> None:
+        """Raise unless Redis answers and the result store can be written."""
+        self.queue.connection.ping()
+        results.of(self.settings).check()
 
     def preview(self, job_id: str, tenant: Tenant | None = None) -> tuple[bytes, int]:
         """A running job's latest preview as JPEG, and the step it shows."""
@@ -82,7 +88,7 @@ class Jobs:
     def input(self, job_id: str, name: InputName, tenant: Tenant | None = None) -> tuple[bytes, str]:
         """One input image of a job as the client sent it, and its media type."""
         job = records.fetch_job(self.queue, job_id, tenant)
-        data = records.fetch_input(job, name)
+        data = results.of(self.settings).input(job, name)
         return data, ImageRef.model_validate(job.kwargs["request"][name]).media_type
 
     def page(self, tenant: Tenant | None, limit: int, statuses: Collection[JobStatus] = (),

@@ -101,9 +101,11 @@ def job_events(job_id: str) -> Response:
 
 @bp.get("/v1/jobs/<job_id>/images/<int:index>")
 def get_image(job_id: str, index: int) -> Response:
-    """One finished image as PNG."""
-    return Response(_jobs().image(job_id, index, _tenant()), mimetype="image/png",
-                    headers={"Cache-Control": "private, max-age=3600"})
+    """One finished image as PNG, or (SLOTQ_S3_PRESIGN) a redirect to it in the bucket."""
+    found = _jobs().image(job_id, index, _tenant())
+    if isinstance(found, str):
+        return Response(status=307, headers={"Location": found, "Cache-Control": "no-store"})
+    return Response(found, mimetype="image/png", headers={"Cache-Control": "private, max-age=3600"})
 
 
 @bp.get("/v1/jobs/<job_id>/preview")
@@ -172,10 +174,10 @@ def healthz() -> Response:
 
 @bp.get("/readyz")
 def readyz() -> Response:
-    """Ready when Redis answers and the process is not shutting down."""
+    """Ready when Redis and the result store answer and the process is not shutting down."""
     if current_app.extensions["slotq.draining"].is_set():
         raise DrainingError(retry_after=1)
-    _queue().connection.ping()  # a Redis error becomes 503 in the app's error handler
+    _jobs().check_ready()  # a Redis or store error becomes 503 in the app's error handler
     return jsonify({"status": "ready"})
 
 

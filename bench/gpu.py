@@ -50,6 +50,7 @@ from worker.previews import Previewer
 Sections = list[tuple[float, float]]
 LOOP = "in-process loop (ceiling)"
 PREVIEWS = "slotq worker, previews"
+FILE_STORE = "slotq worker, file store"
 
 
 @dataclass
@@ -192,24 +193,29 @@ def duty_table(title: str, measured: dict[str, list[Figures]]) -> list[str]:
                      f"{figures.gap_ms(0.99):>12.2f}")
     for name in list(measured)[1:]:
         lines.append(f"% of loop by round, {name}: " + " ".join(f"{share:.1f}" for share in shares[name]))
-    if PREVIEWS in measured:  # the cost of previews: against the same worker without, round by round
-        ratios = sorted(100 * run.per_second / plain.per_second
-                        for run, plain in zip(measured[PREVIEWS], measured["slotq worker"], strict=True))
-        lines.append(f"previews' jobs/s, % of without (median {ratios[len(ratios) // 2]:.1f}) by round: "
-                     + " ".join(f"{ratio:.1f}" for ratio in ratios))
+    for name, what in ((FILE_STORE, "the file store's"), (PREVIEWS, "previews'")):
+        if name in measured:  # against the same worker as it is by default, round by round
+            ratios = sorted(100 * run.per_second / plain.per_second
+                            for run, plain in zip(measured[name], measured["slotq worker"], strict=True))
+            lines.append(f"{what} jobs/s, % of the slotq worker's (median {ratios[len(ratios) // 2]:.1f}) "
+                         "by round: " + " ".join(f"{ratio:.1f}" for ratio in ratios))
     return lines
 
 
 def duty_cycle(settings: Settings, batch: list[JobRequest], scratch: Path, rounds: int = 5) -> list[str]:
-    """The three ways, interleaved for ``rounds`` rounds.
+    """The ways, interleaved for ``rounds`` rounds: the loop, plain RQ, the slotq worker, and the
+    slotq worker with its results in a folder and (jobs of two steps or more) with live previews.
 
-    Interleaving spreads the machine's slow spells (other processes, thermal) over all three ways
+    Interleaving spreads the machine's slow spells (other processes, thermal) over all the ways
     instead of letting one of them draw the bad minute; the median drops the odd round out.
     """
     ways: dict[str, Callable[[], Sections]] = {
         LOOP: lambda: in_process_loop(settings, batch),
         "plain RQ SimpleWorker": lambda: through_worker("rq", settings, batch, scratch),
         "slotq worker": lambda: through_worker("slotq", settings, batch, scratch)}
+    # The same worker writing its PNGs to a folder (SLOTQ_RESULT_STORE=file://) instead of Redis.
+    in_folder = settings.model_copy(update={"result_store": f"file://{scratch / 'results'}"})
+    ways[FILE_STORE] = lambda: through_worker("slotq", in_folder, batch, scratch)
     first = batch[0]
     if first.steps > 1:  # a job of one step has no preview
         previewing = [request.model_copy(update={"previews": True}) for request in batch]

@@ -7,7 +7,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 # Fixed uid so volume/file ownership is predictable across rebuilds.
-RUN useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin slotq
+# /var/lib/slotq/results (the file result store) owned by the runtime user: Docker copies this
+# ownership into a fresh named volume.
+RUN useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin slotq \
+    && mkdir -p /var/lib/slotq/results && chown -R slotq:slotq /var/lib/slotq
 
 # Only packaging metadata and the packages enter the build context of this layer, so
 # edits to tests, docs or compose files do not invalidate the pip install layer.

@@ -12,11 +12,12 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     HF_HOME=/models \
     SLOTQ_CACHE_DIR=/models/slotq
 
-# /models is created and owned by the runtime user here: Docker copies this ownership
-# into a fresh named volume, so the non-root worker can write its model cache.
+# /models and /var/lib/slotq/results are created and owned by the runtime user here: Docker
+# copies this ownership into a fresh named volume, so the non-root worker can write its model
+# cache and its results.
 RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin slotq \
-    && mkdir -p /models/slotq \
-    && chown -R slotq:slotq /models
+    && mkdir -p /models/slotq /var/lib/slotq/results \
+    && chown -R slotq:slotq /models /var/lib/slotq
 
 WORKDIR /src
 COPY pyproject.toml README* ./

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import signal
 import threading
 import time
@@ -35,10 +36,10 @@ from rq.executions import Execution
 from rq.job import Job
 
 from shared.contract import logs
-from shared.contract.errors import WorkerFatalError
-from shared.contract.jobs import Outcome
+from shared.contract.errors import StorageUnavailableError, WorkerFatalError
+from shared.contract.jobs import JobRequest, Outcome
 from shared.contract.settings import Settings
-from shared.store import estimates, records
+from shared.store import endings, estimates, results
 from shared.store.connection import job_queue
 from shared.store.fencing import StaleAttemptError, connect_worker, holding
 from worker.messages import (
@@ -181,8 +182,20 @@ class Finisher(Generic[Handoff]):
 def store_result(job: Job, settings: Settings, rendered: Rendered) -> dict[str, Any]:
     """Encode the images as PNG and store them for the result TTL; the job's result."""
     request, images = rendered
-    records.store_images(job, settings, [encode_png(image, request) for image in images])
+    hook = _kill_worker if settings.fault_injection and _killed_here(request, job) else None
+    results.of(settings).save_images(job, [encode_png(image, request) for image in images], hook)
     return {"images": len(images), "seed": request.seed}
+
+
+def _killed_here(request: JobRequest, job: Job) -> bool:
+    """Test hook (SLOTQ_FAULT_INJECTION=true): a first attempt whose prompt asks for it dies mid-store."""
+    return request.prompt.startswith("__kill_after_store__") and job.meta.get("attempt") == 1
+
+
+def _kill_worker() -> None:
+    """SIGKILL the worker and this finishing process: between the image write and the record write."""
+    os.kill(os.getppid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Finishing(RQWorker):
@@ -209,6 +222,8 @@ class Finishing(RQWorker):
                     result = store_result(job, self.settings, work.rendered)
                 except (RedisConnectionError, RedisTimeoutError, StaleAttemptError):
                     raise  # not the job's failure: Redis is away or the job is another attempt's now
+                except StorageUnavailableError as exc:
+                    return self._unstored(job, work, str(exc))
                 except Exception as exc:
                     log.exception("could not encode or store the images")
                     return Ended(job.id, Outcome.UNFINISHED, error=f"{type(exc).__name__}: {exc}")
@@ -220,6 +235,18 @@ class Finishing(RQWorker):
                 log.warning("could not record the end of job %s: %r", job.id, exc)
                 return Ended(job.id, Outcome.UNRECORDED, error=repr(exc))
         return Ended(job.id, Outcome.of(status), run_seconds(job))
+
+
+    def _unstored(self, job: Job, work: Work, why: str) -> Ended:
+        """The store could not be written: the job runs again while it has attempts left (as when its
+        worker is lost), else it fails ``storage_unavailable``; under the attempt's fence."""
+        log.error("could not store the images of job %s: %s", job.id, why)
+        with self.connection.pipeline() as pipe:
+            outcome = endings.again_or_failed(job, self.queue, self.settings, pipe, "storage_unavailable",
+                                              f"The result store could not be written ({why})")
+            pipe.execute()
+        self.settle(job, work.fence)
+        return Ended(job.id, outcome, run_seconds(job))
 
 
 _busy = False  # finishing a batch now

@@ -19,7 +19,7 @@ from rq.worker import WorkerStatus
 from shared.contract import keys, logs
 from shared.contract.errors import WorkerFatalError
 from shared.contract.settings import Settings, get_settings
-from shared.store import endings, estimates, records, waiting
+from shared.store import endings, estimates, records, results, waiting
 from shared.store.claims import Claims
 from shared.store.connection import job_queue
 from shared.store.fencing import StaleAttemptError, connect_worker, holding
@@ -31,6 +31,7 @@ from worker.metrics import WorkerMetrics
 from worker.outcomes import Member, Outcomes
 from worker.pipeline import current_pipeline, load_pipeline, set_current_pipeline
 from worker.rq import check_rq
+from worker.sweeper import Sweeper
 from worker.webhooks import Sender
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,11 @@ class SlotWorker(Outcomes):
         sender = Sender(self.queue, self.settings) if self.settings.webhook_secret else None
         if sender:
             sender.start()
+        # A file store or a bucket keeps what it is given: the workers sweep it, one at a time.
+        sweeper = None if results.of(self.settings).in_redis else Sweeper(self.connection, self.settings,
+                                                                          self.name)
+        if sweeper:
+            sweeper.start()
         try:
             return self._loop(burst)
         except WorkerFatalError as exc:
@@ -76,6 +82,8 @@ class SlotWorker(Outcomes):
             self.finisher.close()  # the last job's end is recorded before this worker says it is gone
             if sender:
                 sender.close()  # what it has not sent stays in the outbox for the next worker
+            if sweeper:
+                sweeper.close()
             beating.set()
             self._unregister()
 
@@ -222,6 +230,11 @@ class SlotWorker(Outcomes):
             except RedisError as exc:
                 log.debug("heartbeat failed: %s", exc)
 
+    def check_ready(self) -> None:
+        """Raise unless Redis and the result store answer (the worker's /readyz)."""
+        self.connection.ping()
+        results.of(self.settings).check()
+
     def _register(self) -> None:
         if self.connection.exists(self.key) and not self.connection.hexists(self.key, "death"):
             # A restarted worker with a fixed name: once the dead one's heartbeat has lapsed, its
@@ -262,7 +275,7 @@ def run_worker(settings: Settings | None = None, *, burst: bool = False) -> int:
         log.exception("could not load model %s", settings.model)
         return 1
     worker = SlotWorker(job_queue(connect_worker(settings), settings), settings)
-    worker.metrics.serve(settings)
+    worker.metrics.serve(settings, ready=worker.check_ready)
     return worker.serve(burst=burst)
 
 

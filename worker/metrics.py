@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import torch
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -42,17 +47,45 @@ class WorkerMetrics:
         self.jobs.labels(status).inc()
         self.job_duration.observe(max(0.0, seconds))
 
-    def serve(self, settings: Settings) -> None:
-        """Answer scrapes on SLOTQ_WORKER_METRICS_PORT (0: not at all), from a thread of its own."""
+    def serve(self, settings: Settings, ready: Callable[[], None]) -> None:
+        """Answer scrapes on SLOTQ_WORKER_METRICS_PORT (0: not at all), and ``/readyz`` (200 while
+        ``ready()`` returns, else 503 with the service's error envelope), from a thread of its own."""
         if not settings.worker_metrics_port:
             return
         try:
-            start_http_server(settings.worker_metrics_port, settings.worker_metrics_host,
-                              registry=self.registry)
+            server = make_server(settings.worker_metrics_host, settings.worker_metrics_port,
+                                 _with_readiness(make_wsgi_app(self.registry), ready), _Server, _Quiet)
+            threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
         except OSError as exc:
             # Metrics are not worth a worker: run without them rather than not at all.
             log.warning("no metrics on %s:%d: %s", settings.worker_metrics_host, settings.worker_metrics_port,
                         exc)
+
+
+def _with_readiness(metrics: Any, ready: Callable[[], None]) -> Any:
+    """The metrics app, with ``/readyz`` beside it: Redis and the result store answer."""
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") != "/readyz":
+            return metrics(environ, start_response)
+        body: dict[str, Any] = {"status": "ready"}
+        status = "200 OK"
+        try:
+            ready()
+        except Exception as exc:  # any failure means not ready; say which
+            status = "503 Service Unavailable"
+            body = {"error": {"code": getattr(exc, "code", "unavailable"), "message": str(exc)}}
+        start_response(status, [("Content-Type", "application/json")])
+        return [json.dumps(body).encode()]
+    return app
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a scrape in progress does not hold the worker's exit
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Scrapes are not worth a log line each."""
 
 
 class DeviceCollector(Collector):

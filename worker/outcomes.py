@@ -66,6 +66,8 @@ class Outcomes(RQWorker):
                     # once Redis is back: the job runs again, or its claim is dropped if its end landed.
                     log.warning("could not store or record job %s (%s); it will run again", job.id, end.error)
                     self.claims.unhold(job.id)
+                elif end.outcome is Outcome.REQUEUED:  # its images could not be stored: it runs again
+                    self._ended(job, JobStatus.QUEUED, end.seconds)
                 elif end.outcome is Outcome.UNFINISHED:
                     self._fail(member, RuntimeError(f"could not encode or store the images: {end.error}"))
                 else:

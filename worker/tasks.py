@@ -18,10 +18,16 @@ from rq.job import Job
 
 from shared.contract import images
 from shared.contract.adapters import available_adapters
-from shared.contract.errors import InvalidImageError, JobCanceledError, JobFailedError, JobInterruptedError
+from shared.contract.errors import (
+    InvalidImageError,
+    JobCanceledError,
+    JobFailedError,
+    JobInterruptedError,
+    StorageUnavailableError,
+)
 from shared.contract.jobs import JobRequest, validate_request
 from shared.contract.settings import Settings, get_settings
-from shared.store import records
+from shared.store import records, results
 from worker import lifecycle, previews, progress
 from worker.finisher import store_result
 from worker.messages import Rendered
@@ -142,7 +148,10 @@ def _with_inputs(job: Job, request: JobRequest) -> tuple[JobRequest, Inputs] | E
     """A request with its input images decoded, or the failure of a job whose inputs are gone or bad."""
     if request.kind == "text":
         return request, {}
-    stored = records.fetch_inputs(job)
+    try:
+        stored = results.of(get_settings()).inputs(job)
+    except StorageUnavailableError as exc:  # a read: the job fails now (a write is retried)
+        return JobFailedError("storage_unavailable", str(exc))
     modes = {"image": "RGB", "mask": "L"} if request.kind == "inpaint" else {"image": "RGB"}
     if set(modes) - set(stored):
         return JobFailedError("inputs_missing", "the job's input images are no longer stored")

@@ -70,6 +70,10 @@ class NoPreviewError(ServiceError):
     status, code, message = 409, "no_preview", "The job has no preview now."
 
 
+class StorageUnavailableError(ServiceError):
+    status, code, message = 503, "storage_unavailable", "The result store cannot be reached."
+
+
 class ResultExpiredError(ServiceError):
     status, code, message = 410, "expired", "The job's images have expired."
 

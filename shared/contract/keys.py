@@ -40,6 +40,11 @@ def preview_key(job_id: str) -> str:
     return f"{PREFIX}:preview:{job_id}"
 
 
+def sweep_key(queue: str) -> str:
+    """Whose turn it is to sweep the result store (worker/sweeper.py), for one interval."""
+    return f"{PREFIX}:sweep:{queue}"
+
+
 def queue_of(line: str) -> str:
     """The queue a line is under (the inverse of :func:`line_name`)."""
     return line.split(QUEUE_SEPARATOR)[0]

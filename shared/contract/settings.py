@@ -14,6 +14,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SecretStr,
     TypeAdapter,
     ValidationError,
     field_validator,
@@ -100,6 +101,15 @@ class Settings(BaseSettings):
     result_ttl_s: int = Field(3600, ge=1)
     record_ttl_s: int = Field(86_400, ge=1)
     failure_ttl_s: int = Field(7 * 86_400, ge=1)
+    result_store: str = "redis"
+    s3_endpoint_url: str | None = None
+    s3_region: str | None = None
+    s3_access_key_id: str | None = None
+    s3_secret_access_key: SecretStr | None = None
+    s3_presign: bool = False
+    s3_presign_ttl_s: int = Field(300, ge=1, le=7 * 86_400)
+    sweep_interval_s: float = Field(30.0, gt=0, le=60)
+    sweep_grace_s: float = Field(60.0, ge=0, le=86_400)
 
     api_keys: KeyTable | None = None
     api_keys_file: Path | None = None
@@ -161,6 +171,17 @@ class Settings(BaseSettings):
             return None
         own = self.lora_dir / model
         return own if own.is_dir() else self.lora_dir
+
+    @field_validator("result_store")
+    @classmethod
+    def _store_scheme(cls, value: str) -> str:
+        if value == "redis":
+            return value
+        if value.startswith("file://") and value.removeprefix("file://").startswith("/"):
+            return value
+        if re.fullmatch(r"s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?", value):
+            return value
+        raise ValueError("must be redis, file:///an/absolute/folder or s3://bucket/prefix")
 
     @field_validator("redis_url")
     @classmethod

@@ -35,7 +35,7 @@ from shared.contract.images import InputName
 from shared.contract.jobs import JobRequest
 from shared.contract.settings import Settings
 from shared.contract.tenants import Tenant, job_cost
-from shared.store import scripts
+from shared.store import results, scripts
 from shared.store.connection import text
 from shared.store.records import fetch_job
 
@@ -65,7 +65,8 @@ def enqueue_job(queue: Queue, settings: Settings, request: JobRequest,
     """Admit one job atomically, replay an idempotent retry, or raise a typed refusal.
 
     ``inputs`` are the bytes of the request's input images (``request.image`` and ``request.mask``
-    are their references): written by the same script, so a refused job leaves none behind.
+    are their references): written by the same script (or, to a file store or a bucket, before it
+    and deleted again on a refusal), so a refused job leaves none behind.
 
     With SLOTQ_MIN_REPLICAS_ACK set, either answer stands only once that many replicas have the job.
 
@@ -88,10 +89,20 @@ def enqueue_job(queue: Queue, settings: Settings, request: JobRequest,
                    keys.bucket_key(queue.name, name), keys.model_key(line),
                    keys.running_key(line), keys.inputs_key(job.id), keys.listed_key(queue.name, name)]
     fields, inputs = _fields(job, request), inputs or {}
+    store = results.of(settings)
+    # A file store or a bucket gets the inputs before the script admits the job (Redis, inside it).
+    store.save_inputs(job.id, {str(name): data for name, data in inputs.items()})
+    in_script = inputs if store.in_redis else {}
     params = _parameters(queue, line, settings, job, request, tenant, cost, digest if idem else None,
-                         len(fields), list(inputs))
-    answer = scripts.run(queue.connection, "admit", script_keys, [params, *fields, *inputs.values()])
-    admission = _admission(queue, job, answer, digest, tenant)
+                         len(fields), list(in_script))
+    try:
+        answer = scripts.run(queue.connection, "admit", script_keys, [params, *fields, *in_script.values()])
+        admission = _admission(queue, job, answer, digest, tenant)
+    except BaseException:
+        store.drop_inputs(job.id, inputs)  # refused: nothing of it stays behind
+        raise
+    if admission.replayed:
+        store.drop_inputs(job.id, inputs)  # the first job has its own
     if settings.min_replicas_ack:
         _await_replicas(queue.connection, settings, admission.job.id, name)
     log.info("%s job %s: model %s, priority %s, %dx%d, %d steps, prompt %s",

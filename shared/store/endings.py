@@ -112,10 +112,16 @@ def settle_abandoned(job: Job, queue: Queue, settings: Settings, pipe: Pipeline)
     if queue.connection.exists(keys.cancel_key(job.id)):
         end_job(job, queue, settings, pipe, RQStatus.STOPPED)
         return Outcome.CANCELED
+    return again_or_failed(job, queue, settings, pipe, "worker_lost",
+                           f"The worker died while running this job, {attempts_used(job)} times")
+
+
+def again_or_failed(job: Job, queue: Queue, settings: Settings, pipe: Pipeline, code: str,
+                    why: str) -> Outcome:
+    """Queue the writes that run a job again, at the head of its class, while it has attempts left
+    (SLOTQ_MAX_ATTEMPTS), or else end it failed with ``code``; which of the two."""
     if attempts_used(job) >= settings.max_attempts:
-        error = {"code": "worker_lost",
-                 "message": f"The worker died while running this job, {attempts_used(job)} "
-                            "times; it is not retried again."}
+        error = {"code": code, "message": f"{why}; it is not retried again."}
         end_job(job, queue, settings, pipe, RQStatus.FAILED, error)
         return Outcome.FAILED
     requeue_at_front(job, queue, pipe)

@@ -17,7 +17,7 @@ from rq.job import JobStatus as RQStatus
 from rq.queue import Queue
 
 from shared.contract import keys
-from shared.contract.errors import JobNotFoundError, NoPreviewError, NotReadyError, ResultExpiredError
+from shared.contract.errors import JobNotFoundError, NoPreviewError, ResultExpiredError
 from shared.contract.jobs import Eta, JobError, JobRequest, JobStatus, JobView, Progress, steps_run
 from shared.contract.settings import Settings
 from shared.contract.tenants import Tenant, job_cost
@@ -216,45 +216,12 @@ def steps_run_of(request: dict[str, Any]) -> int | None:
     return steps_run(steps, strength if request.get("image") is not None else None)
 
 
-def fetch_inputs(job: Job) -> dict[str, bytes]:
-    """The bytes of a job's input images by name (``image``, ``mask``): those its record still has."""
-    stored = job.connection.hgetall(keys.inputs_key(job.id))
-    return {text(name): data if isinstance(data, bytes) else data.encode() for name, data in stored.items()}
 
 
-def fetch_input(job: Job, name: str) -> bytes:
-    """One input image of a job as the client sent it, or the error that explains why there is none."""
-    if name not in job.kwargs.get("request", {}) or job.kwargs["request"][name] is None:
-        raise JobNotFoundError(f"The job has no input named {name!r}.")
-    data = job.connection.hget(keys.inputs_key(job.id), name)
-    if data is None:
-        raise ResultExpiredError("The job's input images have expired.")
-    return data if isinstance(data, bytes) else data.encode()
 
 
-def store_images(job: Job, settings: Settings, pngs: list[bytes]) -> None:
-    """Keep a finished job's images for the result TTL."""
-    job.meta["images"] = len(pngs)
-    key = keys.images_key(job.id)
-    with job.connection.pipeline() as pipe:
-        pipe.delete(key)
-        pipe.hset(key, mapping={str(index): png for index, png in enumerate(pngs)})
-        pipe.expire(key, settings.result_ttl_s)
-        save_meta(job, pipe)
-        pipe.execute()
 
 
-def fetch_image(job: Job, index: int) -> bytes:
-    """The index-th PNG of a job, or the error that explains why there is none."""
-    status = job_status(job)
-    if status is not JobStatus.SUCCEEDED:
-        raise NotReadyError(f"The job is {status.value}; it has no images.")
-    if not 0 <= index < job.meta.get("images", 0):
-        raise JobNotFoundError("No image with this index.")
-    png = job.connection.hget(keys.images_key(job.id), str(index))
-    if png is None:
-        raise ResultExpiredError()
-    return png if isinstance(png, bytes) else png.encode()
 
 
 def fetch_job(queue: Queue, job_id: str, tenant: Tenant | None = None) -> Job:

@@ -147,6 +147,39 @@ def test_cap_holds_across_api_hosts_and_both_worker_hosts_run_each_job_once(
         connection.close()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_two_api_hosts_serve_images_a_worker_host_wrote_to_a_shared_file_store(
+        lab: Lab, model_cache: Path, tmp_path: Path) -> None:
+    # Hosts of the lab are network namespaces over one filesystem: a folder they all mount, as an
+    # NFS share or a ReadWriteMany volume would be.
+    shared = tmp_path / "shared-results"
+    redis = start_redis(lab.host("redis"))
+    settings = lab_settings(redis.url, model_cache, queue_name="filestore", api_workers=2, api_threads=4,
+                            result_store=f"file://{shared}")
+    apis = [start_api(lab.host(f"api-{n}"), settings) for n in (1, 2)]
+    worker = start_worker(lab.host("worker"), settings)
+    for api in apis:
+        wait_api(api)
+    wait_workers([worker], redis.url)
+    ids = [http_post_job(apis[n % 2].url, {**SMALL, "seed": n})[1]["id"] for n in range(6)]
+    def all_succeeded() -> bool:
+        return all((get_view(apis[0].url, job_id) or {}).get("status") == "succeeded" for job_id in ids)
+
+    wait_for(all_succeeded, timeout=90, what="the six jobs to succeed")
+    connection = Redis.from_url(redis.url, socket_timeout=5)
+    try:
+        for job_id in ids:
+            attempt = Job.fetch(job_id, connection, serializer=JSONSerializer).meta["images_at"]
+            written = (shared / "images" / job_id / attempt / "0.png").read_bytes()
+            for api in apis:  # either API host serves what the worker host wrote, byte for byte
+                with urllib.request.urlopen(f"{api.url}/v1/jobs/{job_id}/images/0", timeout=10) as answer:
+                    assert answer.read() == written
+        assert not [key for key in connection.scan_iter() if b":images:" in key]  # none in Redis
+    finally:
+        connection.close()
+
+
 def start_sentinel(host: Host, master: Host) -> Process:
     """A sentinel on ``host`` watching the master on ``master``; settings as in test_failover."""
     config = host.dir / "sentinel.conf"  # a file of its own: a sentinel rewrites its config

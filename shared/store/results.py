@@ -1,0 +1,275 @@
+"""A job's image bytes, its results and its inputs: in Redis, or in a folder or a bucket.
+
+SLOTQ_RESULT_STORE=redis keeps them in Redis hashes beside the record (the admission script writes
+the inputs, the finishing process the PNGs), for the result TTL. With ``file://`` or ``s3://``
+(``shared/store/blobs.py``) Redis keeps only the records: the API writes a job's inputs to the
+store before its admission script runs (and deletes them again when the job is refused or is a
+replay), and the finishing process writes the PNGs of an attempt under a name of its own
+(``images/<job>/<attempt>/<i>.png``) before the fenced write of the record that names that
+attempt, so a reader only ever finds the images of the attempt whose end was recorded, whole.
+
+Nothing expires by itself there: :meth:`ExternalResults.sweep` (the workers run it at least once a
+minute, one at a time) deletes what no live record points to: the images and inputs of jobs whose
+result TTL has passed or whose record is gone, and the writes of attempts that never got recorded
+(a worker killed between the two writes, a stale attempt), once they are older than the grace that
+covers a write in progress.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
+from pathlib import Path
+
+from redis import Redis
+from rq.job import Job
+
+from shared.contract import keys
+from shared.contract.errors import JobNotFoundError, NotReadyError, ResultExpiredError
+from shared.contract.jobs import JobStatus
+from shared.contract.settings import Settings
+from shared.store.blobs import Blobs, Bucket, Folder
+from shared.store.records import job_status, save_meta
+
+log = logging.getLogger(__name__)
+
+Hook = Callable[[], None]
+TERMINAL_RQ = {"finished", "failed", "stopped", "canceled"}  # RQ's names of a job's final statuses
+SWEEP_BATCH = 500  # records read per round trip
+
+
+class Results:
+    """Images and inputs in Redis, beside the record (the default)."""
+
+    in_redis = True  # the admission script writes the inputs
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+
+    def save_inputs(self, job_id: str, inputs: dict[str, bytes]) -> None:
+        """Before admission: nothing, since the admission script stores them with the job."""
+
+    def drop_inputs(self, job_id: str, names: Iterable[str]) -> None:
+        """After a refusal or a replay: nothing, since the script stored nothing."""
+
+    def inputs(self, job: Job) -> dict[str, bytes]:
+        """The bytes of a job's input images by name (``image``, ``mask``): those still kept."""
+        stored = job.connection.hgetall(keys.inputs_key(job.id))
+        return {_text(name): _bytes(data) for name, data in stored.items()}
+
+    def input(self, job: Job, name: str) -> bytes:
+        """One input image of a job as the client sent it, or the error that says why there is none."""
+        if job.kwargs.get("request", {}).get(name) is None:
+            raise JobNotFoundError(f"The job has no input named {name!r}.")
+        data = self._input(job, name)
+        if data is None:
+            raise ResultExpiredError("The job's input images have expired.")
+        return data
+
+    def _input(self, job: Job, name: str) -> bytes | None:
+        data = job.connection.hget(keys.inputs_key(job.id), name)
+        return None if data is None else _bytes(data)
+
+    def save_images(self, job: Job, pngs: list[bytes], before_record: Hook | None = None) -> None:
+        """Keep a finished job's images for the result TTL, and record how many (under the fence).
+        ``before_record`` runs between the two writes where there are two (a test's fault hook)."""
+        job.meta["images"] = len(pngs)
+        key = keys.images_key(job.id)
+        with job.connection.pipeline() as pipe:
+            pipe.delete(key)
+            pipe.hset(key, mapping={str(index): png for index, png in enumerate(pngs)})
+            pipe.expire(key, self.settings.result_ttl_s)
+            save_meta(job, pipe)
+            pipe.execute()
+
+    def image(self, job: Job, index: int) -> bytes:
+        """The index-th PNG of a job, or the error that explains why there is none."""
+        self._check_image(job, index)
+        png = job.connection.hget(keys.images_key(job.id), str(index))
+        if png is None:
+            raise ResultExpiredError()
+        return _bytes(png)
+
+    def image_url(self, job: Job, index: int) -> str | None:
+        """A short-lived URL of the image in the store itself, where it has one and it is wanted."""
+        return None
+
+    def _check_image(self, job: Job, index: int) -> None:
+        status = job_status(job)
+        if status is not JobStatus.SUCCEEDED:
+            raise NotReadyError(f"The job is {status.value}; it has no images.")
+        if not 0 <= index < job.meta.get("images", 0):
+            raise JobNotFoundError("No image with this index.")
+
+    def sweep(self, connection: Redis) -> int:
+        """Delete what has outlived its records: nothing to do, Redis expires it."""
+        return 0
+
+    def check(self) -> None:
+        """Raise ``StorageUnavailableError`` when the store cannot be written: Redis is checked apart."""
+
+
+class ExternalResults(Results):
+    """Images and inputs in a folder or a bucket; Redis keeps only the records."""
+
+    in_redis = False
+
+    def __init__(self, settings: Settings, blobs: Blobs) -> None:
+        super().__init__(settings)
+        self.blobs = blobs
+
+    def save_inputs(self, job_id: str, inputs: dict[str, bytes]) -> None:
+        for name, data in inputs.items():
+            self.blobs.put(_input_name(job_id, name), data)
+
+    def drop_inputs(self, job_id: str, names: Iterable[str]) -> None:
+        self.blobs.delete([_input_name(job_id, name) for name in names])
+
+    def inputs(self, job: Job) -> dict[str, bytes]:
+        request = job.kwargs.get("request", {})
+        found = {name: self._input(job, name) for name in ("image", "mask") if request.get(name) is not None}
+        return {name: data for name, data in found.items() if data is not None}
+
+    def _input(self, job: Job, name: str) -> bytes | None:
+        if self._expired(job):
+            return None
+        return self.blobs.get(_input_name(job.id, name))
+
+    def save_images(self, job: Job, pngs: list[bytes], before_record: Hook | None = None) -> None:
+        # Each write of a job's images has a folder of its own, named in the record only once they
+        # are all in place: an attempt that dies between the two, or a stale one whose record
+        # write the fence refuses, leaves images that nothing names (the sweep removes them).
+        attempt = secrets.token_hex(8)
+        for index, png in enumerate(pngs):
+            self.blobs.put(_image_name(job.id, attempt, index), png)
+        if before_record is not None:
+            before_record()
+        job.meta["images"], job.meta["images_at"] = len(pngs), attempt
+        with job.connection.pipeline() as pipe:
+            save_meta(job, pipe)
+            pipe.execute()
+
+    def image(self, job: Job, index: int) -> bytes:
+        self._check_image(job, index)
+        png = None if self._expired(job) else self.blobs.get(self._image_of(job, index))
+        if png is None:
+            raise ResultExpiredError()
+        return png
+
+    def image_url(self, job: Job, index: int) -> str | None:
+        if not self.settings.s3_presign:
+            return None
+        self._check_image(job, index)
+        if self._expired(job):
+            raise ResultExpiredError()
+        return self.blobs.url(self._image_of(job, index), self.settings.s3_presign_ttl_s)
+
+    def _image_of(self, job: Job, index: int) -> str:
+        return _image_name(job.id, str(job.meta.get("images_at", "")), index)
+
+    def _expired(self, job: Job) -> bool:
+        """Whether the job ended longer than the result TTL ago (its bytes are then as good as gone)."""
+        ended = job.ended_at
+        return ended is not None and time.time() - _epoch(ended) > self.settings.result_ttl_s
+
+    def sweep(self, connection: Redis) -> int:
+        """Delete every object no live record points to and that is older than the grace; how many."""
+        now, grace = time.time(), self.settings.sweep_grace_s
+        by_job: dict[str, list[tuple[str, float]]] = defaultdict(list)
+        doomed: list[str] = []
+        for name, written in self.blobs.listing():
+            parts = name.split("/")
+            if len(parts) >= 3 and parts[0] in ("images", "inputs"):
+                by_job[parts[1]].append((name, written))
+            elif now - written > grace:
+                doomed.append(name)  # a stray: a partial write's leftover, say
+        ids = list(by_job)
+        for start in range(0, len(ids), SWEEP_BATCH):
+            chunk = ids[start:start + SWEEP_BATCH]
+            with connection.pipeline(transaction=False) as pipe:
+                for job_id in chunk:
+                    pipe.hmget(Job.key_for(job_id), "status", "ended_at", "meta")
+                records = pipe.execute()
+            for job_id, record in zip(chunk, records, strict=True):
+                kept = self._kept(job_id, record, now)
+                doomed += [name for name, written in by_job[job_id]
+                           if not any(name.startswith(prefix) for prefix in kept) and now - written > grace]
+        self.blobs.delete(doomed)
+        if doomed:
+            log.info("swept %d stored object(s) that no live record points to", len(doomed))
+        return len(doomed)
+
+    def _kept(self, job_id: str, record: list[bytes | None], now: float) -> list[str]:
+        """The name prefixes of a job's objects that its record still points to."""
+        status, ended_at, meta = record
+        if status is None:
+            return []  # no record: nothing points here
+        ended = _epoch(_parse(_text(ended_at))) if ended_at else None
+        if _text(status) in TERMINAL_RQ and ended and now - ended > self.settings.result_ttl_s:
+            return []
+        try:
+            attempt = json.loads(meta).get("images_at") if meta else None
+        except ValueError:  # not the service's JSON: keep all of it rather than guess
+            return [f"inputs/{job_id}/", f"images/{job_id}/"]
+        return [f"inputs/{job_id}/", *([f"images/{job_id}/{attempt}/"] if attempt else [])]
+
+    def check(self) -> None:
+        self.blobs.check()
+
+
+_made: dict[str, Results] = {}
+
+
+def of(settings: Settings) -> Results:
+    """The result store SLOTQ_RESULT_STORE names, made once per process and settings."""
+    secret = settings.s3_secret_access_key
+    key = settings.model_dump_json() + (secret.get_secret_value() if secret else "")  # the dump masks it
+    if key not in _made:
+        _made[key] = _make(settings)
+    return _made[key]
+
+
+def _make(settings: Settings) -> Results:
+    store = settings.result_store
+    if store == "redis":
+        return Results(settings)
+    if store.startswith("file://"):
+        return ExternalResults(settings, Folder(Path(store.removeprefix("file://"))))
+    import boto3  # only a service that stores in S3 needs it (the `s3` extra)
+
+    bucket, _, prefix = store.removeprefix("s3://").partition("/")
+    secret = settings.s3_secret_access_key
+    client = boto3.client("s3", endpoint_url=settings.s3_endpoint_url, region_name=settings.s3_region,
+                          aws_access_key_id=settings.s3_access_key_id,
+                          aws_secret_access_key=secret.get_secret_value() if secret else None)
+    return ExternalResults(settings, Bucket(client, bucket, prefix))
+
+
+def _input_name(job_id: str, name: str) -> str:
+    return f"inputs/{job_id}/{name}"
+
+
+def _image_name(job_id: str, attempt: str, index: int) -> str:
+    return f"images/{job_id}/{attempt}/{index}.png"
+
+
+def _epoch(moment: datetime) -> float:
+    """Seconds since the epoch of a moment (RQ's are naive UTC)."""
+    return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()
+
+
+def _parse(stamp: str) -> datetime:
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _bytes(value: bytes | str) -> bytes:
+    return value if isinstance(value, bytes) else value.encode()
