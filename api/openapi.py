@@ -229,7 +229,12 @@ def _job_paths(codes: dict[int, list[str]]) -> dict[str, Any]:
         "/v1/jobs/{id}/images/{index}": {
             "parameters": [JOB_ID, IMAGE_INDEX],
             "get": _operation(codes, "getImage", "One finished image as PNG.",
-                              {"200": {"description": "The image.", "content": png}}, (404, 409, 410, 503)),
+                              {"200": {"description": "The image.", "content": png},
+                               "307": {"description": "With an S3 result store and SLOTQ_S3_PRESIGN: the "
+                                                      "image at a short-lived presigned URL (`Location`).",
+                                       "headers": {"Location": {"schema": {"type": "string",
+                                                                           "format": "uri"}}}}},
+                              (404, 409, 410, 503)),
         },
         "/v1/jobs/{id}/preview": {
             "parameters": [JOB_ID],

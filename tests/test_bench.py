@@ -18,7 +18,8 @@ pytestmark = pytest.mark.slow
 # "batch 1" column).
 ROWS = {
     "GPU duty cycle and dispatch overhead": ["in-process loop (ceiling)", "bare BLMOVE/LREM loop",
-                                             "plain RQ SimpleWorker", "slotq worker"],
+                                             "plain RQ SimpleWorker", "slotq worker",
+                                             "slotq worker, file store"],
     "Dynamic batching": ["64x64"],
     "Admission": ["bare LPUSH (baseline)", "bare Flask + LPUSH (baseline)", "POST /v1/jobs admitted (202)",
                   "POST /v1/jobs refused (429)", "POST /v1/jobs admitted", "POST /v1/jobs refused"],
@@ -35,8 +36,8 @@ ROWS = {
                       "switch adapter <-> bare model", "affinity off (baseline)", "affinity on, max skip 8",
                       "in-process loop (ceiling)", "slotq worker"],
     # gthread's row with its streams open has no figure when every call timed out, as it should.
-    "Event streams": ["gthread, no stream (baseline)", "gevent, no stream (baseline)",
-                      "gevent, 4 of 4 streams open"],
+    "Event streams": ["gthread, POST /v1/jobs, no stream", "gevent, POST /v1/jobs, no stream",
+                      "gevent, POST /v1/jobs, 4 streams", "gevent, GET /v1/queue, 4 streams"],
 }
 
 
@@ -63,3 +64,4 @@ def test_quick_report_has_every_section_with_its_baseline() -> None:
     assert "batch 1 img/s" in sections["Dynamic batching"]
     assert "202x40" in sections["Admission"] and "429x40" in sections["Admission"]
     assert len(re.findall(r"^api process \(pid \d+\)", sections["Memory"], re.MULTILINE)) == 2
+    assert "10 refused (503)" in sections["Event streams"]  # past the bound, under gevent

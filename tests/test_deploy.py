@@ -448,7 +448,7 @@ def test_worker_finishes_its_job_before_sigkill(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_probes_ask_the_right_ports(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The API's probes are /readyz and /healthz on its port; the worker's readiness is its metrics port."""
+    """The API's probes are /readyz and /healthz on its port; the worker's is /readyz on its metrics port."""
     api = _one("Deployment", "slotq-api")
     container = _container(api)
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
@@ -459,7 +459,8 @@ def test_probes_ask_the_right_ports(monkeypatch: pytest.MonkeyPatch) -> None:
     assert '"--port", "8000"' in DOCKERFILES["slotq-api"].read_text()
     worker = _one("Deployment", "slotq-worker")
     settings = _settings_of(worker, monkeypatch)
-    probe = _container(worker)["readinessProbe"]["tcpSocket"]
+    probe = _container(worker)["readinessProbe"]["httpGet"]
+    assert probe["path"] == "/readyz"  # 503 while Redis or the result store is away (worker/metrics.py)
     assert _container_port(worker, probe["port"]) == settings.worker_metrics_port
     # The kubelet probes the pod's IP: the default 127.0.0.1 would never answer it.
     assert settings.worker_metrics_host == "0.0.0.0"

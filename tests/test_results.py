@@ -278,3 +278,27 @@ def test_a_worker_killed_between_the_image_write_and_the_record_loses_no_job_and
             assert client.get(view["images"][0]).get_data().startswith(PNG)
         finally:
             assert second.stop() == 0, second.output()
+
+
+def test_a_presigned_download_redirects_to_the_bucket(settings: Settings, redis: Redis, s3_url: str) -> None:
+    chosen = Settings(**(settings.model_dump() | {
+        "result_store": f"s3://{BUCKET}/presigned", "s3_endpoint_url": s3_url, "s3_region": "us-east-1",
+        "s3_access_key_id": "testing", "s3_secret_access_key": "testing", "s3_presign": True}))
+    with api(chosen) as client:
+        job_id = post_job(client, width=64, height=64, steps=1).get_json()["id"]
+        job = Job.fetch(job_id, connection=redis, serializer=JSONSerializer)
+        png = PNG + b"the bucket's own bytes"
+        results.of(chosen).save_images(job, [png])
+        now = time.strftime("%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime())
+        redis.hset(job.key, mapping={"status": "finished", "ended_at": now})  # as if it had run
+        answer = client.get(f"/v1/jobs/{job_id}/images/0")
+        assert answer.status_code == 307, answer.get_data()
+        location = answer.headers["Location"]
+        assert location.startswith(f"{s3_url}/{BUCKET}/presigned/images/{job_id}/")
+        assert "Signature" in location
+        with urllib.request.urlopen(location, timeout=10) as fetched:
+            assert fetched.read() == png
+        # Without presigning the same image streams through the API.
+        plain = chosen.model_copy(update={"s3_presign": False})
+        with api(plain) as streaming:
+            assert streaming.get(f"/v1/jobs/{job_id}/images/0").get_data() == png

@@ -14,7 +14,7 @@ from redis import Redis
 
 from shared.contract.models import UNET_SCHEDULERS
 from shared.contract.settings import Settings
-from tests.conftest import post_job, wait_for, wait_for_status
+from tests.conftest import Process, post_job, wait_for, wait_for_status
 from worker import progress
 
 
@@ -229,3 +229,14 @@ def test_a_finishing_process_started_while_redis_is_away_waits_for_it(tmp_path: 
             server.terminate()
             server.wait(10)
     assert servers  # it reached the Redis that came back: none listened on the port before
+
+
+def test_the_worker_answers_readyz_on_its_metrics_port(worker: Process, worker_settings: Settings) -> None:
+    import json
+    import urllib.request
+
+    base = f"http://127.0.0.1:{worker_settings.worker_metrics_port}"
+    with urllib.request.urlopen(f"{base}/readyz", timeout=5) as answer:
+        assert answer.status == 200 and json.loads(answer.read()) == {"status": "ready"}
+    with urllib.request.urlopen(f"{base}/metrics", timeout=5) as answer:  # the metrics still beside it
+        assert b"slotq_worker_jobs" in answer.read()
