@@ -222,16 +222,18 @@ class ExternalResults(Results):
         self.blobs.check()
 
 
-_made: dict[str, Results] = {}
+# By the identity of the settings (a process reads its settings once): no work per call on the
+# paths that ask for the store each time (admission, finishing). The settings are kept with their
+# store, so an id is never reused while its entry stands.
+_made: dict[int, tuple[Settings, Results]] = {}
 
 
 def of(settings: Settings) -> Results:
     """The result store SLOTQ_RESULT_STORE names, made once per process and settings."""
-    secret = settings.s3_secret_access_key
-    key = settings.model_dump_json() + (secret.get_secret_value() if secret else "")  # the dump masks it
-    if key not in _made:
-        _made[key] = _make(settings)
-    return _made[key]
+    made = _made.get(id(settings))
+    if made is None or made[0] is not settings:
+        made = _made[id(settings)] = (settings, _make(settings))
+    return made[1]
 
 
 def _make(settings: Settings) -> Results:
