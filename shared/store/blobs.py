@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -154,8 +153,3 @@ class Bucket:
             self.client.head_bucket(Bucket=self.bucket)
         except self._errors() as exc:
             raise StorageUnavailableError(f"the bucket s3://{self.bucket} does not answer: {exc}") from exc
-
-
-def age_s(written: float) -> float:
-    """Seconds since an object was written."""
-    return time.time() - written
