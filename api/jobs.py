@@ -55,13 +55,16 @@ class Jobs:
         admitted = admission.enqueue_job(self.queue, self.settings, submission.request,
                                          ticket.idempotency_key, ticket.tenant, ticket.request_id,
                                          submission.inputs)
-        if wait and self.waits.hold(admitted.job, wait, longpoll.finished):
-            view = self.read(admitted.job.id, ticket.tenant)
-        elif admitted.replayed:
-            view = records.standing_view(self.queue, admitted.job)
+        if wait and self.waits.hold(records.fetch_job(self.queue, admitted.job_id, ticket.tenant), wait,
+                                    longpoll.finished):
+            view = self.read(admitted.job_id, ticket.tenant)
+        elif admitted.prior is not None:
+            view = records.standing_view(self.queue, admitted.prior)
         else:
             # The admission script already answered where the job stands: no second round trip.
-            view = records.admitted_view(admitted.job, admitted.position, admitted.eta)
+            assert admitted.record is not None and admitted.position is not None
+            view = records.admitted_view(admitted.job_id, admitted.record.request, admitted.record.created_at,
+                                         admitted.position, admitted.eta, admitted.deadline_at)
         return Submitted(view, admitted.replayed, wait if wait and view.status.is_terminal else None)
 
     def read(self, job_id: str, tenant: Tenant | None = None, wait: float | None = None) -> JobView:
@@ -125,9 +128,10 @@ class Jobs:
         the settings assume them."""
         read_at, held = self._models
         if time.monotonic() - read_at > MODELS_TTL_S:  # a submit costs no heartbeat read as a rule
-            held = [self._model(name, family) for name, family in self.settings.offered_models.items()]
+            held = [self._model(name, family).within(self.settings.max_side)
+                    for name, family in self.settings.offered_models.items()]
             self._models = time.monotonic(), held
-        return [info.within(self.settings.max_side) for info in held]
+        return list(held)
 
     def _model(self, name: str, family: Family) -> ModelInfo:
         live = workers.live_model(self.queue.connection, self.settings.line_of(name), name)

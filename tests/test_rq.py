@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from importlib.metadata import version
 
+import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
+from redis import Redis
 
+from shared.contract.jobs import JobRequest
+from shared.contract.settings import Settings
 from worker.rq import check_rq
 
 
@@ -23,3 +27,34 @@ def test_the_installed_rq_is_in_the_range_pyproject_names() -> None:
 def test_rq_still_has_the_private_api_the_worker_uses() -> None:
     # Fails with a message naming what RQ changed (a method gone, its parameters, a key name).
     check_rq()
+
+
+@pytest.mark.parametrize("request_body", [
+    {"prompt": "a fox"},
+    {"prompt": "ü" * 300, "negative_prompt": "blur", "width": 128, "height": 64, "steps": 3, "num_images": 2,
+     "priority": "high", "deadline_s": 30, "webhook": "https://example.com/hook"},
+])
+def test_admission_writes_the_hash_rq_itself_would(settings: Settings, redis: Redis,
+                                                    request_body: dict[str, object]) -> None:
+    # Admission builds a job's hash without rq.Job (a quarter of its own work): it must be the
+    # hash Job.create and Job.save write for the same job, so that RQ and its tools read it alike.
+    from rq.job import Job
+
+    from shared.store import admission
+    from shared.store.connection import job_queue
+
+    queue = job_queue(redis, settings)
+    request = JobRequest.model_validate({"model": settings.default_model, **request_body})
+    record = admission.new_record(queue, settings, request, {"request_id": "r-1", "tenant": "web"})
+    job = queue.create_job("worker.tasks.generate", kwargs={"request": record.stored}, job_id=record.id,
+                           meta={"request_id": "r-1", "tenant": "web"}, timeout=settings.job_timeout_s,
+                           result_ttl=settings.record_ttl_s, failure_ttl=settings.failure_ttl_s)
+    job.created_at = job.enqueued_at = record.created_at
+    expected = {key: value.value if key == "status" else value for key, value in job.to_dict().items()}
+    assert record.fields == expected
+    assert record.stored["seed"] is not None and record.stored["seed"] == record.request.seed
+    redis.hset(job.key, mapping=record.fields)
+    loaded = Job.fetch(record.id, connection=queue.connection, serializer=queue.serializer)
+    assert loaded.kwargs == {"request": record.stored}
+    assert loaded.meta == {"request_id": "r-1", "tenant": "web"}
+    assert loaded.get_status() == "queued" and loaded.origin == queue.name

@@ -62,6 +62,8 @@ class ModelInfo(BaseModel):
     def within(self, max_side: int) -> ModelInfo:
         """The model as this service runs it: default sides no larger than SLOTQ_MAX_SIDE."""
         largest = max_side - max_side % self.side_multiple
+        if max(self.defaults.width, self.defaults.height) <= largest:
+            return self  # as it is (admission asks for each job)
         sides = {side: min(getattr(self.defaults, side), largest) for side in ("width", "height")}
         return self.model_copy(update={"defaults": self.defaults.model_copy(update=sides)})
 

@@ -12,14 +12,18 @@ import hashlib
 import json
 import logging
 import math
+import zlib
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
+from uuid import uuid4
 
 from redis import Redis
 from rq import Queue
 from rq.job import Job
-from rq.utils import utcformat
+from rq.job import JobStatus as RQStatus
+from rq.serializers import JSONSerializer
+from rq.utils import get_call_string, utcformat
 
 from shared.contract import keys, logs, webhooks
 from shared.contract.errors import (
@@ -32,7 +36,7 @@ from shared.contract.errors import (
     UnknownModelError,
 )
 from shared.contract.images import InputName
-from shared.contract.jobs import JobRequest
+from shared.contract.jobs import JobRequest, Priority
 from shared.contract.settings import Settings
 from shared.contract.tenants import Tenant, job_cost
 from shared.store import results, scripts
@@ -41,16 +45,36 @@ from shared.store.records import fetch_job
 
 log = logging.getLogger(__name__)
 IDEMPOTENCY_TTL_S = 24 * 3600
+RQ_DESCRIPTION_LENGTH = 75  # Job.get_call_string's: longer argument reprs are cut
+
+
+@dataclass(frozen=True)
+class Record:
+    """A job not yet written: its id, its request with the seed drawn (and as stored), when, and its
+    RQ hash."""
+
+    id: str
+    request: JobRequest
+    stored: dict[str, Any]
+    created_at: datetime
+    fields: dict[str, Any]
 
 
 @dataclass(frozen=True)
 class Admission:
-    """The outcome of a submit: the job, its place, and whether an earlier submit made it."""
+    """A submit's outcome: the job admitted now (its record, place, estimates and deadline), or the
+    earlier job that an idempotent retry replays (``prior``)."""
 
-    job: Job
-    position: int | None
+    job_id: str
+    record: Record | None = None
+    position: int | None = None
     eta: tuple[float, float] | None = None
-    replayed: bool = False
+    deadline_at: float | None = None
+    prior: Job | None = None
+
+    @property
+    def replayed(self) -> bool:
+        return self.prior is not None
 
 
 def request_digest(request: JobRequest) -> str:
@@ -74,39 +98,43 @@ def enqueue_job(queue: Queue, settings: Settings, request: JobRequest,
     """
     webhooks.check_target(settings, request)
     request = _for_model(settings, request)
-    digest = request_digest(request)
+    # The digest tells a replay from a conflicting reuse of the key: only a keyed submit needs one.
+    digest = request_digest(request) if idempotency_key else None
     if tenant is not None:
         request = tenant.prioritised(request)
     cost = job_cost(request.width, request.height, request.steps_run, request.num_images)
     if tenant and tenant.burst is not None and cost > tenant.burst:
         raise InvalidRequestError(details=[{"loc": [], "msg": f"the job costs {cost:g} units, more than "
                                             f"this key's burst of {tenant.burst:g}"}])
-    job = _new_job(queue, settings, request, tenant, request_id)
+    meta = {key: value for key, value in (("tenant", tenant and tenant.name), ("request_id", request_id))
+            if value}
+    record = new_record(queue, settings, request, meta)
+    job_key = Job.key_for(record.id)
     name, line = tenant.name if tenant else "", settings.line_of(request.model or "")
     # The line, its deadlines and estimates are the model's; buckets and idempotency the service's.
     idem = keys.idempotency_key(queue.name, _hashed(f"{name} {idempotency_key}")) if idempotency_key else ""
-    script_keys = [job.key, idem or job.key, keys.deadlines_key(line), keys.issued_key(job.id),
+    script_keys = [job_key, idem or job_key, keys.deadlines_key(line), keys.issued_key(record.id),
                    keys.bucket_key(queue.name, name), keys.model_key(line),
-                   keys.running_key(line), keys.inputs_key(job.id), keys.listed_key(queue.name, name)]
-    fields, inputs = _fields(job, request), inputs or {}
+                   keys.running_key(line), keys.inputs_key(record.id), keys.listed_key(queue.name, name)]
+    fields, inputs = _fields(record, request), inputs or {}
     store = results.of(settings)
     # A file store or a bucket gets the inputs before the script admits the job (Redis, inside it).
-    store.save_inputs(job.id, {str(name): data for name, data in inputs.items()})
+    store.save_inputs(record.id, {str(name): data for name, data in inputs.items()})
     in_script = inputs if store.in_redis else {}
-    params = _parameters(queue, line, settings, job, request, tenant, cost, digest if idem else None,
-                         len(fields), list(in_script))
+    params = _parameters(line, settings, record.id, request, tenant, cost, digest, len(fields),
+                         list(in_script))
     try:
         answer = scripts.run(queue.connection, "admit", script_keys, [params, *fields, *in_script.values()])
-        admission = _admission(queue, job, answer, digest, tenant)
+        admission = _admission(queue, record, answer, digest, tenant)
     except BaseException:
-        store.drop_inputs(job.id, inputs)  # refused: nothing of it stays behind
+        store.drop_inputs(record.id, inputs)  # refused: nothing of it stays behind
         raise
     if admission.replayed:
-        store.drop_inputs(job.id, inputs)  # the first job has its own
+        store.drop_inputs(record.id, inputs)  # the first job has its own
     if settings.min_replicas_ack:
-        _await_replicas(queue.connection, settings, admission.job.id, name)
+        _await_replicas(queue.connection, settings, admission.job_id, name)
     log.info("%s job %s: model %s, priority %s, %dx%d, %d steps, prompt %s",
-             "replayed" if admission.replayed else "admitted", admission.job.id, request.model,
+             "replayed" if admission.replayed else "admitted", admission.job_id, request.model,
              request.priority, request.width, request.height, request.steps,
              logs.prompt_for_log(settings, request.prompt))
     return admission
@@ -122,56 +150,80 @@ def _for_model(settings: Settings, request: JobRequest) -> JobRequest:
     return request
 
 
-def _new_job(queue: Queue, settings: Settings, request: JobRequest, tenant: Tenant | None,
-             request_id: str | None) -> Job:
-    """The RQ job for a request, its seed drawn; not yet written anywhere."""
-    job = queue.create_job(
-        keys.TASK,
-        kwargs={"request": request.with_seed().model_dump(mode="json")},
-        meta={key: value for key, value in (("tenant", tenant and tenant.name), ("request_id", request_id))
-              if value},
-        timeout=settings.job_timeout_s,
-        result_ttl=settings.record_ttl_s,
-        failure_ttl=settings.failure_ttl_s,
-    )
-    job.enqueued_at = datetime.now(UTC)
-    return job
-
-
-def _parameters(queue: Queue, line: str, settings: Settings, job: Job, request: JobRequest,
-                tenant: Tenant | None, cost: float, digest: str | None, fields: int,
-                inputs: list[InputName]) -> str:
-    """The admission script's parameters, as JSON."""
-    limits = ({"rate": tenant.rate, "burst": tenant.burst, "max_queued": tenant.max_queued}
-              if tenant else {})
-    params = {
-        "id": job.id, "queue": line, "job_prefix": Job.redis_job_namespace_prefix,
-        "priority": request.priority, "limit": settings.waiting_limit(request.priority),
-        "tenant": tenant.name if tenant else "", "cost": cost, "digest": digest,
-        "idempotency_ttl": IDEMPOTENCY_TTL_S, "deadline_s": request.deadline_s,
-        "ended_at": utcformat(datetime.now(UTC)),
-        "record_ttl": settings.record_ttl_s, "issued_ttl": settings.issued_ttl_s,
-        "listed_ttl": max(settings.record_ttl_s, settings.failure_ttl_s),
-        "channel": keys.events_channel(queue.name), "outbox": keys.webhooks_key(queue.name),
-        "ended": keys.ended_key(queue.name), "inputs_ttl": settings.result_ttl_s,
-        "fields": fields, "inputs": inputs or None, **limits,
+def new_record(queue: Queue, settings: Settings, request: JobRequest, meta: dict[str, Any]) -> Record:
+    """A new job's RQ hash, its seed drawn, built the way ``Job.create`` and ``Job.to_dict`` build it
+    (tests/test_rq.py checks the two agree) without their cost: a quarter of admission's own work."""
+    seeded = request.with_seed()
+    kwargs = {"request": seeded.model_dump(mode="json")}
+    now = datetime.now(UTC)
+    at = utcformat(now)
+    fields = {
+        "created_at": at,
+        "data": zlib.compress(JSONSerializer.dumps((keys.TASK, None, (), kwargs))),
+        "success_callback_name": "", "failure_callback_name": "", "stopped_callback_name": "",
+        "started_at": "", "ended_at": "", "last_heartbeat": "", "worker_name": "", "group_id": "",
+        "origin": queue.name,
+        "description": get_call_string(keys.TASK, (), kwargs, max_length=RQ_DESCRIPTION_LENGTH),
+        "enqueued_at": at,
+        "timeout": settings.job_timeout_s,
+        "result_ttl": settings.record_ttl_s,
+        "failure_ttl": settings.failure_ttl_s,
+        "status": RQStatus.QUEUED.value,
     }
+    if meta:
+        fields["meta"] = JSONSerializer.dumps(meta)
+    return Record(str(uuid4()), seeded, kwargs["request"], now, fields)
+
+
+def _parameters(line: str, settings: Settings, job_id: str, request: JobRequest, tenant: Tenant | None,
+                cost: float, digest: str | None, fields: int, inputs: list[InputName]) -> str:
+    """The admission script's parameters, as JSON."""
+    params = {
+        **_line_parameters(settings, line, request.priority),
+        "id": job_id, "tenant": tenant.name if tenant else "", "cost": cost,
+        "deadline_s": request.deadline_s, "ended_at": utcformat(datetime.now(UTC)),
+        "digest": digest, "fields": fields, "inputs": inputs or None,
+    }
+    if tenant:
+        params |= {"rate": tenant.rate, "burst": tenant.burst, "max_queued": tenant.max_queued}
     # cjson reads JSON null as a truthy value: leave unset parameters out instead.
     return json.dumps({key: value for key, value in params.items() if value is not None})
 
 
-def _fields(job: Job, request: JobRequest) -> list[Any]:
+# The parameters every admission to a line and class shares, per settings (kept with them, so an id
+# is never reused while its entry stands; see results.of).
+_shared: dict[tuple[int, str, str], tuple[Settings, dict[str, Any]]] = {}
+
+
+def _line_parameters(settings: Settings, line: str, priority: Priority) -> dict[str, Any]:
+    """The parameters every admission to this line and class shares, worked out once."""
+    made = _shared.get((id(settings), line, priority))
+    if made is None or made[0] is not settings:
+        queue = settings.queue_name
+        made = _shared[id(settings), line, priority] = (settings, {
+            "queue": line, "job_prefix": Job.redis_job_namespace_prefix, "priority": priority,
+            "limit": settings.waiting_limit(priority), "idempotency_ttl": IDEMPOTENCY_TTL_S,
+            "record_ttl": settings.record_ttl_s, "issued_ttl": settings.issued_ttl_s,
+            "listed_ttl": max(settings.record_ttl_s, settings.failure_ttl_s),
+            "channel": keys.events_channel(queue), "outbox": keys.webhooks_key(queue),
+            "ended": keys.ended_key(queue), "inputs_ttl": settings.result_ttl_s,
+        })
+    return made[1]
+
+
+def _fields(record: Record, request: JobRequest) -> list[Any]:
     """The job's hash as the script writes it: RQ's fields, which jobs it may share a GPU execution
     with (worker/batching.py), the adapters it runs with (the claim's affinity), and whether its
     expiry in the line sends a webhook (the Lua cannot read the compressed request)."""
-    fields = [item for pair in job.to_dict().items() for item in pair]
+    fields = [item for pair in record.fields.items() for item in pair]
     fields += ["batch", request.batch_key, "adapters", request.adapters_key]
-    if webhooks.wants(job.kwargs["request"], "completed"):
+    if webhooks.wants(record.stored, "completed"):
         fields += ["webhook", "1"]
     return fields
 
 
-def _admission(queue: Queue, job: Job, answer: list[Any], digest: str, tenant: Tenant | None) -> Admission:
+def _admission(queue: Queue, record: Record, answer: list[Any], digest: str | None,
+               tenant: Tenant | None) -> Admission:
     outcome, detail = answer[0], answer[1] if len(answer) > 1 else None
     refusals = {-1: QueueFullError, -3: RateLimitedError, -4: TenantQueueFullError}
     if outcome in refusals:
@@ -180,12 +232,10 @@ def _admission(queue: Queue, job: Job, answer: list[Any], digest: str, tenant: T
         prior_digest, prior_id = text(answer[1]).split(" ")
         if prior_digest != digest:
             raise IdempotencyConflictError()
-        return Admission(fetch_job(queue, prior_id, tenant), None, replayed=True)
+        return Admission(prior_id, prior=fetch_job(queue, prior_id, tenant))
     start, finish, deadline = (answer + [None] * 4)[1:4]
-    if deadline is not None:
-        job.meta["deadline_at"] = float(deadline)
     eta = (float(start), float(finish)) if start is not None else None
-    return Admission(job, int(outcome), eta)
+    return Admission(record.id, record, int(outcome), eta, float(deadline) if deadline is not None else None)
 
 
 def _await_replicas(connection: Redis, settings: Settings, job_id: str, tenant: str) -> None:

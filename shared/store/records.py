@@ -263,9 +263,14 @@ def current_view(queue: Queue, settings: Settings, job: Job, tenant: Tenant | No
     return view
 
 
-def admitted_view(job: Job, position: int | None, estimate: tuple[float, float] | None) -> JobView:
-    """The view of a job just admitted, from the place and estimates its admission answered."""
-    return view_with_eta(job_view(job, position), estimate)
+def admitted_view(job_id: str, request: JobRequest, created_at: datetime, position: int,
+                  estimate: tuple[float, float] | None, deadline_at: float | None) -> JobView:
+    """The view of a job just admitted, from its request and what its admission answered: what
+    ``job_view`` reads from a waiting job's record, without reading or parsing it back."""
+    return JobView(id=job_id, status=JobStatus.QUEUED, model=request.model or waiting.DEFAULT_MODEL_NAME,
+                   position=position, eta_s=Eta(start=estimate[0], finish=estimate[1]) if estimate else None,
+                   created_at=created_at, request=request,
+                   deadline_at=datetime.fromtimestamp(deadline_at, UTC) if deadline_at is not None else None)
 
 
 def view_with_eta(view: JobView, estimate: tuple[float, float] | None) -> JobView:

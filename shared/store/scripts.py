@@ -17,6 +17,7 @@ from typing import Any
 
 from redis import Redis
 from redis.client import Pipeline
+from redis.commands.core import Script
 
 from shared.contract import keys
 
@@ -58,6 +59,14 @@ def source(name: str) -> str:
     return text
 
 
+_SCRIPTS: dict[str, Script] = {}
+
+
 def run(client: Redis | Pipeline, name: str, keys: Sequence[str] = (), args: Sequence[Any] = ()) -> Any:
     """Run one script with EVALSHA (in a pipeline: queued, loaded first if Redis lacks it)."""
-    return client.register_script(source(name))(keys=list(keys), args=list(args))
+    # One Script per name, for every client: it only hashes the text (14 KB for admission) once.
+    # redis-py's Script sends through the client it is called with and loads itself on NOSCRIPT.
+    script = _SCRIPTS.get(name)
+    if script is None:
+        script = _SCRIPTS[name] = client.register_script(source(name))
+    return script(keys=list(keys), args=list(args), client=client)
