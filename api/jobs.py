@@ -128,6 +128,10 @@ class Jobs:
         the settings assume them."""
         read_at, held = self._models
         if time.monotonic() - read_at > MODELS_TTL_S:  # a submit costs no heartbeat read as a rule
+            # Marked read first: requests arriving meanwhile use what was read before, so that one
+            # request of this process reads the heartbeats, not every one in flight.
+            if held:
+                self._models = time.monotonic(), held
             held = [self._model(name, family).within(self.settings.max_side)
                     for name, family in self.settings.offered_models.items()]
             self._models = time.monotonic(), held

@@ -57,13 +57,26 @@ class ApiMetrics:
         self.latency = Histogram("slotq_http_request_duration_seconds", "Time to answer an HTTP request.",
                                  ["method", "route", "status"], buckets=LATENCY_BUCKETS,
                                  registry=self.registry)
+        self._latencies: dict[tuple[str, str, int], Histogram] = {}
+        self._admitted: dict[str, Counter] = {}
         self.service = ServiceCollector(queue, settings)
         if self.registry is not None:
             self.registry.register(self.service)
 
+    def observe(self, method: str, route: str, status: int, seconds: float) -> None:
+        """Count one answered request and its latency."""
+        series = self._latencies.get((method, route, status))
+        if series is None:  # labels() checks and converts its values: once per series, not per request
+            series = self._latencies[method, route, status] = self.latency.labels(method, route, str(status))
+        series.observe(seconds)
+
     def admission(self, outcome: str) -> None:
         """Count one submission by how it ended."""
-        self.admissions.labels("invalid" if outcome in INVALID_CODES else outcome).inc()
+        outcome = "invalid" if outcome in INVALID_CODES else outcome
+        series = self._admitted.get(outcome)
+        if series is None:
+            series = self._admitted[outcome] = self.admissions.labels(outcome)
+        series.inc()
 
     def exposition(self) -> bytes:
         """Every metric, in Prometheus' text format."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import logging
 import shutil
 import signal
 import tempfile
@@ -74,15 +75,13 @@ def serve(host: str | None = None, port: int | None = None, settings: Settings |
         "worker_class": settings.api_worker_class,
         "worker_connections": 1000,  # gevent's: requests in progress per process, streams included
         "timeout": 30,
-        # No gunicorn access log: the app logs each request itself, with its request id.
+        # No gunicorn access log: the app logs each request itself, with its request id. (A
+        # logconfig_dict would switch it on: gunicorn then builds each request's log atoms.)
         "accesslog": None,
         "loglevel": settings.log_level.lower(),
-        # gunicorn's own messages go through the root handler too, in the same format.
-        "logconfig_dict": {"version": 1, "disable_existing_loggers": False,
-                           "loggers": {"gunicorn.error": {"handlers": [], "propagate": True}}},
         "child_exit": lambda server, worker: metrics.process_exited(worker.pid),
         # gunicorn sets up its logging when it starts; ours goes on top, before any worker forks.
-        "on_starting": lambda server: logs.configure(settings, "api"),
+        "on_starting": lambda server: _configure_logging(settings),
         # gunicorn 27 opens a control socket under ~/.gunicorn by default, which clashes when
         # several API processes share a machine; slotq does not use it.
         "control_socket_disable": True,
@@ -91,6 +90,14 @@ def serve(host: str | None = None, port: int | None = None, settings: Settings |
         "graceful_timeout": int(settings.drain_s) + 20,
     }
     APIServer(settings, options, factory).run()
+
+
+def _configure_logging(settings: Settings) -> None:
+    """This process's logging, with gunicorn's own messages through the same handler and format."""
+    logs.configure(settings, "api")
+    gunicorn_log = logging.getLogger("gunicorn.error")
+    gunicorn_log.handlers.clear()
+    gunicorn_log.propagate = True
 
 
 def _metrics_dir(settings: Settings) -> Path:

@@ -8,8 +8,8 @@ log line written meanwhile carries them, whichever module writes it.
 from __future__ import annotations
 
 import logging
+import os
 import re
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -31,7 +31,7 @@ def accept_request_id(sent: str | None) -> str:
     """The client's X-Request-ID when it is a sane token, else a new one."""
     if sent and REQUEST_ID.match(sent):
         return sent
-    return uuid.uuid4().hex
+    return os.urandom(16).hex()  # as random as uuid4().hex, without building a UUID
 
 
 @contextmanager

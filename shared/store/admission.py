@@ -156,10 +156,10 @@ def new_record(queue: Queue, settings: Settings, request: JobRequest, meta: dict
     seeded = request.with_seed()
     kwargs = {"request": seeded.model_dump(mode="json")}
     now = datetime.now(UTC)
-    at = utcformat(now)
+    at = now.replace(tzinfo=None).isoformat(timespec="microseconds") + "Z"  # utcformat's, without strftime
     fields = {
         "created_at": at,
-        "data": zlib.compress(JSONSerializer.dumps((keys.TASK, None, (), kwargs))),
+        "data": _compressed(JSONSerializer.dumps((keys.TASK, None, (), kwargs))),
         "success_callback_name": "", "failure_callback_name": "", "stopped_callback_name": "",
         "started_at": "", "ended_at": "", "last_heartbeat": "", "worker_name": "", "group_id": "",
         "origin": queue.name,
@@ -173,6 +173,13 @@ def new_record(queue: Queue, settings: Settings, request: JobRequest, meta: dict
     if meta:
         fields["meta"] = JSONSerializer.dumps(meta)
     return Record(str(uuid4()), seeded, kwargs["request"], now, fields)
+
+
+def _compressed(data: bytes) -> bytes:
+    """A zlib stream, as RQ stores a job's data (it reads any back), of stored blocks: a job's data is
+    a few hundred bytes, and setting zlib up to compress them took 75 µs of an admission's 2 ms."""
+    compressor = zlib.compressobj(0, zlib.DEFLATED, 9, 1)  # level 0, a 512-byte window: 3 µs
+    return compressor.compress(data) + compressor.flush()
 
 
 def _parameters(line: str, settings: Settings, job_id: str, request: JobRequest, tenant: Tenant | None,
