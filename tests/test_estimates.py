@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 
 import pytest
 from flask.testing import FlaskClient
+from redis import Redis
 
 from shared.contract.settings import Settings
 from tests.conftest import Process, post_job, start_worker, wait_for, wait_for_status
@@ -93,3 +95,24 @@ def test_retry_after_for_a_low_job_counts_the_jobs_that_must_leave_first(
     tolerance = max(1.0, 0.25 * actual)
     assert actual > 2 and -tolerance <= retry_after - actual <= tolerance + 1
     assert post_job(client, priority="low", **SMALL).status_code == 202
+
+
+def test_an_eta_far_down_a_long_line_extrapolates_from_the_first_jobs_ahead(
+        settings: Settings, redis: Redis) -> None:
+    # The first ETA_WALK jobs ahead are read one by one; further ones are taken to cost what those
+    # did on average, so an admission takes as long behind 10,000 jobs as behind 100.
+    from shared.contract import keys
+    from tests.conftest import app_client
+
+    a, b = 0.5, 2.0  # seconds: a + b * cost
+    redis.hset(keys.model_key(settings.line), mapping={"a": a, "b": b})
+    walk, costs = keys.ETA_WALK, {64: 64 * 64 * 4 / 512**2, 128: 128 * 128 * 4 / 512**2}
+    with contextmanager(app_client)(settings.model_copy(update={"queue_capacity": 1000})) as api:
+        etas = [post_job(api, width=64, height=64, steps=4).get_json()["eta_s"]["start"] for _ in range(walk)]
+        etas += [post_job(api, width=128, height=128, steps=4).get_json()["eta_s"]["start"]
+                 for _ in range(walk // 2)]
+    small = a + b * costs[64]
+    assert etas[:walk] == pytest.approx([index * small for index in range(walk)])  # read one by one
+    # Behind more than ETA_WALK jobs: the first ETA_WALK of them (all small) stand for the rest.
+    assert etas[-1] == pytest.approx((walk + walk // 2 - 1) * small)
+    assert etas[-1] < walk * small + (walk // 2 - 1) * (a + b * costs[128])  # the exact sum, not taken

@@ -25,7 +25,7 @@ def test_every_script_compiles_in_redis_with_its_libraries(redis: Redis) -> None
 
 def test_a_library_comes_once_and_before_what_uses_it() -> None:
     admit = scripts.source("admit")
-    assert admit.count("local function line_push(") == 1  # admit uses line directly and via expiry
+    assert admit.count("local function line_insert(") == 1  # admit uses line directly and via expiry
     assert admit.index("local function line_remove(") < admit.index("local function expire_due(")
 
 

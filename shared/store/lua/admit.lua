@@ -25,20 +25,21 @@ if p.rate then
   tokens = math.min(p.burst, level + math.max(0, now - at) * p.rate)
   if tokens < p.cost then return {-3, num((p.cost - tokens) / p.rate)} end
 end
-local total = line_total(line)
+local counts, total = line_counts(line)
 if p.max_queued and line_tenant_count(line, p.tenant) >= p.max_queued then
   -- A place frees for this tenant when the first of its waiting jobs starts.
-  for index, id in ipairs(line_head(line, total)) do
-    if redis.call('HGET', prefix .. id, 'tenant') == p.tenant then return {-4, frees_in(index - 1)} end
-  end
+  return {-4, frees_in(line_tenant_first(line, p.tenant, counts) or 0)}
 end
 -- The class's share of the line: `limit` places for normal, fewer for low, more for high.
 if total >= p.limit then return {-1, frees_in(total - p.limit)} end
-redis.call('HSET', KEYS[1], unpack(ARGV, 2, 1 + p.fields))
+-- The job's hash in one write: RQ's fields, then its place in the fair order.
+local tag = line_tag(line, p.priority, p.tenant, p.cost)
+redis.call('HSET', KEYS[1], 'priority', p.priority, 'tenant', p.tenant, 'cost', num(p.cost), 'tag', num(tag),
+           unpack(ARGV, 2, 1 + p.fields))
 for index, name in ipairs(p.inputs or {}) do
   redis.call('HSET', KEYS[8], name, ARGV[1 + p.fields + index])
 end
-line_push(line, KEYS[1], p.id, p.priority, p.tenant, p.cost)
+line_insert(line, p.id, p.priority, p.tenant, tag, false)
 if p.rate then
   redis.call('HSET', KEYS[5], 'tokens', num(tokens - p.cost), 'at', num(now))
   redis.call('EXPIRE', KEYS[5], math.ceil(p.burst / p.rate) + 60)
@@ -60,7 +61,7 @@ if p.deadline_s then
   meta['deadline_at'] = deadline
   redis.call('HSET', KEYS[1], 'meta', cjson.encode(meta))
 end
-local position = line_position(line, p.priority, p.id)
+local position = line_position(line, p.priority, p.id, counts)
 local own = job_seconds(KEYS[6], p.cost)
 local start = own and starts_in(line, prefix, KEYS[6], KEYS[7], now, position)
 return {position, own and num(start) or false, own and num(start + own) or false, deadline and num(deadline)}

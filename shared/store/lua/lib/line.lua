@@ -11,10 +11,14 @@ local function rq_list(line, class, tenant)
   return '@RQ_QUEUE_PREFIX@' .. name
 end
 local function order_key(line, class) return line.key .. ':' .. class end
-local function line_total(line)
-  local total = 0
-  for _, class in ipairs(CLASSES) do total = total + redis.call('ZCARD', order_key(line, class)) end
-  return total
+-- How many wait in each class, and in all.
+local function line_counts(line)
+  local counts, total = {}, 0
+  for _, class in ipairs(CLASSES) do
+    counts[class] = redis.call('ZCARD', order_key(line, class))
+    total = total + counts[class]
+  end
+  return counts, total
 end
 local function line_tenant_count(line, tenant)
   local total = 0
@@ -27,17 +31,19 @@ local function line_insert(line, id, class, tenant, tag, front)
   local list = rq_list(line, class, tenant)
   redis.call(front and 'LPUSH' or 'RPUSH', list, id)
   redis.call('SADD', '@RQ_QUEUES_KEY@', list)
-  redis.call('RPUSH', line.key .. ':doorbell', 1)
-  redis.call('LTRIM', line.key .. ':doorbell', -@DOORBELL_TOKENS@, -1)
+  -- The doorbell holds at most @DOORBELL_TOKENS@ tokens: trimmed only when it overflows.
+  if redis.call('RPUSH', line.key .. ':doorbell', 1) > @DOORBELL_TOKENS@ then
+    redis.call('LTRIM', line.key .. ':doorbell', -@DOORBELL_TOKENS@, -1)
+  end
 end
--- A new job: its start tag is the later of the class's virtual time and its tenant's last finish.
-local function line_push(line, job_key, id, class, tenant, cost)
+-- A new job's start tag: the later of the class's virtual time and its tenant's last finish; the
+-- tenant's finish moves on by the job's cost.
+local function line_tag(line, class, tenant, cost)
   local field = class .. ' ' .. tenant
   local vtime = tonumber(redis.call('HGET', line.key .. ':vtime', class)) or 0
   local tag = math.max(vtime, tonumber(redis.call('HGET', line.key .. ':finish', field)) or 0)
   redis.call('HSET', line.key .. ':finish', field, num(tag + cost))
-  redis.call('HSET', job_key, 'priority', class, 'tenant', tenant, 'cost', num(cost), 'tag', num(tag))
-  line_insert(line, id, class, tenant, tag, false)
+  return tag
 end
 -- Out of its RQ list; whether its tenant has nothing left waiting in that class.
 local function line_unlist(line, class, tenant, id)
@@ -78,14 +84,29 @@ local function line_pop(line, job_prefix)
   redis.call('DEL', line.key .. ':doorbell')
   return false
 end
--- How many jobs a worker takes before this one; nil when it is not waiting.
-local function line_position(line, class, id)
+-- How many jobs a worker takes before this one; nil when it is not waiting. `counts` (of
+-- line_counts), when given, spares the classes' ZCARDs.
+local function line_position(line, class, id, counts)
   local rank = redis.call('ZRANK', order_key(line, class), id)
   if not rank then return nil end
   for _, other in ipairs(CLASSES) do
     if other == class then return rank end
-    rank = rank + redis.call('ZCARD', order_key(line, other))
+    rank = rank + (counts and counts[other] or redis.call('ZCARD', order_key(line, other)))
   end
+end
+-- The place of a tenant's first waiting job in the line, from the heads of its RQ lists (a
+-- tenant's jobs stand in its list in their order in the line); nil when it has none waiting.
+local function line_tenant_first(line, tenant, counts)
+  local ahead = 0
+  for _, class in ipairs(CLASSES) do
+    local first = redis.call('LINDEX', rq_list(line, class, tenant), 0)
+    if first then
+      local rank = redis.call('ZRANK', order_key(line, class), first)
+      if rank then return ahead + rank end
+    end
+    ahead = ahead + counts[class]
+  end
+  return nil
 end
 -- The first `count` ids in the order workers take them.
 local function line_head(line, count)
