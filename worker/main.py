@@ -13,7 +13,6 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq.job import Job
 from rq.queue import Queue
 from rq.timeouts import JobTimeoutException
-from rq.utils import now as rq_now
 from rq.worker import WorkerStatus
 
 from shared.contract import keys, logs
@@ -148,9 +147,10 @@ class SlotWorker(Outcomes):
             self.finisher.submit([member for member, _ in done], Batch(works, running, cost, seconds))
 
     def _begin(self, batch: list[Claimed]) -> tuple[list[Member], str, float]:
-        """Fence each claimed job, drop those that must not start, and mark the others running:
-        the members, the worker's running entry and their cost."""
-        members = []
+        """Fence each claimed job, drop those that must not start, and start the others: RQ's start
+        bookkeeping, the attempt and the worker's running entry in one fenced transaction. The
+        members, the running entry and their cost."""
+        startable = []
         fences = self.claims.fence([claimed.job_id for claimed in batch])
         for claimed, fence in zip(batch, fences, strict=True):
             if fence is None:
@@ -160,24 +160,30 @@ class SlotWorker(Outcomes):
             try:
                 with holding(fence):
                     job = self._startable(claimed)
-                    if job is not None:
-                        members.append(Member(job, self.prepare_execution(job), fence))
             except StaleAttemptError as exc:
                 self._superseded(claimed.job_id, exc)
-        if not members:
+                continue
+            if job is not None:
+                startable.append((job, fence))
+        if not startable:
             return [], "", 0.0
-        cost = sum(records.cost_of(member.job) for member in members)
+        jobs = [job for job, _ in startable]
+        cost = sum(records.cost_of(job) for job in jobs)
         try:
-            with holding(*(member.fence for member in members)), \
+            with holding(*(fence for _, fence in startable)), \
                     self.connection.pipeline(transaction=False) as pipe:
-                for member in members:
-                    records.begin_attempt(member.job, pipe)
+                for job in jobs:
+                    records.begin_attempt(job, pipe)
+                executions = self.start(jobs, pipe)
                 running = estimates.mark_running(pipe, self.settings.line, self.name, cost, batch[0].at)
                 pipe.execute()
         except StaleAttemptError as exc:
-            for member in members:
-                self._superseded(member.job.id, exc)
+            for job in jobs:
+                self._superseded(job.id, exc)
+            self.executions.clear()
             return [], "", 0.0
+        members = [Member(job, execution, fence)
+                   for (job, fence), execution in zip(startable, executions, strict=True)]
         for member in members:
             self._started(member.job, batch[0].at)
         return members, running, cost
@@ -213,10 +219,8 @@ class SlotWorker(Outcomes):
         return job
 
     def _render(self, jobs: list[Job]) -> list[tasks.RenderResult]:
-        """Mark the jobs started and run their GPU section, under the shortest job timeout."""
-        for job in jobs:
-            self.prepare_job_execution(job)  # the first progress report announces the start
-            job.started_at = rq_now()
+        """Run the jobs' GPU section (the first progress report announces their start), under the
+        shortest job timeout."""
         timeout = min(job.timeout or self.settings.job_timeout_s for job in jobs)
         with self.death_penalty_class(timeout, JobTimeoutException, job_id=jobs[0].id):
             return tasks.render(jobs)

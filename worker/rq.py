@@ -5,20 +5,23 @@ RQ's ``perform_job`` runs a job and records its end in one go; the slotq worker 
 ``_finalize_success``, ``_finalize_failure`` and ``_stopped_job_id``. Every such use is below, and
 :func:`check_rq` (run at start-up and by tests/test_rq.py) fails with a plain message when an RQ
 release outside ``pyproject.toml``'s range (``rq>=3.0,<4``) no longer has them. The rest of RQ that
-slotq uses is public: ``Job``, ``Queue``, registries, ``prepare_execution``, death penalties.
+slotq uses is public: ``Job``, ``Queue``, registries, ``Execution``, death penalties; ``RQWorker.start``
+writes what RQ's ``prepare_execution`` and ``prepare_job_execution`` do, through the same public calls.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
-from rq.executions import Execution
+from redis.client import Pipeline
+from rq.executions import Execution, prepare_execution
 from rq.job import Job
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
 from rq.utils import now as rq_now
-from rq.worker import SimpleWorker
+from rq.worker import SimpleWorker, WorkerStatus
 
 from shared.contract import keys
 from shared.contract.jobs import JobStatus
@@ -32,6 +35,14 @@ PRIVATE_METHODS = {
     "_finalize_failure": ["job", "queue", "execution", "exc_info"],
 }
 PRIVATE_ATTRIBUTES = ["_stopped_job_id"]  # read by handle_job_failure: a job stopped on request
+# What RQ's start bookkeeping writes, each through a public method: RQWorker.start writes the same
+# in one transaction. RQ's two functions must still call these (and nothing else that writes).
+START_CALLS: dict[str, tuple[Callable[..., Any], list[str]]] = {
+    "prepare_execution": (prepare_execution, ["Execution.create", "set_state"]),
+    "prepare_job_execution": (SimpleWorker.prepare_job_execution,
+                              ["self.heartbeat", "job.heartbeat", "job.prepare_for_execution",
+                               "pipeline.persist"]),
+}
 
 
 def check_rq() -> None:
@@ -48,6 +59,9 @@ def check_rq() -> None:
     source = inspect.getsource(SimpleWorker.handle_job_failure)
     problems += [f"rq's handle_job_failure no longer reads self.{name}" for name in PRIVATE_ATTRIBUTES
                  if f"self.{name}" not in source]
+    for name, (function, calls) in START_CALLS.items():
+        body = inspect.getsource(function)
+        problems += [f"rq's {name} no longer calls {call}" for call in calls if f"{call}(" not in body]
     rq_names = (Queue.redis_queue_namespace_prefix, Queue.redis_queues_keys)
     if rq_names != (keys.RQ_QUEUE_PREFIX, keys.RQ_QUEUES_KEY):
         problems.append("RQ names its queue keys differently from shared/contract/keys.py")
@@ -69,6 +83,24 @@ class RQWorker(SimpleWorker):
     @property
     def queue(self) -> Queue:
         return self.queues[0]
+
+    def start(self, jobs: list[Job], pipe: Pipeline) -> list[Execution]:
+        """Queue RQ's start bookkeeping for these jobs on one pipeline: what its ``prepare_execution``
+        (an execution each, this worker busy) and ``prepare_job_execution`` (the heartbeats, each
+        job started and persisted) write, in one transaction rather than one each per job."""
+        executions = []
+        for job in jobs:
+            ttl = self.get_heartbeat_ttl(job)
+            execution = Execution.create(job, ttl, pipeline=pipe, worker_name=self.name)
+            self.executions[execution.id] = execution
+            executions.append(execution)
+        self.set_state(WorkerStatus.BUSY, pipeline=pipe)
+        self.heartbeat(max(self.get_heartbeat_ttl(job) for job in jobs), pipeline=pipe)
+        for job in jobs:
+            job.heartbeat(rq_now(), self.get_heartbeat_ttl(job), pipeline=pipe)
+            job.prepare_for_execution(self.name, pipeline=pipe)
+            pipe.persist(job.key)
+        return executions
 
     def handle_execution_ended(self, job: Job, queue: Queue, heartbeat_ttl: int) -> None:
         """RQ's own, but its two writes in one transaction: each is fenced, and a fence costs a round trip."""
