@@ -63,10 +63,11 @@ _held: ContextVar[tuple[Fence, ...]] = ContextVar("slotq_fences", default=())
 def acquire(connection: Redis, claims_key: str, job_ids: list[str], ttl_s: int) -> list[Fence | None]:
     """Start an attempt at each job: its fence, or None where this worker no longer holds the claim."""
     fences = [Fence(job_id, secrets.token_hex(8)) for job_id in job_ids]
-    with connection.pipeline(transaction=False) as pipe:
-        for fence in fences:
-            scripts.run(pipe, "fence", [claims_key, fence.key], [fence.job_id, fence.token, ttl_s])
-        granted = pipe.execute()
+    # One script call for the whole batch: one round trip (a pipeline of scripts asks SCRIPT EXISTS
+    # first). The script checks the claims itself: nothing here is fenced yet.
+    client = connection.unfenced if isinstance(connection, FencedRedis) else connection
+    granted = scripts.run(client, "fence", [claims_key, *(fence.key for fence in fences)],
+                          [ttl_s, *(item for fence in fences for item in (fence.job_id, fence.token))])
     return [fence if ok else None for fence, ok in zip(fences, granted, strict=True)]
 
 
