@@ -182,6 +182,8 @@ class Finisher(Generic[Handoff]):
 def store_result(job: Job, settings: Settings, rendered: Rendered) -> dict[str, Any]:
     """Encode the images as PNG and store them for the result TTL; the job's result."""
     request, images = rendered
+    # Every step ran: the record shows the last (saved with the images; the GPU section leaves it).
+    job.meta["progress"] = {"step": request.steps_run, "total": request.steps_run}
     hook = _kill_worker if settings.fault_injection and _killed_here(request, job) else None
     results.of(settings).save_images(job, [encode_png(image, request) for image in images], hook)
     return {"images": len(images), "seed": request.seed}

@@ -16,7 +16,7 @@ from rq.timeouts import JobTimeoutException
 from rq.worker import WorkerStatus
 
 from shared.contract import keys, logs
-from shared.contract.errors import WorkerFatalError
+from shared.contract.errors import JobCanceledError, WorkerFatalError
 from shared.contract.settings import Settings, get_settings
 from shared.store import endings, estimates, records, results, waiting
 from shared.store.claims import Claims
@@ -120,17 +120,20 @@ class SlotWorker(Outcomes):
         From its fence on, each job's writes are fenced with it: the main thread's under the
         fences of the whole batch, the ending of each under its own (see shared/store/fencing.py).
         """
-        members, running, cost = self._begin(batch)
+        members, running, cost, canceled = self._begin(batch)
         if not members:
             return
         fences = [member.fence for member in members]
+        live = [member.job for member in members if member.job.id not in canceled]  # the others: at start
         started = time.perf_counter()
         try:
             with holding(*fences), logs.about_job(*_ids_of([member.job for member in members])):
-                outcomes = self._render([member.job for member in members])
+                made = self._render(live) if live else []
+                rendered = dict(zip([job.id for job in live], made, strict=True))
         except Exception as exc:
             estimates.clear_running(self.connection, self.settings.line, self.name)
-            outcomes = [exc] * len(members)
+            rendered = dict.fromkeys([job.id for job in live], exc)
+        outcomes = [rendered.get(member.job.id, JobCanceledError()) for member in members]
         self.metrics.gpu_section.observe(time.perf_counter() - started)
         done = []
         for member, outcome in zip(members, outcomes, strict=True):
@@ -146,10 +149,10 @@ class SlotWorker(Outcomes):
             seconds = time.perf_counter() - started  # the drain rate Retry-After and ETAs need
             self.finisher.submit([member for member, _ in done], Batch(works, running, cost, seconds))
 
-    def _begin(self, batch: list[Claimed]) -> tuple[list[Member], str, float]:
+    def _begin(self, batch: list[Claimed]) -> tuple[list[Member], str, float, set[str]]:
         """Fence each claimed job, drop those that must not start, and start the others: RQ's start
-        bookkeeping, the attempt and the worker's running entry in one fenced transaction. The
-        members, the running entry and their cost."""
+        bookkeeping, the attempt, the worker's running entry and step 0 in one fenced transaction.
+        The members, the running entry, their cost and the ids of those canceled by then."""
         startable = []
         fences = self.claims.fence([claimed.job_id for claimed in batch])
         for claimed, fence in zip(batch, fences, strict=True):
@@ -166,7 +169,7 @@ class SlotWorker(Outcomes):
             if job is not None:
                 startable.append((job, fence))
         if not startable:
-            return [], "", 0.0
+            return [], "", 0.0, set()
         jobs = [job for job, _ in startable]
         cost = sum(records.cost_of(job) for job in jobs)
         try:
@@ -176,17 +179,19 @@ class SlotWorker(Outcomes):
                     records.begin_attempt(job, pipe)
                 executions = self.start(jobs, pipe)
                 running = estimates.mark_running(pipe, self.settings.line, self.name, cost, batch[0].at)
-                pipe.execute()
+                records.announce_start(jobs, pipe)  # step 0; its last answers: which were canceled
+                flags = pipe.execute()[-len(jobs):]
+                canceled = {job.id for job, flag in zip(jobs, flags, strict=True) if flag}
         except StaleAttemptError as exc:
             for job in jobs:
                 self._superseded(job.id, exc)
             self.executions.clear()
-            return [], "", 0.0
+            return [], "", 0.0, set()
         members = [Member(job, execution, fence)
                    for (job, fence), execution in zip(startable, executions, strict=True)]
         for member in members:
             self._started(member.job, batch[0].at)
-        return members, running, cost
+        return members, running, cost, canceled
 
     def _started(self, job: Job, at: float) -> None:
         """Count and log a job's start (its record says it runs from now)."""
@@ -219,11 +224,11 @@ class SlotWorker(Outcomes):
         return job
 
     def _render(self, jobs: list[Job]) -> list[tasks.RenderResult]:
-        """Run the jobs' GPU section (the first progress report announces their start), under the
-        shortest job timeout."""
+        """Run the jobs' GPU section (their start and step 0 are recorded), under the shortest job
+        timeout."""
         timeout = min(job.timeout or self.settings.job_timeout_s for job in jobs)
         with self.death_penalty_class(timeout, JobTimeoutException, job_id=jobs[0].id):
-            return tasks.render(jobs)
+            return tasks.render(jobs, announced=True)
 
     def _beat(self, done: threading.Event) -> None:
         interval = self.settings.heartbeat_ttl_s / 4

@@ -50,11 +50,12 @@ def generate(request: dict[str, Any]) -> dict[str, Any]:
     return store_result(job, get_settings(), outcome)
 
 
-def render(jobs: list[Job]) -> list[RenderResult]:
+def render(jobs: list[Job], announced: bool = False) -> list[RenderResult]:
     """The GPU section: validate each stored request, then denoise and decode them all as one batch.
 
     A member canceled while the batch runs ends canceled and its images are dropped; the others go
     on (the batch stops only when every member is canceled). Any other error ends the whole batch.
+    ``announced``: step 0 is recorded already (the slotq worker records it as it starts the jobs).
     """
     prepared = [_prepared(job) for job in jobs]
     outcomes: list[RenderResult | None] = [each if isinstance(each, Exception) else None for each in prepared]
@@ -80,7 +81,8 @@ def render(jobs: list[Job]) -> list[RenderResult]:
         if latents is not None:
             show.offer([jobs[index] if index in live else None for index in members], step, total, latents)
 
-    on_step(0, requests[0].steps_run)
+    # Step 0: reported here, or (announced) only the start the cadence counts its interval from.
+    (cadence.due if announced else on_step)(0, requests[0].steps_run)
     try:
         made_by_job = pipeline.generate_batch(requests, on_step, inputs)
     finally:

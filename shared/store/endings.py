@@ -96,6 +96,8 @@ def settle(connection: Redis, queue_name: str, claims_key: str, job: Job, fence_
     status = job_status(job)
     with connection.pipeline(transaction=False) as pipe:
         pipe.lrem(claims_key, 1, job.id)
+        if status is JobStatus.SUCCEEDED:  # the last step, which the GPU section leaves to the end
+            events.log(pipe, job.id, "progress", job.meta.get("progress"))
         if status.is_terminal:  # not an interrupted job, which runs again
             ended(pipe, queue_name, job, inputs_ttl_s)
         events.announce(pipe, queue_name, job.id)

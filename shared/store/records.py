@@ -36,6 +36,8 @@ STATUS_FROM_RQ = {
 }
 
 
+STORED_LIMITS = {"max_side": 2**31, "max_steps": 2**31, "side_multiple": 1}
+
 STATUS_BY_NAME = {rq_status.value: status for rq_status, status in STATUS_FROM_RQ.items()}
 
 
@@ -71,7 +73,9 @@ def job_view(job: Job, position: int | None = None) -> JobView:
     progress, error = meta.get("progress"), meta.get("error")
     images = meta.get("images", 0) if status is JobStatus.SUCCEEDED else 0
     deadline = meta.get("deadline_at")
-    request = JobRequest.model_validate(job.kwargs["request"], strict=False)
+    # Checked against the service's limits when it was admitted: read back without them (a job of
+    # 150 steps under SLOTQ_MAX_STEPS=1000 is no error to show).
+    request = JobRequest.model_validate(job.kwargs["request"], strict=False, context=STORED_LIMITS)
     return JobView(
         id=job.id,
         status=status,
@@ -130,28 +134,34 @@ def report_progress(jobs: list[Job], step: int, total: int) -> list[bool]:
     round trip is idle GPU time; whether each was canceled by its client.
 
     Step 0 comes once the jobs are marked running, so it also announces their start (and queues
-    the ``started`` webhooks), in one fenced transaction like any other write. Each later step
-    costs one round trip for the whole batch: one script that, for each job, checks the attempt's
-    fence itself, writes the progress and answers whether the job was canceled, rather than the
-    two round trips of a watched transaction.
+    the ``started`` webhooks), in one fenced transaction like any other write (the slotq worker
+    queues it with its start bookkeeping instead: :func:`announce_start`). Each later step costs
+    one round trip for the whole batch: one script that, for each job, checks the attempt's fence
+    itself, writes the progress and answers whether the job was canceled, rather than the two
+    round trips of a watched transaction.
     """
     for job in jobs:
         job.meta["progress"] = {"step": step, "total": total}
-    return _report_start(jobs) if step == 0 else _report_step(jobs)
-
-
-def _report_start(jobs: list[Job]) -> list[bool]:
+    if step:
+        return _report_step(jobs)
     with jobs[0].connection.pipeline(transaction=False) as pipe:
-        for job in jobs:
-            save_meta(job, pipe)
-            events.log(pipe, job.id, "started")
-            events.log(pipe, job.id, "progress", job.meta["progress"])
-            events.announce(pipe, job.origin, job.id)
-            pipe.exists(keys.cancel_key(job.id))
-        for job in jobs:  # after the others' commands, since not every job adds one
-            outbox.schedule(pipe, job.origin, job, "started")
+        announce_start(jobs, pipe)
         answers = pipe.execute()
-    return [bool(answer) for answer in answers[4:5 * len(jobs):5]]  # each job's EXISTS comes fifth
+    return [bool(answer) for answer in answers[-len(jobs):]]
+
+
+def announce_start(jobs: list[Job], pipe: Pipeline) -> None:
+    """Queue step 0 of jobs just marked running: their progress, ``started`` and ``progress`` events
+    and webhooks, then (the pipeline's last answers, one per job) whether each was canceled."""
+    for job in jobs:
+        job.meta["progress"] = {"step": 0, "total": steps_run_of(job.kwargs.get("request", {}))}
+        save_meta(job, pipe)
+        events.log(pipe, job.id, "started")
+        events.log(pipe, job.id, "progress", job.meta["progress"])
+        events.announce(pipe, job.origin, job.id)
+        outbox.schedule(pipe, job.origin, job, "started")
+    for job in jobs:
+        pipe.exists(keys.cancel_key(job.id))
 
 
 def _report_step(jobs: list[Job]) -> list[bool]:
