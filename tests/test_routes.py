@@ -254,3 +254,18 @@ def test_queue_state_reports_waiting_and_capacity(client: FlaskClient, settings:
     line = {"waiting": 1, "capacity": 5, "by_priority": {"high": 0, "normal": 1, "low": 0},
             "limits": {"high": 6, "normal": 5, "low": 3}}
     assert client.get("/v1/queue").get_json() == {**line, "models": {"default": line}}
+
+
+def test_a_job_past_the_default_limits_shows_with_the_limits_it_was_admitted_under(
+        settings: Settings) -> None:
+    # A job's view reads its stored request back: never against the defaults (100 steps, 1024 px).
+    from contextlib import contextmanager
+
+    from tests.conftest import app_client
+
+    roomy = settings.model_copy(update={"max_steps": 1000, "max_side": 2048})
+    with contextmanager(app_client)(roomy) as api:
+        admitted = api.post("/v1/jobs", json={"prompt": "long", "width": 2048, "height": 64, "steps": 150})
+        assert admitted.status_code == 202, admitted.get_json()
+        view = api.get(f"/v1/jobs/{admitted.get_json()['id']}")
+        assert view.status_code == 200 and view.get_json()["request"]["steps"] == 150
