@@ -15,7 +15,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench import adapters, admission, batching, end_to_end, gpu, images, memory, streams
+from bench import adapters, admission, batching, edges, end_to_end, gpu, images, memory, streams
 
 Section = tuple[str, Callable[[], list[str]]]
 
@@ -23,7 +23,8 @@ Section = tuple[str, Callable[[], list[str]]]
 def sections(quick: bool) -> list[Section]:
     """The report's sections, with their sizes."""
     if quick:
-        return [("GPU duty cycle and dispatch overhead",
+        return [("Speed at the edges", lambda: edges.report(quick=True)),
+                ("GPU duty cycle and dispatch overhead",
                  lambda: gpu.report(jobs=4, size=64, steps=1, large_jobs=0, dispatch_jobs=20, rounds=1)),
                 ("Dynamic batching", lambda: batching.batching_lines(rounds=1, sizes=(64,))),
                 ("Admission", lambda: admission.report(jobs=40, processes=2, clients=4)),
@@ -33,7 +34,8 @@ def sections(quick: bool) -> list[Section]:
                 ("LoRA adapters",
                  lambda: adapters.report(rounds=2, size=64, jobs=12, duty_jobs=3, duty_rounds=1)),
                 ("Event streams", lambda: streams.report(streams=4, threads=2, requests=5))]
-    return [("GPU duty cycle and dispatch overhead", gpu.report),
+    return [("Speed at the edges", edges.report),
+            ("GPU duty cycle and dispatch overhead", gpu.report),
             ("Dynamic batching", batching.batching_lines),
             ("Admission", admission.report),
             ("End to end", end_to_end.report),

@@ -9,7 +9,8 @@ Two views of the same question:
   by the server, those inside scripts included). Baseline: one ``LPUSH`` on the same connection.
 - **over HTTP**, with ``--processes`` gunicorn API processes and ``--clients`` concurrent keep-alive
   clients: latency and throughput of accepted and refused submits. Baseline: a bare Flask endpoint
-  doing one ``LPUSH``, served by the same gunicorn configuration on the same Redis.
+  that parses the JSON and does one ``LPUSH``, served by the same gunicorn configuration on the
+  same Redis.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from threading import Event
 
-from flask import Flask, jsonify
+from flask import Flask, jsonify, request
 from redis import Redis
 from redis.connection import Connection
 
@@ -109,26 +110,30 @@ def in_process(url: str, jobs: int, scratch: Path) -> list[str]:
 
 
 def bare_app(settings: Settings) -> Flask:
-    """The ceiling for this stack: Flask under the same gunicorn, one LPUSH per request."""
+    """The ceiling for this stack: Flask under the same gunicorn, parsing the JSON body and pushing it
+    with one LPUSH per request."""
     app = Flask("bare")
     connection = connect(settings)
     app.extensions.update({"slotq.settings": settings, "slotq.draining": Event()})
 
     @app.post("/v1/jobs")
     def push() -> tuple[object, int]:
-        connection.lpush("bench:bare", "x" * 36)
+        request.get_json()
+        connection.lpush("bench:bare", request.get_data())
         return jsonify({"id": "x"}), 202
 
     return app
 
 
 @contextmanager
-def served(settings: Settings, processes: int, bare: bool, scratch: Path) -> Iterator[int]:
+def served(settings: Settings, processes: int, bare: bool, scratch: Path,
+           log_level: str = "WARNING") -> Iterator[int]:
+    """A bare or a slotq API under gunicorn on a free port, both configured alike; the port."""
     port = free_port()
     env = {key: value for key, value in os.environ.items() if not key.startswith("SLOTQ_")}
     env |= {"SLOTQ_REDIS_URL": settings.redis_url, "SLOTQ_QUEUE_NAME": settings.queue_name,
             "SLOTQ_QUEUE_CAPACITY": str(settings.queue_capacity), "SLOTQ_API_WORKERS": str(processes),
-            "SLOTQ_API_THREADS": "8", "SLOTQ_LOG_LEVEL": "WARNING", "SLOTQ_DRAIN_S": "0"}
+            "SLOTQ_API_THREADS": "8", "SLOTQ_LOG_LEVEL": log_level, "SLOTQ_DRAIN_S": "0"}
     command = [sys.executable, "-m", "bench.admission", "--serve-bare", str(port)] if bare else [
         sys.executable, "-m", "slotq.cli", "api", "--port", str(port)]
     with (scratch / f"api-{port}.log").open("wb") as log:
@@ -158,8 +163,9 @@ def _answers(port: int) -> bool:
         return False
 
 
-def load(port: int, requests: int, clients: int) -> tuple[list[float], float, dict[int, int]]:
-    """``requests`` POSTs from ``clients`` threads, each on its own keep-alive connection."""
+def load(port: int, requests: int, clients: int,
+         body: str = BODY) -> tuple[list[float], float, dict[int, int]]:
+    """``requests`` POSTs of ``body`` from ``clients`` threads, each on its own keep-alive connection."""
     share = [requests // clients + (index < requests % clients) for index in range(clients)]
 
     def client(count: int) -> list[tuple[float, int]]:
@@ -167,7 +173,7 @@ def load(port: int, requests: int, clients: int) -> tuple[list[float], float, di
         results = []
         for _ in range(count):
             started = time.perf_counter()
-            connection.request("POST", "/v1/jobs", body=BODY, headers={"Content-Type": "application/json"})
+            connection.request("POST", "/v1/jobs", body=body, headers={"Content-Type": "application/json"})
             response = connection.getresponse()
             response.read()
             results.append((time.perf_counter() - started, response.status))

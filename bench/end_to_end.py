@@ -89,12 +89,14 @@ def stop(process: subprocess.Popen[bytes]) -> None:
 
 
 @contextmanager
-def running(scratch: Path, clients: int) -> Iterator[Service]:
-    """Redis, one ``slotq api`` and one ``slotq worker``, ready; all stopped on the way out."""
+def running(scratch: Path, clients: int, **overrides: Any) -> Iterator[Service]:
+    """Redis, one ``slotq api`` and one ``slotq worker``, ready; all stopped on the way out.
+    ``overrides`` replace settings of :func:`bench_settings` (``max_batch=8``, ``log_level="INFO"``)."""
     with ExitStack() as stack:
         redis_port = free_port()
         stack.callback(stop, start_redis(redis_port, scratch / "redis"))
         settings = bench_settings(scratch, clients, f"redis://127.0.0.1:{redis_port}/0")
+        settings = settings.model_copy(update=overrides)
         port = free_port()
         api = spawn(["api", "--port", str(port)], settings, scratch / "api.log")
         stack.callback(stop, api)
@@ -145,7 +147,16 @@ def follow(port: int, body: Body, deadline: float) -> float:
     status, answer = call(port, "POST", "/v1/jobs", body)
     if status != 202:
         raise RuntimeError(f"POST /v1/jobs answered {status}: {answer[:300]!r}")
-    view = json.loads(answer)
+    view = wait_end(port, json.loads(answer), deadline)
+    status, image = call(port, "GET", f"/v1/jobs/{view['id']}/images/0")
+    if status != 200 or not image.startswith(PNG):
+        raise RuntimeError(f"image of job {view['id']}: {status} {image[:100]!r}")
+    return time.perf_counter() - began
+
+
+def wait_end(port: int, view: Body, deadline: float) -> Body:
+    """Follow a job with ``GET /v1/jobs/<id>?wait=30`` until it ends, as slotq's client does; its view
+    once it has succeeded (anything else raises)."""
     while not JobStatus(view["status"]).is_terminal:
         if time.monotonic() > deadline:
             raise TimeoutError(f"job {view['id']} still {view['status']} at the deadline")
@@ -158,10 +169,7 @@ def follow(port: int, body: Body, deadline: float) -> float:
             time.sleep(0.05)  # an API without long polling answers at once: do not spin on it
     if view["status"] != JobStatus.SUCCEEDED:
         raise RuntimeError(f"job {view['id']} ended {view['status']}: {view.get('error')}")
-    status, image = call(port, "GET", f"/v1/jobs/{view['id']}/images/0")
-    if status != 200 or not image.startswith(PNG):
-        raise RuntimeError(f"image of job {view['id']}: {status} {image[:100]!r}")
-    return time.perf_counter() - began
+    return view
 
 
 def bodies(count: int, size: int, steps: int, first_seed: int = 0) -> list[Body]:

@@ -1,0 +1,481 @@
+"""Speed at the edges: what the service costs over the bare minimum, at admission and at the worker.
+
+    python -m bench.edges [--quick]
+
+Every figure is a ratio to a baseline measured in the same run, round by round (the rounds
+interleaved, so a slow spell of the machine lands on both); a figure is the median of its rounds.
+
+**Admission**, over HTTP on a private Redis: three gunicorn servers with the same configuration
+(2 processes x 8 threads, ``SLOTQ_LOG_LEVEL=INFO``, a new user's default), kept up throughout:
+
+- the baseline, a bare Flask endpoint that parses the JSON and does one ``LPUSH``;
+- ``slotq api`` with a line too long to fill (nothing refused), empty at the start of each run but
+  for its job-time model (as on a service that has run jobs, so each answer carries an ETA);
+- ``slotq api`` with a line of one place, already taken: every POST is refused with 429.
+
+The load is ``wrk -t2 -c32 --latency`` POSTing a 64x64, 4-step job (Python clients where there is
+no wrk); req/s and p99 come from its report. A refusal's script calls are counted by Redis (``INFO
+commandstats``) over refusals made in-process. For the cost of a long line the slotq server admits
+on top of 10 and of 10,000 waiting jobs (4 tenants, the three priorities, the line's job-time
+model seeded so every answer carries an ETA): each state is filled once in-process, kept as a
+``DUMP`` of every key and restored before each run (each run then adds its own jobs).
+
+**Images**, the tiny model on the CPU, 4 steps: a round runs the in-process loop (the pipeline
+called back to back in this process, no PNG encoding: the ceiling), then the service (``slotq api``
+and ``slotq worker`` on their own Redis, idle while the loop runs). The service gets one long job,
+then N jobs over HTTP while it runs, so all N wait; each is followed with ``GET /v1/jobs/<id>?wait=30``
+in order until it ends, and its images/s is N over the time from the long job's ``finished_at`` to
+the last one's. The batching row runs the loop on batches of 8 and the worker with
+``SLOTQ_MAX_BATCH=8``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import math
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+from redis import Redis
+
+from api.app import create_app
+from bench import admission, end_to_end
+from shared.contract import keys
+from shared.contract.jobs import PRIORITIES, JobRequest
+from shared.contract.settings import Settings
+from shared.contract.tenants import Tenant
+from shared.store import waiting
+from shared.store.admission import enqueue_job
+from shared.store.connection import connect, job_queue
+from slotq.localredis import running_redis
+
+JOB = {"prompt": "bench", "width": 64, "height": 64, "steps": 4}
+BODY = json.dumps(JOB)
+PROCESSES, CLIENTS = 2, 32
+CAPACITY = 1_000_000  # the most SLOTQ_QUEUE_CAPACITY takes: no admission run comes near it
+TENANTS = [Tenant(name=f"tenant-{index}") for index in range(4)]
+MODEL_A, MODEL_B = 0.05, 0.02  # a fitted job-time model (seconds, seconds a cost unit): admissions get ETAs
+SHORT = 10
+LONG_JOB_S = 1.5  # the job the N jobs wait behind while they are submitted
+MAX_STEPS = 100  # SLOTQ_MAX_STEPS's default, which a job's view is checked against (a longer job's fails)
+WRK_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0}
+Snapshot = list[tuple[bytes, int, bytes]]
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Run:
+    """What one load run measured."""
+
+    rate: float  # requests a second
+    p99: float  # seconds
+    requests: int
+    rejected: int  # answers other than 2xx
+    errors: int = 0  # sockets that failed or timed out
+
+    @classmethod
+    def of_wrk(cls, output: str) -> Run:
+        rate = re.search(r"^Requests/sec:\s+([\d.]+)", output, re.MULTILINE)
+        p99 = re.search(r"^\s+99%\s+([\d.]+)(us|ms|s|m)\s*$", output, re.MULTILINE)
+        total = re.search(r"^\s+(\d+) requests in", output, re.MULTILINE)
+        if not (rate and p99 and total):
+            raise RuntimeError(f"cannot read wrk's report:\n{output}")
+        rejected = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", output)
+        errors = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", output)
+        return cls(float(rate[1]), float(p99[1]) * WRK_UNITS[p99[2]], int(total[1]),
+                   int(rejected[1]) if rejected else 0, sum(map(int, errors.groups())) if errors else 0)
+
+
+@dataclass(frozen=True)
+class Load:
+    """The load generator: wrk where it is installed, else Python's keep-alive clients."""
+
+    seconds: int
+    requests: int  # a run's requests, for the Python clients
+    scratch: Path
+    wrk: str | None = field(default_factory=lambda: shutil.which("wrk"))
+
+    def describe(self) -> str:
+        if self.wrk:
+            return f"wrk -t2 -c{CLIENTS} -d{self.seconds}s --latency"
+        return (f"Python (bench.admission.load), {CLIENTS} keep-alive clients, {self.requests} requests a "
+                "run: wrk was not found")
+
+    def run(self, port: int, warm_up: bool = False) -> Run:
+        """One run against the server on ``port`` (a short one to warm it up)."""
+        if not self.wrk:
+            count = min(self.requests, 200) if warm_up else self.requests
+            times, wall, statuses = admission.load(port, count, CLIENTS, body=BODY)
+            return Run(len(times) / wall, admission.percentile(sorted(times), 0.99), len(times),
+                       sum(n for status, n in statuses.items() if not 200 <= status < 300))
+        script = self.scratch / "post.lua"
+        script.write_text(f'wrk.method = "POST"\nwrk.body = {json.dumps(BODY)}\n'
+                          'wrk.headers["Content-Type"] = "application/json"\n')
+        seconds = min(self.seconds, 2) if warm_up else self.seconds
+        command = [self.wrk, "-t2", f"-c{CLIENTS}", f"-d{seconds}s", "--latency", "-s", str(script),
+                   f"http://127.0.0.1:{port}/v1/jobs"]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=seconds + 60, check=True)
+        return Run.of_wrk(done.stdout)
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def figure(name: str, ratios: list[float], detail: str, goal: str, meets: Callable[[float], bool],
+           digits: int = 2, worst: bool = False) -> str:
+    """One figure's line: the median ratio, what it came from, every round, and the goal, judged on
+    the median (or the worst round) as printed."""
+    rounds = " ".join(f"{ratio:.{digits}f}" for ratio in ratios)
+    met = meets(round(min(ratios) if worst else median(ratios), digits))
+    return (f"{name:40}{median(ratios):>6.{digits}f}  ({detail}; rounds {rounds})  goal {goal}: "
+            f"{'met' if met else 'missed'}")
+
+
+def fill(settings: Settings, count: int) -> None:
+    """``count`` waiting jobs in the line, by 4 tenants at the three priorities, and the line's model."""
+    connection = connect(settings)
+    line = settings.line_of(settings.default_model)
+    connection.hset(keys.model_key(line), mapping={"a": MODEL_A, "b": MODEL_B})
+    queue = job_queue(connection, settings)
+    for index in range(count):
+        request = JobRequest(prompt="bench", width=64, height=64, steps=4, seed=index,
+                             priority=PRIORITIES[index % len(PRIORITIES)])
+        enqueue_job(queue, settings, request, tenant=TENANTS[index % len(TENANTS)])
+
+
+def waiting_now(settings: Settings) -> int:
+    return sum(waiting.counts(connect(settings), settings.line_of(settings.default_model)).values())
+
+
+def snapshot(connection: Redis) -> Snapshot:
+    """Every key of the database, dumped, with its time to live."""
+    names = list(connection.scan_iter(count=1000))
+    pipe = connection.pipeline(transaction=False)
+    for name in names:
+        pipe.pttl(name)
+        pipe.dump(name)
+    answers = pipe.execute()
+    return [(name, max(0, ttl), value) for name, ttl, value in zip(names, answers[::2], answers[1::2],
+                                                                    strict=True)]
+
+
+def restore(connection: Redis, state: Snapshot) -> None:
+    """The database as it was at the snapshot, nothing else."""
+    connection.flushdb()
+    pipe = connection.pipeline(transaction=False)
+    for index, (name, ttl, value) in enumerate(state, 1):
+        pipe.restore(name, ttl, value, replace=True)
+        if index % 5000 == 0:
+            pipe.execute()
+    pipe.execute()
+
+
+def script_calls(settings: Settings, refusals: int = 200) -> tuple[float, float]:
+    """Script calls (EVAL/EVALSHA) and Redis commands in all per refusal, over ``refusals`` POSTs
+    through the WSGI test client to a full line; Redis counts them (``INFO commandstats``)."""
+    client, connection = create_app(settings).test_client(), Redis.from_url(settings.redis_url)
+
+    def post() -> int:
+        return client.post("/v1/jobs", data=BODY, content_type="application/json").status_code
+
+    def counted() -> tuple[int, int]:
+        stats = connection.info("commandstats")
+        scripts = sum(int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in ("evalsha", "eval"))
+        commands = sum(int(value["calls"]) for name, value in stats.items() if name != "cmdstat_info")
+        return scripts, commands
+
+    assert post() == 429  # and the script is loaded
+    scripts, commands = counted()
+    statuses = {post() for _ in range(refusals)}
+    assert statuses == {429}, statuses
+    after_scripts, after_commands = counted()
+    return (after_scripts - scripts) / refusals, (after_commands - commands) / refusals
+
+
+def admission_lines(quick: bool, scratch: Path) -> tuple[str, list[str]]:
+    """The admission figures over HTTP; their header and lines."""
+    seconds, rounds, deep = (1, 1, 200) if quick else (8, 3, 10_000)
+    load = Load(seconds, 300 if quick else 3000, scratch)
+    with running_redis(scratch / "redis") as url, ExitStack() as stack:
+        roomy = Settings(redis_url=url, queue_name="edges", queue_capacity=CAPACITY, cache_dir=scratch)
+        full = Settings(redis_url=url, queue_name="full", queue_capacity=1, cache_dir=scratch)
+        servers = {name: admission.served(settings, PROCESSES, name == "bare", scratch, log_level="INFO")
+                   for name, settings in (("bare", roomy), ("slotq", roomy), ("refused", full))}
+        ports = dict(zip(servers, enter_all(stack, list(servers.values())), strict=True))
+        connection = Redis.from_url(url)
+        states: dict[str, Snapshot] = {}
+        for name, count in (("short", SHORT), ("deep", deep)):
+            connection.flushdb()
+            fill(roomy, count)
+            states[name] = snapshot(connection)
+        for port in ports.values():  # warm up connections and code paths
+            load.run(port, warm_up=True)
+        runs: dict[str, list[Run]] = {name: [] for name in ("bare", "slotq", "refused", "short", "deep")}
+        ends: dict[str, list[int]] = {"short": [], "deep": []}
+        for _ in range(rounds):
+            for name in ("bare", "slotq"):
+                connection.flushdb()
+                fill(roomy, 0)  # the line empty, its model fitted: a service that has run jobs
+                runs[name].append(load.run(ports[name]))
+            connection.flushdb()
+            fill(full, 1)
+            runs["refused"].append(load.run(ports["refused"]))
+            assert waiting_now(full) == 1, "a job was admitted to the full line"
+            for name in ("short", "deep"):
+                restore(connection, states[name])
+                runs[name].append(load.run(ports["slotq"]))
+                ends[name].append(waiting_now(roomy))
+        connection.flushdb()
+        fill(full, 1)
+        per_refusal, commands = script_calls(full)
+    header = (f"admission: {load.describe()}, POST /v1/jobs {JOB['width']}x{JOB['height']} {JOB['steps']} "
+              f"steps; gunicorn {PROCESSES} API processes x 8 threads, SLOTQ_LOG_LEVEL=INFO, each server "
+              f"configured alike; {rounds} interleaved round(s)")
+    return header, admission_figures(runs, ends, deep, per_refusal, commands)
+
+
+def admission_figures(runs: dict[str, list[Run]], ends: dict[str, list[int]], deep: int,
+                      per_refusal: float, commands: float) -> list[str]:
+    def rates(name: str) -> float:
+        return median([run.rate for run in runs[name]])
+
+    def p99s(name: str) -> float:
+        return 1000 * median([run.p99 for run in runs[name]])
+
+    def ratios(name: str, base: str, of: Callable[[Run], float]) -> list[float]:
+        return [of(run) / of(baseline) for run, baseline in zip(runs[name], runs[base], strict=True)]
+
+    def rejected(name: str) -> str:
+        bad = sum(run.rejected + run.errors for run in runs[name])
+        return f"; {bad:,} answers not 2xx or failed" if bad else ""
+
+    admitted = ratios("slotq", "bare", lambda run: run.rate)
+    latency = ratios("slotq", "bare", lambda run: run.p99)
+    refused = ratios("refused", "slotq", lambda run: run.rate)
+    all_refused = all(run.rejected == run.requests and not run.errors for run in runs["refused"])
+    depth_rate = ratios("deep", "short", lambda run: run.rate)
+    depth_p99 = ratios("deep", "short", lambda run: run.p99)
+    waits = (f"{deep:,} vs {SHORT} waiting at the start, {median([float(n) for n in ends['deep']]):,.0f} "
+             f"vs {median([float(n) for n in ends['short']]):,.0f} at the end")
+    return [
+        figure("admissions/s, slotq ÷ bare Flask+LPUSH", admitted,
+               f"{rates('slotq'):,.0f} vs {rates('bare'):,.0f} req/s{rejected('slotq')}{rejected('bare')}",
+               ">= 0.6", lambda value: value >= 0.6),
+        figure("admission p99, slotq ÷ bare", latency, f"{p99s('slotq'):.1f} vs {p99s('bare'):.1f} ms",
+               "<= 2", lambda value: value <= 2),
+        figure("refusals/s, line full, ÷ admissions/s", refused,
+               f"{rates('refused'):,.0f} vs {rates('slotq'):,.0f} req/s, "
+               f"{'all' if all_refused else 'NOT all'} 429; {per_refusal:.2f} script calls (EVALSHA) and "
+               f"{commands:.2f} Redis commands a refusal", ">= 1, one call",
+               lambda value: value >= 1 and all_refused and per_refusal == 1),
+        figure("admissions/s, deep line ÷ short line", depth_rate,
+               f"{rates('deep'):,.0f} vs {rates('short'):,.0f} req/s; {waits}{rejected('deep')}",
+               "~1 (0.9 to 1.1)", lambda value: 0.9 <= value <= 1.1),
+        figure("admission p99, deep line ÷ short line", depth_p99,
+               f"{p99s('deep'):.1f} vs {p99s('short'):.1f} ms", "~1 (0.9 to 1.1)",
+               lambda value: 0.9 <= value <= 1.1),
+    ]
+
+
+@dataclass(frozen=True)
+class ImageCase:
+    """One images/s figure: the jobs' size, how many a round, and the batch both sides run."""
+
+    name: str
+    size: int
+    jobs: int
+    batch: int
+    goal: float
+
+    def requests(self, first_seed: int = 0) -> list[JobRequest]:
+        return [JobRequest(prompt="bench", width=self.size, height=self.size, steps=4, seed=seed)
+                for seed in range(first_seed, first_seed + self.jobs)]
+
+
+def loop_rate(pipeline: Any, case: ImageCase) -> float:
+    """Images a second calling the pipeline back to back in this process, in batches of the case's."""
+    batch = case.requests()
+    began = time.perf_counter()
+    for start in range(0, len(batch), case.batch):
+        pipeline.generate_batch(batch[start:start + case.batch])
+    return len(batch) / (time.perf_counter() - began)
+
+
+@dataclass
+class LongJob:
+    """The job the N jobs of a round wait behind while they are submitted: of the round's size where
+    100 steps (SLOTQ_MAX_STEPS's default) last long enough, else larger."""
+
+    side: int
+    steps: int
+
+    @classmethod
+    def lasting(cls, seconds: float, case: ImageCase, per_image: float) -> LongJob:
+        side, steps = case.size, math.ceil(seconds / per_image * 4)
+        while steps > MAX_STEPS and side < 1024:
+            side, steps = 2 * side, math.ceil(steps / 3)  # 4x the pixels: about 3x the time a step
+        return cls(side, max(16, min(MAX_STEPS, steps)))
+
+    def longer(self) -> LongJob:
+        if self.steps < MAX_STEPS:
+            return LongJob(self.side, min(MAX_STEPS, 2 * self.steps))
+        return LongJob(min(1024, 2 * self.side), self.steps)
+
+    def body(self, seed: int) -> dict[str, Any]:
+        return {**JOB, "width": self.side, "height": self.side, "steps": self.steps, "seed": seed}
+
+
+def submit(port: int, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """POST each job in turn on one keep-alive connection; their views."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    views = []
+    try:
+        for body in bodies:
+            connection.request("POST", "/v1/jobs", body=json.dumps(body),
+                               headers={"Content-Type": "application/json"})
+            response = connection.getresponse()
+            answer = response.read()
+            if response.status != 202:
+                raise RuntimeError(f"POST /v1/jobs answered {response.status}: {answer[:300]!r}")
+            views.append(json.loads(answer))
+    finally:
+        connection.close()
+    return views
+
+
+def read(port: int, job_id: str) -> dict[str, Any]:
+    status, answer = end_to_end.call(port, "GET", f"/v1/jobs/{job_id}")
+    if status != 200:
+        raise RuntimeError(f"GET /v1/jobs/{job_id} answered {status}: {answer[:300]!r}")
+    view: dict[str, Any] = json.loads(answer)
+    return view
+
+
+def service_rate(port: int, case: ImageCase, long: LongJob, first_seed: int) -> float | None:
+    """Images a second through the service: N jobs submitted behind a long one, followed in order;
+    None when the long job ended before the last of them was submitted (the line ran dry)."""
+    deadline = time.monotonic() + 600
+    [first] = submit(port, [long.body(first_seed + case.jobs)])
+    while first["status"] == "queued":  # until the worker holds it: the N jobs then all wait
+        time.sleep(0.01)
+        first = read(port, first["id"])
+    jobs = submit(port, [request.model_dump(mode="json", exclude_none=True)
+                         for request in case.requests(first_seed)])
+    submitted = datetime.now(UTC)
+    for view in [first, *jobs]:
+        end_to_end.wait_end(port, view, deadline)
+    began = datetime.fromisoformat(read(port, first["id"])["finished_at"])
+    if began <= submitted:
+        return None
+    ended = max(datetime.fromisoformat(read(port, view["id"])["finished_at"]) for view in jobs)
+    return case.jobs / (ended - began).total_seconds()
+
+
+def image_lines(quick: bool, scratch: Path) -> tuple[str, list[str]]:
+    """The images/s figures, service against loop; their header and lines."""
+    import torch
+
+    from worker.pipeline import load_pipeline
+
+    rounds = 1 if quick else 5
+    cases = [ImageCase("images/s 64x64, service ÷ loop", 64, 8 if quick else 48, 1, 0.95),
+             ImageCase("images/s 256x256, service ÷ loop", 256, 2 if quick else 16, 1, 0.97),
+             ImageCase("images/s batch 8 64x64, service ÷ loop", 64, 8 if quick else 48, 8, 0.95)]
+    models = scratch / "models"
+    pipeline = load_pipeline(Settings(cache_dir=models, device="cpu"))  # the tiny model, made once
+    services = [end_to_end.running(scratch / f"batch-{batch}", 8, device="cpu", log_level="INFO",
+                                   max_batch=batch, cache_dir=models) for batch in (1, 8)]
+    lines = []
+    with ExitStack() as stack:  # both services at once: their start-ups overlap; one idles at a time
+        ports = {batch: service.port
+                 for batch, service in zip((1, 8), enter_all(stack, services), strict=True)}
+        for case in cases:
+            lines.append(image_figure(pipeline, ports[case.batch], case, rounds, 1 if quick else 2))
+    jobs = ", ".join(f"{case.jobs} at {case.size}x{case.size}"
+                     + (f" in batches of {case.batch}" if case.batch > 1 else "") for case in cases)
+    header = (f"images: tiny model on cpu (torch threads here: {torch.get_num_threads()}, OMP_NUM_THREADS="
+              f"{os.environ.get('OMP_NUM_THREADS', 'unset')} for every process), 4 steps, no PNG encoding "
+              f"in the loop; jobs a round: {jobs}; {rounds} round(s), each the loop then the service")
+    return header, lines
+
+
+def image_figure(pipeline: Any, port: int, case: ImageCase, rounds: int, warm_ups: int) -> str:
+    """One case's rounds, each the loop then the service; its line."""
+    for _ in range(warm_ups):  # the first calls of a shape are slower: warm up, untimed
+        loop_rate(pipeline, case)
+    long = LongJob.lasting(LONG_JOB_S, case, 1 / loop_rate(pipeline, case))
+    service_rate(port, case, LongJob(case.size, 16), 10**6)  # warm up the service's paths, untimed
+    loops: list[float] = []
+    served: list[float] = []
+    dry = 0
+    while len(served) < rounds:
+        loop = loop_rate(pipeline, case)
+        rate = service_rate(port, case, long, 1000 * len(served))
+        if rate is None:  # the long job was too short: lengthen it, run the round again
+            dry, long = dry + 1, long.longer()
+            if dry > 5:
+                raise RuntimeError(f"{case.name}: the line ran dry while its jobs were submitted")
+            continue
+        loops.append(loop)
+        served.append(rate)
+    ratios = [rate / loop for rate, loop in zip(served, loops, strict=True)]
+    detail = (f"{median(served):.2f} vs {median(loops):.2f} images/s, worst round {min(ratios):.3f}; "
+              f"{case.jobs} jobs behind one of {long.side}x{long.side}, {long.steps} steps")
+    return figure(case.name, ratios, detail, f">= {case.goal} (worst round)",
+                  lambda value: value >= case.goal, digits=3, worst=True)
+
+
+def enter_all(stack: ExitStack, managers: Sequence[AbstractContextManager[T]]) -> list[T]:
+    """Enter the context managers at once, each on a thread (servers start side by side), into
+    ``stack``; their values. Where one fails, those that started are stopped with the stack."""
+    with ThreadPoolExecutor(len(managers)) as pool:
+        futures = [pool.submit(manager.__enter__) for manager in managers]
+        failures = [future.exception() for future in futures]
+    for manager, failure in zip(managers, failures, strict=True):
+        if failure is None:
+            stack.push(manager)
+    for failure in failures:
+        if failure is not None:
+            raise failure
+    return [future.result() for future in futures]
+
+
+@contextmanager
+def scratch_dir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="slotq-bench-") as scratch:
+        yield Path(scratch)
+
+
+def report(quick: bool = False) -> list[str]:
+    """Every figure of the section, each on one line, after the headers."""
+    with scratch_dir() as scratch:
+        for name in ("admission", "images"):
+            (scratch / name).mkdir()
+        admission_header, admitted = admission_lines(quick, scratch / "admission")
+        image_header, images = image_lines(quick, scratch / "images")
+    return [admission_header, image_header, *admitted, *images]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test; figures mean little)")
+    print("\n".join(report(parser.parse_args().quick)))
+
+
+if __name__ == "__main__":
+    main()
