@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import zlib
 from importlib.metadata import version
+from typing import Any
 
 import pytest
 from packaging.requirements import Requirement
@@ -62,3 +63,55 @@ def test_admission_writes_the_hash_rq_itself_would(settings: Settings, redis: Re
     assert loaded.kwargs == {"request": record.stored}
     assert loaded.meta == {"request_id": "r-1", "tenant": "web"}
     assert loaded.get_status() == "queued" and loaded.origin == queue.name
+
+
+def test_the_worker_starts_a_job_as_rq_s_own_start_bookkeeping_would(settings: Settings) -> None:
+    # RQWorker.start writes in one transaction what RQ's prepare_execution and
+    # prepare_job_execution write in two: the same keys, fields and registry entries.
+    import re
+
+    from shared.store.connection import job_queue
+    from shared.store.fencing import connect_worker
+    from worker.rq import RQWorker
+
+    connection = connect_worker(settings)
+    queue = job_queue(connection, settings)
+
+    def written(name: str, start: Any) -> set[tuple[str, str, tuple[str, ...]]]:
+        """Each key that names this worker or its job, or holds a member that does, after start()."""
+        job = queue.enqueue("worker.tasks.generate", kwargs={"request": {}}, job_id=f"{name}-job")
+        worker = RQWorker(queue, settings, name)
+        worker.register_birth()
+        start(worker, job)
+
+        def normal(text: bytes) -> str:  # names, ids, times and scores replaced
+            value = text.decode(errors="replace").replace(name, "<worker>")
+            value = re.sub(r"\d{4}-\d\d-\d\dT[\d:.]+Z?|\b\d{10}\.\d+\b", "<time>", value)
+            return re.sub(r"[0-9a-f]{32}", "<execution>", value)
+
+        def hash_items(key: bytes) -> list[bytes]:  # each field with its value
+            return [field + b"=" + value for field, value in connection.hgetall(key).items()]
+
+        found = set()
+        for key in connection.keys("*"):
+            kind = connection.type(key).decode()
+            members = {"hash": hash_items, "zset": lambda k: connection.zrange(k, 0, -1),
+                       "set": connection.smembers}.get(kind, lambda k: [])(key)
+            ours = [member for member in members if name.encode() in member or name.encode() in key]
+            if name.encode() in key or ours:
+                found.add((normal(key), kind, tuple(sorted(normal(member) for member in ours))))
+        return found
+
+    def rq_own(worker: RQWorker, job: Any) -> None:
+        worker.prepare_execution(job)
+        worker.prepare_job_execution(job)
+
+    def in_one(worker: RQWorker, job: Any) -> None:
+        with connection.pipeline() as pipe:
+            worker.start([job], pipe)
+            pipe.execute()
+
+    theirs, ours = written("theirs", rq_own), written("ours", in_one)
+    assert ours == theirs
+    assert any("<worker>-job" in key for key, _, _ in ours)  # the job's hash was among them
+    connection.close()

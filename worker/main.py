@@ -21,7 +21,7 @@ from shared.contract.settings import Settings, get_settings
 from shared.store import endings, estimates, records, results, waiting
 from shared.store.claims import Claims
 from shared.store.connection import job_queue
-from shared.store.fencing import StaleAttemptError, connect_worker, holding
+from shared.store.fencing import Fence, StaleAttemptError, connect_worker, holding
 from shared.store.waiting import Claimed
 from worker import batching, lifecycle, tasks
 from worker.finisher import Finisher
@@ -153,6 +153,35 @@ class SlotWorker(Outcomes):
         """Fence each claimed job, drop those that must not start, and start the others: RQ's start
         bookkeeping, the attempt, the worker's running entry and step 0 in one fenced transaction.
         The members, the running entry, their cost and the ids of those canceled by then."""
+        startable = self._fenced(batch)
+        if not startable:
+            return [], "", 0.0, set()
+        jobs = [job for job, _ in startable]
+        cost, executions = sum(records.cost_of(job) for job in jobs), []
+        try:
+            with holding(*(fence for _, fence in startable)), \
+                    self.connection.pipeline(transaction=False) as pipe:
+                for job in jobs:
+                    records.begin_attempt(job)
+                executions = self.start(jobs, pipe)
+                running = estimates.mark_running(pipe, self.settings.line, self.name, cost, batch[0].at)
+                records.announce_start(jobs, pipe)  # step 0; its last answers: which were canceled
+                flags = pipe.execute()[-len(jobs):]
+                canceled = {job.id for job, flag in zip(jobs, flags, strict=True) if flag}
+        except StaleAttemptError as exc:
+            for job in jobs:
+                self._superseded(job.id, exc)
+            for execution in executions:
+                self.executions.pop(execution.id, None)
+            return [], "", 0.0, set()
+        members = [Member(job, execution, fence)
+                   for (job, fence), execution in zip(startable, executions, strict=True)]
+        for member in members:
+            self._started(member.job, batch[0].at)
+        return members, running, cost, canceled
+
+    def _fenced(self, batch: list[Claimed]) -> list[tuple[Job, Fence]]:
+        """Fence each claimed job; those that may start, each with its fence."""
         startable = []
         fences = self.claims.fence([claimed.job_id for claimed in batch])
         for claimed, fence in zip(batch, fences, strict=True):
@@ -168,30 +197,7 @@ class SlotWorker(Outcomes):
                 continue
             if job is not None:
                 startable.append((job, fence))
-        if not startable:
-            return [], "", 0.0, set()
-        jobs = [job for job, _ in startable]
-        cost = sum(records.cost_of(job) for job in jobs)
-        try:
-            with holding(*(fence for _, fence in startable)), \
-                    self.connection.pipeline(transaction=False) as pipe:
-                for job in jobs:
-                    records.begin_attempt(job, pipe)
-                executions = self.start(jobs, pipe)
-                running = estimates.mark_running(pipe, self.settings.line, self.name, cost, batch[0].at)
-                records.announce_start(jobs, pipe)  # step 0; its last answers: which were canceled
-                flags = pipe.execute()[-len(jobs):]
-                canceled = {job.id for job, flag in zip(jobs, flags, strict=True) if flag}
-        except StaleAttemptError as exc:
-            for job in jobs:
-                self._superseded(job.id, exc)
-            self.executions.clear()
-            return [], "", 0.0, set()
-        members = [Member(job, execution, fence)
-                   for (job, fence), execution in zip(startable, executions, strict=True)]
-        for member in members:
-            self._started(member.job, batch[0].at)
-        return members, running, cost, canceled
+        return startable
 
     def _started(self, job: Job, at: float) -> None:
         """Count and log a job's start (its record says it runs from now)."""

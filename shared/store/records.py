@@ -112,11 +112,9 @@ def save_meta(job: Job, pipe: Pipeline | None = None) -> None:
     (pipe or job.connection).hset(job.key, "meta", job.serializer.dumps(job.meta))
 
 
-def begin_attempt(job: Job, pipe: Pipeline | None = None) -> None:
-    """Count a start and show step 0, before RQ marks the job running (never running without progress)."""
+def begin_attempt(job: Job) -> None:
+    """Count a start (in the job's meta: :func:`announce_start` writes it, with step 0)."""
     job.meta["attempt"] = int(job.meta.get("attempt", 0)) + 1
-    job.meta["progress"] = {"step": 0, "total": steps_run_of(job.kwargs.get("request", {}))}
-    save_meta(job, pipe)
 
 
 def cost_of(job: Job) -> float:
