@@ -85,7 +85,10 @@ class Finisher(Generic[Handoff]):
 
     def submit(self, handoff: Handoff, batch: Batch) -> None:
         """Hand one batch over; blocks while the previous one is still being finished."""
-        self._free.acquire()
+        if not self._free.acquire(blocking=False):
+            # The next GPU section waits on this: finishing (PNGs, the store, RQ) is the slower half.
+            log.info("waiting for the finishing process to finish the previous batch")
+            self._free.acquire()
         if self._broken:
             self._free.release()
             raise WorkerFatalError(f"no finishing process: {self._broken}")
