@@ -40,6 +40,18 @@ class APIServer(BaseApplication):
         return self.factory(self.settings)
 
 
+def stop_on_early_sigterm(server: Any, worker: Any) -> None:
+    """gunicorn hook, in a worker just forked: a SIGTERM before the worker sets its own handlers
+    stops it. Until then the handler is the arbiter's, copied by the fork, which only queues the
+    signal for an arbiter loop this process never runs: the signal was lost, and the worker (a
+    gevent one patches modules first, for a few hundred ms) served on until the graceful timeout."""
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        worker.alive = False  # read by the worker's loop, which then ends at once
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def drain_on_sigterm(worker: Any) -> None:
     """gunicorn hook: on SIGTERM, answer /readyz with 503 for SLOTQ_DRAIN_S, then stop gracefully."""
     # The pause lets a load balancer see "not ready" and stop sending new requests before this
@@ -85,6 +97,7 @@ def serve(host: str | None = None, port: int | None = None, settings: Settings |
         # gunicorn 27 opens a control socket under ~/.gunicorn by default, which clashes when
         # several API processes share a machine; slotq does not use it.
         "control_socket_disable": True,
+        "post_fork": stop_on_early_sigterm,
         "post_worker_init": drain_on_sigterm,
         # Room for the drain pause plus the slowest request.
         "graceful_timeout": int(settings.drain_s) + 20,

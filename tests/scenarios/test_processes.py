@@ -19,7 +19,8 @@ from redis import Redis
 
 from shared.contract.settings import Settings
 from slotq.client import Client
-from tests.conftest import Process, http_post_job, slotq_env, wait_for, waiting_ids
+from slotq.localredis import free_port
+from tests.conftest import Process, http_post_job, slotq_env, spawn, wait_for, waiting_ids
 
 CLIENTS = 32
 REQUESTS = 240
@@ -97,3 +98,19 @@ def test_api_drains_on_sigterm(settings: Settings, start_api: Callable[..., Proc
     wait_for(draining, timeout=10, what="/readyz to answer 503 draining")
     assert post(api.url)[0] == 202  # still serving while it drains
     assert api.popen.wait(30) == 0
+
+
+def test_api_stops_at_once_on_a_sigterm_while_its_workers_boot(settings: Settings, tmp_path: Path) -> None:
+    """A SIGTERM that reaches a worker before it sets its own handlers (a gevent one first patches
+    modules, for a few hundred ms) stops it; it was lost, and the worker served on for the
+    graceful timeout (20 s here), which every test that stopped a just-started API waited out."""
+    port = free_port()
+    api = spawn(["api", "--port", str(port)], slotq_env(settings, api_workers=2, api_worker_class="gevent"),
+                tmp_path / "api.log")
+    try:
+        wait_for(lambda: api.output().count("Booting worker with pid") == 2, timeout=30,
+                 what="both workers to be forked")
+        api.popen.terminate()
+        assert api.popen.wait(10) == 0, api.output()
+    finally:
+        api.stop()
