@@ -35,7 +35,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq.executions import Execution
 from rq.job import Job
 
-from shared.contract import logs
+from shared.contract import keys, logs
 from shared.contract.errors import StorageUnavailableError, WorkerFatalError
 from shared.contract.jobs import JobRequest, Outcome
 from shared.contract.settings import Settings
@@ -54,10 +54,11 @@ from worker.messages import (
     Work,
     encode_png,
 )
-from worker.rq import RQWorker, run_seconds
+from worker.rq import RQWorker, plain, run_seconds
 
 log = logging.getLogger(__name__)
 Handoff = TypeVar("Handoff")
+Made = tuple[Job, Execution, list[bytes], dict[str, Any]]  # a job finished together: its PNGs, its result
 START_TIMEOUT_S = 60.0
 CONNECT_FOR_S = START_TIMEOUT_S / 2  # how long a starting finisher waits for Redis (a failover, a restart)
 STOP_TIMEOUT_S = 30.0
@@ -185,11 +186,17 @@ class Finisher(Generic[Handoff]):
 def store_result(job: Job, settings: Settings, rendered: Rendered) -> dict[str, Any]:
     """Encode the images as PNG and store them for the result TTL; the job's result."""
     request, images = rendered
-    # Every step ran: the record shows the last (saved with the images; the GPU section leaves it).
-    job.meta["progress"] = {"step": request.steps_run, "total": request.steps_run}
+    pngs = [encode_png(image, request) for image in images]
     hook = _kill_worker if settings.fault_injection and _killed_here(request, job) else None
-    results.of(settings).save_images(job, [encode_png(image, request) for image in images], hook)
-    return {"images": len(images), "seed": request.seed}
+    results.of(settings).save_images(job, pngs, hook)
+    return finished(job, request, pngs)
+
+
+def finished(job: Job, request: JobRequest, pngs: list[bytes]) -> dict[str, Any]:
+    """A job whose images are made: its record shows the last step; its result."""
+    # Every step ran (saved with the images; the GPU section leaves the last step to this process).
+    job.meta["progress"] = {"step": request.steps_run, "total": request.steps_run}
+    return {"images": len(pngs), "seed": request.seed}
 
 
 def _killed_here(request: JobRequest, job: Job) -> bool:
@@ -207,7 +214,9 @@ class Finishing(RQWorker):
     """The finishing process's side: store each job's images and record its success."""
 
     def finish(self, batch: Batch) -> list[Ended]:
-        ended = [self._finish_one(work) for work in batch.works]
+        ended = self._finish_together(batch.works)
+        if ended is None:  # the batch did not end as one: each job alone, with its own error
+            ended = [self._finish_one(work) for work in batch.works]
         if any(end.outcome is Outcome.SUCCEEDED for end in ended):
             try:
                 estimates.job_done(self.connection, self.settings.line, self.name, batch.running, batch.cost,
@@ -216,11 +225,52 @@ class Finishing(RQWorker):
                 log.warning("could not update the job-time model: %s", exc)
         return ended
 
-    def _finish_one(self, work: Work) -> Ended:
+    def _finish_together(self, works: list[Work]) -> list[Ended] | None:
+        """Record a batch's ends in one fenced transaction (each job's images, RQ's success, the
+        settling); None, with nothing recorded, where any job needs :meth:`_finish_one`'s path: an
+        image that cannot be encoded or stored, a stale attempt, Redis away."""
+        store = results.of(self.settings)
+        try:
+            made = [self._stored(work, store) for work in works]
+            with holding(*(work.fence for work in works)), self.connection.pipeline() as pipe:
+                statuses = []
+                for (job, execution, pngs, result), work in zip(made, works, strict=True):
+                    store.record_images(job, pngs, pipe)
+                    self.succeed(job, execution, result, pipe)
+                    statuses.append(endings.settle_in(pipe, self.queue.name, keys.claims_key(self.name), job,
+                                                      work.fence.key, self.settings.result_ttl_s))
+                pipe.execute()
+        except Exception as exc:  # nothing of the transaction was written; the images are rewritten
+            log.info("the batch's ends are recorded one by one (%r)", exc)
+            return None
+        ended = []
+        for (job, _, _, _), status in zip(made, statuses, strict=True):
+            with logs.about_job(job.id, job.meta.get("request_id")):
+                self.succeeded(job)
+            ended.append(Ended(job.id, Outcome.of(status), run_seconds(job)))
+        return ended
+
+    def _stored(self, work: Work, store: results.Results) -> Made:
+        """A job of a batch finished together: restored, its images encoded and (outside Redis) stored."""
+        job, execution = self._restored(work)
+        if not plain(job):
+            raise ValueError(f"job {job.id} has callbacks or repeats")
+        request, images = work.rendered
+        pngs = [encode_png(image, request) for image in images]
+        store.put_images(job, pngs)
+        if self.settings.fault_injection and not store.in_redis and _killed_here(request, job):
+            _kill_worker()  # between the images and the record, as store_result's hook does
+        return job, execution, pngs, finished(job, request, pngs)
+
+    def _restored(self, work: Work) -> tuple[Job, Execution]:
         job = Job(work.job_id, connection=self.connection, serializer=self.serializer)
         job.restore(work.record)
         execution = Execution(work.execution_id, job.id, self.connection, self.name)
         execution.created_at = work.execution_started
+        return job, execution
+
+    def _finish_one(self, work: Work) -> Ended:
+        job, execution = self._restored(work)
         with holding(work.fence), logs.about_job(job.id, job.meta.get("request_id")):
             try:
                 try:
@@ -240,7 +290,6 @@ class Finishing(RQWorker):
                 log.warning("could not record the end of job %s: %r", job.id, exc)
                 return Ended(job.id, Outcome.UNRECORDED, error=repr(exc))
         return Ended(job.id, Outcome.of(status), run_seconds(job))
-
 
     def _unstored(self, job: Job, work: Work, why: str) -> Ended:
         """The store could not be written: the job runs again while it has attempts left (as when its

@@ -2,11 +2,13 @@
 
 RQ's ``perform_job`` runs a job and records its end in one go; the slotq worker splits the two
 (the GPU section here, the end in its finishing process), so it calls the halves RQ keeps private:
-``_finalize_success``, ``_finalize_failure`` and ``_stopped_job_id``. Every such use is below, and
+``_finalize_success``, ``_finalize_failure``, ``_stopped_job_id``, and for a batch's ends in one
+transaction ``Job._handle_success`` and ``Job._result``. Every such use is below, and
 :func:`check_rq` (run at start-up and by tests/test_rq.py) fails with a plain message when an RQ
 release outside ``pyproject.toml``'s range (``rq>=3.0,<4``) no longer has them. The rest of RQ that
 slotq uses is public: ``Job``, ``Queue``, registries, ``Execution``, death penalties; ``RQWorker.start``
-writes what RQ's ``prepare_execution`` and ``prepare_job_execution`` do, through the same public calls.
+writes what RQ's ``prepare_execution`` and ``prepare_job_execution`` do, and ``RQWorker.succeed`` what
+its ``handle_job_success`` does, through the same calls, on one pipeline for a whole batch.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from redis.client import Pipeline
 from rq.executions import Execution, prepare_execution
 from rq.job import Job
 from rq.queue import Queue
+from rq.rate_limit import release_slot
 from rq.serializers import JSONSerializer
 from rq.utils import now as rq_now
 from rq.worker import SimpleWorker, WorkerStatus
@@ -30,11 +33,16 @@ from shared.store import endings
 from shared.store.fencing import Fence, FencedRedis
 
 # RQ's private methods, with the parameters slotq passes them (after self).
-PRIVATE_METHODS = {
-    "_finalize_success": ["job", "queue", "execution", "return_value"],
-    "_finalize_failure": ["job", "queue", "execution", "exc_info"],
+PRIVATE_METHODS: dict[tuple[type, str], list[str]] = {
+    (SimpleWorker, "_finalize_success"): ["job", "queue", "execution", "return_value"],
+    (SimpleWorker, "_finalize_failure"): ["job", "queue", "execution", "exc_info"],
+    (Job, "_handle_success"): ["result_ttl", "pipeline", "worker_name", "execution_id",
+                               "execution_started_at", "execution_ended_at"],
 }
-PRIVATE_ATTRIBUTES = ["_stopped_job_id"]  # read by handle_job_failure: a job stopped on request
+# Private attributes, each with the RQ function that reads it: a job stopped on request, and the
+# return value that _handle_success stores as the job's result.
+PRIVATE_ATTRIBUTES: dict[str, Callable[..., Any]] = {"_stopped_job_id": SimpleWorker.handle_job_failure,
+                                                     "_result": Job._handle_success}
 # What RQ's start bookkeeping writes, each through a public method: RQWorker.start writes the same
 # in one transaction. RQ's two functions must still call these (and nothing else that writes).
 START_CALLS: dict[str, tuple[Callable[..., Any], list[str]]] = {
@@ -42,23 +50,27 @@ START_CALLS: dict[str, tuple[Callable[..., Any], list[str]]] = {
     "prepare_job_execution": (SimpleWorker.prepare_job_execution,
                               ["self.heartbeat", "job.heartbeat", "job.prepare_for_execution",
                                "pipeline.persist"]),
+    # And what its success path writes, which RQWorker.succeed queues for a whole batch.
+    "handle_job_success": (SimpleWorker.handle_job_success,
+                           ["self.increment_successful_job_count", "self.increment_total_working_time",
+                            "job._handle_success", "job.cleanup", "self.cleanup_execution", "release_slot"]),
 }
 
 
 def check_rq() -> None:
     """Raise ``RuntimeError`` naming what changed when RQ no longer has what this module uses."""
     problems = []
-    for name, expected in PRIVATE_METHODS.items():
-        method = getattr(SimpleWorker, name, None)
+    for (owner, name), expected in PRIVATE_METHODS.items():
+        method = getattr(owner, name, None)
         if method is None:
-            problems.append(f"rq.worker.SimpleWorker.{name} is gone")
+            problems.append(f"rq's {owner.__name__}.{name} is gone")
             continue
         parameters = list(inspect.signature(method).parameters)[1:len(expected) + 1]
         if parameters != expected:
-            problems.append(f"rq.worker.SimpleWorker.{name} takes {parameters}, not {expected}")
-    source = inspect.getsource(SimpleWorker.handle_job_failure)
-    problems += [f"rq's handle_job_failure no longer reads self.{name}" for name in PRIVATE_ATTRIBUTES
-                 if f"self.{name}" not in source]
+            problems.append(f"rq's {owner.__name__}.{name} takes {parameters}, not {expected}")
+    attributes = PRIVATE_ATTRIBUTES.items()
+    problems += [f"rq's {reader.__name__} no longer reads self.{name}" for name, reader in attributes
+                 if f"self.{name}" not in inspect.getsource(reader)]
     for name, (function, calls) in START_CALLS.items():
         body = inspect.getsource(function)
         problems += [f"rq's {name} no longer calls {call}" for call in calls if f"{call}(" not in body]
@@ -116,6 +128,31 @@ class RQWorker(SimpleWorker):
         """RQ's own success path (the one its perform_job takes): result, registries, status."""
         self._finalize_success(job, self.queue, execution, result)
 
+    def succeed(self, job: Job, execution: Execution, result: Any, pipe: Pipeline) -> None:
+        """Queue RQ's success path for one job on a pipeline the caller runs, then calls
+        :meth:`succeeded`: what ``_finalize_success`` and ``handle_job_success`` write for a job
+        without callbacks, repeats or dependents (slotq's: admission names none, and nothing
+        adds any), so that a batch's ends are one transaction, not a WATCH and two round trips each."""
+        if not plain(job):
+            raise ValueError(f"job {job.id} has callbacks or repeats: record it with record_success")
+        self.handle_execution_ended(job, self.queue, job.success_callback_timeout)
+        job._result = result
+        assert job.ended_at is not None and job.started_at is not None
+        self.increment_successful_job_count(pipeline=pipe)
+        self.increment_total_working_time(job.ended_at - job.started_at, pipe)
+        result_ttl = job.get_result_ttl(self.default_result_ttl)
+        if result_ttl != 0:
+            job._handle_success(result_ttl, pipeline=pipe, worker_name=self.name, execution_id=execution.id,
+                                execution_started_at=execution.created_at, execution_ended_at=job.ended_at)
+        job.cleanup(result_ttl, pipeline=pipe, remove_from_queue=False)
+        self.cleanup_execution(job, pipeline=pipe, execution=execution)
+
+    def succeeded(self, job: Job) -> None:
+        """After :meth:`succeed`'s writes: what RQ's success path does once its transaction ran."""
+        release_slot(job)
+        self.log.info("Successfully completed job %s in %ss on worker %s", job.id,
+                      (job.ended_at or rq_now()) - (job.started_at or rq_now()), self.name)
+
     def record_failure(self, job: Job, execution: Execution, error: BaseException) -> None:
         """RQ's own failure path; its hooks (handle_exception, handle_job_failure) decide the ending."""
         self._finalize_failure(job, self.queue, execution, (type(error), error, error.__traceback__))
@@ -128,6 +165,11 @@ class RQWorker(SimpleWorker):
         """The job's end is recorded: drop its claim and the attempt's fence; its status."""
         return endings.settle(self.connection, self.queue.name, keys.claims_key(self.name), job, fence.key,
                               self.settings.result_ttl_s)
+
+
+def plain(job: Job) -> bool:
+    """Whether RQ's success path for this job writes only what :meth:`RQWorker.succeed` queues."""
+    return job.success_callback is None and job.failure_callback is None and not job.repeats_left
 
 
 def run_seconds(job: Job) -> float:

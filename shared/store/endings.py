@@ -93,16 +93,23 @@ def settle(connection: Redis, queue_name: str, claims_key: str, job: Job, fence_
            inputs_ttl_s: int) -> JobStatus:
     """A run's end is recorded (RQ's success or failure path): drop the claim and the attempt's
     fence, count it and tell whoever waits on it; its status."""
-    status = job_status(job)
     with connection.pipeline(transaction=False) as pipe:
-        pipe.lrem(claims_key, 1, job.id)
-        if status is JobStatus.SUCCEEDED:  # the last step, which the GPU section leaves to the end
-            events.log(pipe, job.id, "progress", job.meta.get("progress"))
-        if status.is_terminal:  # not an interrupted job, which runs again
-            ended(pipe, queue_name, job, inputs_ttl_s)
-        events.announce(pipe, queue_name, job.id)
-        pipe.delete(fence_key)  # the attempt is over: the last write it makes
+        status = settle_in(pipe, queue_name, claims_key, job, fence_key, inputs_ttl_s)
         pipe.execute()
+    return status
+
+
+def settle_in(pipe: Pipeline, queue_name: str, claims_key: str, job: Job, fence_key: str,
+              inputs_ttl_s: int) -> JobStatus:
+    """Queue :func:`settle`'s writes, after those that record the run's end; the job's status."""
+    status = job_status(job)
+    pipe.lrem(claims_key, 1, job.id)
+    if status is JobStatus.SUCCEEDED:  # the last step, which the GPU section leaves to the end
+        events.log(pipe, job.id, "progress", job.meta.get("progress"))
+    if status.is_terminal:  # not an interrupted job, which runs again
+        ended(pipe, queue_name, job, inputs_ttl_s)
+    events.announce(pipe, queue_name, job.id)
+    pipe.delete(fence_key)  # the attempt is over: the last write it makes
     return status
 
 

@@ -27,6 +27,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from redis import Redis
+from redis.client import Pipeline
 from rq.job import Job
 
 from shared.contract import keys
@@ -78,14 +79,25 @@ class Results:
     def save_images(self, job: Job, pngs: list[bytes], before_record: Hook | None = None) -> None:
         """Keep a finished job's images for the result TTL, and record how many (under the fence).
         ``before_record`` runs between the two writes where there are two (a test's fault hook)."""
+        self.put_images(job, pngs)
+        if before_record is not None and not self.in_redis:
+            before_record()
+        with job.connection.pipeline() as pipe:
+            self.record_images(job, pngs, pipe)
+            pipe.execute()
+
+    def put_images(self, job: Job, pngs: list[bytes]) -> None:
+        """The first of the two writes of a job's images, where there are two: nothing in Redis,
+        whose one write is the record's."""
+
+    def record_images(self, job: Job, pngs: list[bytes], pipe: Pipeline) -> None:
+        """Queue the record of a finished job's images (in Redis, with the bytes) on a fenced pipeline."""
         job.meta["images"] = len(pngs)
         key = keys.images_key(job.id)
-        with job.connection.pipeline() as pipe:
-            pipe.delete(key)
-            pipe.hset(key, mapping={str(index): png for index, png in enumerate(pngs)})
-            pipe.expire(key, self.settings.result_ttl_s)
-            save_meta(job, pipe)
-            pipe.execute()
+        pipe.delete(key)
+        pipe.hset(key, mapping={str(index): png for index, png in enumerate(pngs)})
+        pipe.expire(key, self.settings.result_ttl_s)
+        save_meta(job, pipe)
 
     def image(self, job: Job, index: int) -> bytes:
         """The index-th PNG of a job, or the error that explains why there is none."""
@@ -140,19 +152,18 @@ class ExternalResults(Results):
             return None
         return self.blobs.get(_input_name(job.id, name))
 
-    def save_images(self, job: Job, pngs: list[bytes], before_record: Hook | None = None) -> None:
+    def put_images(self, job: Job, pngs: list[bytes]) -> None:
         # Each write of a job's images has a folder of its own, named in the record only once they
         # are all in place: an attempt that dies between the two, or a stale one whose record
         # write the fence refuses, leaves images that nothing names (the sweep removes them).
         attempt = secrets.token_hex(8)
         for index, png in enumerate(pngs):
             self.blobs.put(_image_name(job.id, attempt, index), png)
-        if before_record is not None:
-            before_record()
-        job.meta["images"], job.meta["images_at"] = len(pngs), attempt
-        with job.connection.pipeline() as pipe:
-            save_meta(job, pipe)
-            pipe.execute()
+        job.meta["images_at"] = attempt  # written with the record
+
+    def record_images(self, job: Job, pngs: list[bytes], pipe: Pipeline) -> None:
+        job.meta["images"] = len(pngs)
+        save_meta(job, pipe)
 
     def image(self, job: Job, index: int) -> bytes:
         self._check_image(job, index)
