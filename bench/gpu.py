@@ -115,7 +115,7 @@ def in_process_loop(settings: Settings, batch: list[JobRequest]) -> Sections:
     pipeline.sections.clear()  # not the warm-up
     for request in batch:
         for image in pipeline.generate(request):
-            encode_png(image, request)
+            encode_png(image, request, settings.png_compress_level)
     return list(pipeline.sections)
 
 

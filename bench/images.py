@@ -224,7 +224,8 @@ def worker_side(settings: Settings, inputs: Inputs, steps: int, runs: int) -> Wo
                 sections[kind].append(ended - began)
     assert all(output[0].size == (inputs.size, inputs.size) for output in outputs.values()), outputs
     text: JobRequest = jobs["text"].request
-    coding = {"encode output PNG (baseline)": timed(lambda: encode_png(outputs["text"][0], text), runs),
+    made, level = outputs["text"][0], settings.png_compress_level
+    coding = {"encode output PNG (baseline)": timed(lambda: encode_png(made, text, level), runs),
               "decode PNG start image": timed(lambda: images.decode(inputs.png, "RGB", pixels), runs),
               "decode JPEG start image": timed(lambda: images.decode(inputs.jpeg, "RGB", pixels), runs),
               "decode PNG mask": timed(lambda: images.decode(inputs.mask, "L", pixels), runs)}

@@ -77,11 +77,12 @@ def run_loop(jobs: int, first: int) -> None:
     from worker.messages import encode_png
     from worker.pipeline import load_pipeline
 
-    pipeline = load_pipeline(load_settings())
+    settings = load_settings()
+    pipeline = load_pipeline(settings)
     samples = [memory("self")]
     for index, request in enumerate(requests(jobs, SIZE, STEPS), start=1):
         for image in pipeline.generate(request):
-            encode_png(image, request)
+            encode_png(image, request, settings.png_compress_level)
         if index in (first, jobs):
             samples.append(memory("self"))
     print(json.dumps(samples))

@@ -3,6 +3,7 @@ sends the batch down the one-by-one path, where it alone is dropped."""
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterator
 from typing import Any
 
@@ -106,3 +107,19 @@ def test_a_stale_member_sends_the_batch_one_by_one_and_is_the_only_one_dropped(
     assert client.get(f"/v1/jobs/{stale}").get_json()["status"] == "running"  # untouched by this attempt
     assert redis.exists(keys.images_key(stale)) == 0
     assert redis.hget(keys.ended_key(finishing.queue.name), "succeeded") == b"2"
+
+
+@pytest.mark.parametrize("level", [0, 9])
+def test_the_pngs_are_compressed_at_the_set_level_and_lossless(client: FlaskClient, settings: Settings,
+                                                                level: int) -> None:
+    connection, leveled = connect_worker(settings), settings.model_copy(update={"png_compress_level": level})
+    side = Finishing(job_queue(connection, settings), leveled, NAME)
+    side.register_birth()
+    (work,) = started_batch(client, side, 1).works
+    side.finish(Batch([work], running="", cost=1.0, seconds=0.1))
+    png = client.get(f"/v1/jobs/{work.job_id}/images/0").data
+    raw = 64 * 64 * 3  # a flat colour: zlib's level 0 stores it, 9 shrinks it to almost nothing
+    assert (len(png) > raw) if level == 0 else (len(png) < raw // 20)
+    with Image.open(io.BytesIO(png)) as image:
+        assert image.convert("RGB").getpixel((5, 5)) == (0, 0, 0)
+    connection.close()

@@ -186,7 +186,7 @@ class Finisher(Generic[Handoff]):
 def store_result(job: Job, settings: Settings, rendered: Rendered) -> dict[str, Any]:
     """Encode the images as PNG and store them for the result TTL; the job's result."""
     request, images = rendered
-    pngs = [encode_png(image, request) for image in images]
+    pngs = [encode_png(image, request, settings.png_compress_level) for image in images]
     hook = _kill_worker if settings.fault_injection and _killed_here(request, job) else None
     results.of(settings).save_images(job, pngs, hook)
     return finished(job, request, pngs)
@@ -256,7 +256,7 @@ class Finishing(RQWorker):
         if not plain(job):
             raise ValueError(f"job {job.id} has callbacks or repeats")
         request, images = work.rendered
-        pngs = [encode_png(image, request) for image in images]
+        pngs = [encode_png(image, request, self.settings.png_compress_level) for image in images]
         store.put_images(job, pngs)
         if self.settings.fault_injection and not store.in_redis and _killed_here(request, job):
             _kill_worker()  # between the images and the record, as store_result's hook does

@@ -21,12 +21,13 @@ Rendered = tuple[JobRequest, list[Image.Image]]
 REDIS_ENCODING = Encoder("utf-8", "strict", decode_responses=False)  # values as HSET would store them
 
 
-def encode_png(image: Image.Image, request: JobRequest) -> bytes:
-    """PNG bytes with the request in a text chunk, so a saved file says how it was made."""
+def encode_png(image: Image.Image, request: JobRequest, level: int) -> bytes:
+    """PNG bytes with the request in a text chunk, so a saved file says how it was made; ``level``
+    is zlib's (SLOTQ_PNG_COMPRESS_LEVEL)."""
     info = PngInfo()
     info.add_text("parameters", json.dumps(request.model_dump(mode="json"), sort_keys=True))
     buffer = io.BytesIO()
-    image.save(buffer, format="PNG", pnginfo=info)
+    image.save(buffer, format="PNG", pnginfo=info, compress_level=level)
     return buffer.getvalue()
 
 
