@@ -1,17 +1,22 @@
 -- How long jobs take (shared/store/estimates.py): the fitted model `a + b * cost`, what running jobs
 -- have left, and Redis's clock.
-local function job_seconds(model_key, cost)
+-- The model's two coefficients, {a, b}, or nil before it has seen a job: read once a script.
+local function job_model(model_key)
   local m = redis.call('HMGET', model_key, 'a', 'b')
   local a, b = tonumber(m[1]), tonumber(m[2])
   if not a then return nil end
-  return a + b * cost
+  return {a, b}
 end
-local function running_left(model_key, running_key, now)
+local function job_seconds(model_key, cost)
+  local model = job_model(model_key)
+  return model and model[1] + model[2] * cost
+end
+local function running_left(model, running_key, now)
   local left = {}
+  if not model then return left end
   for _, entry in ipairs(redis.call('HVALS', running_key)) do
     local cost, started = string.match(entry, '(%S+) (%S+)')
-    local total = job_seconds(model_key, tonumber(cost))
-    if total then table.insert(left, math.max(0, total - (now - tonumber(started)))) end
+    table.insert(left, math.max(0, model[1] + model[2] * tonumber(cost) - (now - tonumber(started))))
   end
   return left
 end
