@@ -65,3 +65,16 @@ def test_logged_prompts_when_asked(settings: Settings, start_api: Any) -> None:
     status, _, _ = http_post_job(api.url, {"prompt": "a visible prompt", "width": 64, "height": 64})
     assert status == 202
     wait_for(lambda: "prompt 'a visible prompt'" in api.output(), what="the prompt in the API's log")
+
+
+def test_text_lines_read_as_logging_s_own_formatter_writes_them() -> None:
+    # TextFormatter formats each second's timestamp once: its lines must still be logging's own.
+    import logging
+
+    from shared.contract.logs import TEXT_FORMAT, TextFormatter
+
+    ours, theirs = TextFormatter(), logging.Formatter(TEXT_FORMAT)
+    for created in (1_800_000_000.001, 1_800_000_000.999, 1_800_000_001.5, 1_800_000_000.25):
+        record = logging.LogRecord("slotq.test", logging.INFO, __file__, 1, "job %s", ("j-1",), None)
+        record.created, record.msecs, record.ids = created, (created % 1) * 1000, " [request=r-1]"
+        assert ours.format(record) == theirs.format(record)

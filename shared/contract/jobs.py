@@ -275,10 +275,10 @@ def validate_submission(data: Any, *, max_side: int, max_steps: int, max_image_b
         if "image" in refs:
             _fit_size(data, refs, max_side, side_multiple)
     if isinstance(data, dict):
-        data = model.within(max_side).defaults.model_dump() | data
+        data = model.within(max_side).defaults.fields | data  # a new dict: the body's keys win
+        if data.get("model") is None:
+            data["model"] = model.name
     request = validate_request(data, max_side=max_side, max_steps=max_steps, side_multiple=side_multiple)
-    if request.model is None:
-        request = request.model_copy(update={"model": model.name})
     if request.scheduler is not None and request.scheduler not in model.schedulers:
         message = f"a {model.family} model cannot use it; it takes {', '.join(model.schedulers)}"
         raise InvalidRequestError(details=[{"loc": ["scheduler"], "msg": message}])

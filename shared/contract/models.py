@@ -6,6 +6,7 @@ it there to refuse a sampler the model cannot use and to fill in the defaults a 
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -42,6 +43,11 @@ class ModelDefaults(BaseModel):
     guidance_scale: float
     width: int
     height: int
+
+    @cached_property
+    def fields(self) -> dict[str, int | float]:
+        """The defaults as a request's fields (dumped once: admission merges them into each body)."""
+        return self.model_dump()
 
 
 class ModelInfo(BaseModel):
