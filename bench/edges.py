@@ -21,7 +21,8 @@ model seeded so every answer carries an ETA): each state is filled once in-proce
 ``DUMP`` of every key and restored before each run (each run then adds its own jobs).
 
 **Images**, the tiny model on the CPU, 4 steps: a round runs the in-process loop (the pipeline
-called back to back in this process, no PNG encoding: the ceiling), then the service (``slotq api``
+called back to back in this process, no PNG encoding, at the faster of torch's default thread
+count and one fewer, tried each round: the ceiling), then the service (``slotq api``
 and ``slotq worker`` on their own Redis, idle while the loop runs). The service gets one long job,
 then N jobs over HTTP while it runs, so all N wait; each is followed with ``GET /v1/jobs/<id>?wait=30``
 in order until it ends, and its images/s is N over the time from the long job's ``finished_at`` to
@@ -308,12 +309,20 @@ class ImageCase:
 
 
 def loop_rate(pipeline: Any, case: ImageCase) -> float:
-    """Images a second calling the pipeline back to back in this process, in batches of the case's."""
-    batch = case.requests()
-    began = time.perf_counter()
-    for start in range(0, len(batch), case.batch):
-        pipeline.generate_batch(batch[start:start + case.batch])
-    return len(batch) / (time.perf_counter() - began)
+    """Images a second calling the pipeline back to back in this process, in batches of the case's,
+    at the faster of torch's default thread count and one fewer (the worker's): the ceiling."""
+    import torch
+
+    from worker.pipeline import TORCH_DEFAULT_THREADS
+
+    batch, rates = case.requests(), []
+    for threads in sorted({max(1, TORCH_DEFAULT_THREADS - 1), TORCH_DEFAULT_THREADS}):
+        torch.set_num_threads(threads)
+        began = time.perf_counter()
+        for start in range(0, len(batch), case.batch):
+            pipeline.generate_batch(batch[start:start + case.batch])
+        rates.append(len(batch) / (time.perf_counter() - began))
+    return max(rates)
 
 
 @dataclass
@@ -388,9 +397,7 @@ def service_rate(port: int, case: ImageCase, long: LongJob, first_seed: int) -> 
 
 def image_lines(quick: bool, scratch: Path) -> tuple[str, list[str]]:
     """The images/s figures, service against loop; their header and lines."""
-    import torch
-
-    from worker.pipeline import load_pipeline
+    from worker.pipeline import TORCH_DEFAULT_THREADS, load_pipeline
 
     rounds = 1 if quick else 5
     cases = [ImageCase("images/s 64x64, service ÷ loop", 64, 8 if quick else 48, 1, 0.95),
@@ -408,9 +415,12 @@ def image_lines(quick: bool, scratch: Path) -> tuple[str, list[str]]:
             lines.append(image_figure(pipeline, ports[case.batch], case, rounds, 1 if quick else 2))
     jobs = ", ".join(f"{case.jobs} at {case.size}x{case.size}"
                      + (f" in batches of {case.batch}" if case.batch > 1 else "") for case in cases)
-    header = (f"images: tiny model on cpu (torch threads here: {torch.get_num_threads()}, OMP_NUM_THREADS="
-              f"{os.environ.get('OMP_NUM_THREADS', 'unset')} for every process), 4 steps, no PNG encoding "
-              f"in the loop; jobs a round: {jobs}; {rounds} round(s), each the loop then the service")
+    counts = sorted({max(1, TORCH_DEFAULT_THREADS - 1), TORCH_DEFAULT_THREADS})
+    header = (f"images: tiny model on cpu (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')} "
+              f"for every process; the loop at the faster of {' and '.join(map(str, counts))} torch threads "
+              f"each round, the worker at SLOTQ_TORCH_THREADS's default, {counts[0]}), "
+              f"4 steps, no PNG encoding in the loop; jobs a round: {jobs}; {rounds} round(s), each the loop "
+              "then the service")
     return header, lines
 
 

@@ -241,3 +241,18 @@ def test_the_worker_answers_readyz_on_its_metrics_port(worker: Process, worker_s
         assert answer.status == 200 and json.loads(answer.read()) == {"status": "ready"}
     with urllib.request.urlopen(f"{base}/metrics", timeout=5) as answer:  # the metrics still beside it
         assert b"slotq_worker_jobs" in answer.read()
+
+
+def test_on_the_cpu_the_worker_leaves_torch_one_thread_fewer_than_its_default(
+        worker: Process, worker_settings: Settings) -> None:
+    # Every thread of a torch operator waits for the slowest: one the finishing process, Redis or
+    # the API takes a core from stalls them all, so the worker leaves them one (SLOTQ_TORCH_THREADS=0).
+    import torch
+
+    from worker.pipeline import TORCH_DEFAULT_THREADS, torch_threads
+
+    expected = max(1, TORCH_DEFAULT_THREADS - 1)
+    assert torch_threads(worker_settings, torch.device("cpu")) == expected
+    assert torch_threads(worker_settings, torch.device("cuda")) == 0  # torch's own on a GPU
+    assert torch_threads(worker_settings.model_copy(update={"torch_threads": 3}), torch.device("cpu")) == 3
+    assert f"as torch.float32, {expected} CPU threads" in worker.output()

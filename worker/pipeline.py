@@ -28,6 +28,7 @@ from worker.previews import Previewer, load_decoder
 from worker.samplers import Samplers
 from worker.tiny_model import ensure_tiny_model
 
+TORCH_DEFAULT_THREADS = torch.get_num_threads()  # before any load sets it: its cores or OMP_NUM_THREADS
 log = logging.getLogger(__name__)
 
 # After each denoising step: (step, total, latents), the latents as the sampler holds them (None
@@ -158,7 +159,10 @@ def load_pipeline(settings: Settings) -> ImagePipeline:
     source: str | Path = settings.model
     if settings.model in TINY_MODELS:
         source = ensure_tiny_model(settings.cache_dir, settings.model)
-    log.info("loading %s on %s as %s", source, device, dtype)
+    threads = torch_threads(settings, device)
+    if threads:
+        torch.set_num_threads(threads)
+    log.info("loading %s on %s as %s, %d CPU threads", source, device, dtype, torch.get_num_threads())
     diffusers_logging.disable_progress_bar()  # a log file is no place for progress bars
     pipe = DiffusionPipeline.from_pretrained(source, dtype=dtype)
     pipe.to(device)
@@ -173,6 +177,15 @@ def load_pipeline(settings: Settings) -> ImagePipeline:
     warm_up = JobRequest(prompt="warm-up", width=side, height=side, steps=1, seed=0)
     loaded.generate(warm_up)
     return loaded
+
+
+def torch_threads(settings: Settings, device: torch.device) -> int:
+    """The CPU threads to give torch (SLOTQ_TORCH_THREADS), or 0 to leave it its default: on the CPU
+    one fewer than that default, since every thread of an operator waits for the slowest, and one
+    the finishing process, Redis or the API took stalls them all."""
+    if settings.torch_threads:
+        return settings.torch_threads
+    return max(1, TORCH_DEFAULT_THREADS - 1) if device.type == "cpu" else 0
 
 
 def family_of(pipe: DiffusionPipeline) -> Family:

@@ -76,6 +76,9 @@ class Settings(BaseSettings):
     model_family: Family | None = None
     device: str = "auto"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    # torch's CPU threads in the worker; 0: on the CPU one fewer than torch's default, so that the
+    # finishing process, Redis and the API keep a core; on a GPU torch's default.
+    torch_threads: int = Field(0, ge=0, le=1024)
     cache_dir: Path = Path.home() / ".cache" / "slotq"
     lora_dir: Path | None = None
     lora_cache: int = Field(4, ge=1, le=64)
