@@ -185,18 +185,28 @@ class Finisher(Generic[Handoff]):
 
 def store_result(job: Job, settings: Settings, rendered: Rendered) -> dict[str, Any]:
     """Encode the images as PNG and store them for the result TTL; the job's result."""
+    pngs = encoded(settings, rendered)
+    results.of(settings).save_images(job, pngs, fault_hook(settings, job, rendered))
+    return finished(job, rendered, pngs)
+
+
+def encoded(settings: Settings, rendered: Rendered) -> list[bytes]:
+    """A job's images as PNG bytes, at SLOTQ_PNG_COMPRESS_LEVEL."""
     request, images = rendered
-    pngs = [encode_png(image, request, settings.png_compress_level) for image in images]
-    hook = _kill_worker if settings.fault_injection and _killed_here(request, job) else None
-    results.of(settings).save_images(job, pngs, hook)
-    return finished(job, request, pngs)
+    return [encode_png(image, request, settings.png_compress_level) for image in images]
 
 
-def finished(job: Job, request: JobRequest, pngs: list[bytes]) -> dict[str, Any]:
+def finished(job: Job, rendered: Rendered, pngs: list[bytes]) -> dict[str, Any]:
     """A job whose images are made: its record shows the last step; its result."""
+    request = rendered[0]
     # Every step ran (saved with the images; the GPU section leaves the last step to this process).
     job.meta["progress"] = {"step": request.steps_run, "total": request.steps_run}
     return {"images": len(pngs), "seed": request.seed}
+
+
+def fault_hook(settings: Settings, job: Job, rendered: Rendered) -> results.Hook | None:
+    """What runs between a job's image write and its record write (a test's fault), if anything."""
+    return _kill_worker if settings.fault_injection and _killed_here(rendered[0], job) else None
 
 
 def _killed_here(request: JobRequest, job: Job) -> bool:
@@ -255,12 +265,9 @@ class Finishing(RQWorker):
         job, execution = self._restored(work)
         if not plain(job):
             raise ValueError(f"job {job.id} has callbacks or repeats")
-        request, images = work.rendered
-        pngs = [encode_png(image, request, self.settings.png_compress_level) for image in images]
-        store.put_images(job, pngs)
-        if self.settings.fault_injection and not store.in_redis and _killed_here(request, job):
-            _kill_worker()  # between the images and the record, as store_result's hook does
-        return job, execution, pngs, finished(job, request, pngs)
+        pngs = encoded(self.settings, work.rendered)
+        store.put_images(job, pngs, fault_hook(self.settings, job, work.rendered))
+        return job, execution, pngs, finished(job, work.rendered, pngs)
 
     def _restored(self, work: Work) -> tuple[Job, Execution]:
         job = Job(work.job_id, connection=self.connection, serializer=self.serializer)

@@ -79,16 +79,14 @@ class Results:
     def save_images(self, job: Job, pngs: list[bytes], before_record: Hook | None = None) -> None:
         """Keep a finished job's images for the result TTL, and record how many (under the fence).
         ``before_record`` runs between the two writes where there are two (a test's fault hook)."""
-        self.put_images(job, pngs)
-        if before_record is not None and not self.in_redis:
-            before_record()
+        self.put_images(job, pngs, before_record)
         with job.connection.pipeline() as pipe:
             self.record_images(job, pngs, pipe)
             pipe.execute()
 
-    def put_images(self, job: Job, pngs: list[bytes]) -> None:
-        """The first of the two writes of a job's images, where there are two: nothing in Redis,
-        whose one write is the record's."""
+    def put_images(self, job: Job, pngs: list[bytes], before_record: Hook | None = None) -> None:
+        """The first of the two writes of a job's images, where there are two (then ``before_record``
+        runs): nothing in Redis, whose one write is the record's."""
 
     def record_images(self, job: Job, pngs: list[bytes], pipe: Pipeline) -> None:
         """Queue the record of a finished job's images (in Redis, with the bytes) on a fenced pipeline."""
@@ -152,7 +150,7 @@ class ExternalResults(Results):
             return None
         return self.blobs.get(_input_name(job.id, name))
 
-    def put_images(self, job: Job, pngs: list[bytes]) -> None:
+    def put_images(self, job: Job, pngs: list[bytes], before_record: Hook | None = None) -> None:
         # Each write of a job's images has a folder of its own, named in the record only once they
         # are all in place: an attempt that dies between the two, or a stale one whose record
         # write the fence refuses, leaves images that nothing names (the sweep removes them).
@@ -160,6 +158,8 @@ class ExternalResults(Results):
         for index, png in enumerate(pngs):
             self.blobs.put(_image_name(job.id, attempt, index), png)
         job.meta["images_at"] = attempt  # written with the record
+        if before_record is not None:
+            before_record()
 
     def record_images(self, job: Job, pngs: list[bytes], pipe: Pipeline) -> None:
         job.meta["images"] = len(pngs)
