@@ -54,7 +54,7 @@ from worker.messages import (
     Work,
     encode_png,
 )
-from worker.rq import RQWorker, plain, run_seconds
+from worker.rq import RQWorker, run_seconds
 
 log = logging.getLogger(__name__)
 Handoff = TypeVar("Handoff")
@@ -263,8 +263,6 @@ class Finishing(RQWorker):
     def _stored(self, work: Work, store: results.Results) -> Made:
         """A job of a batch finished together: restored, its images encoded and (outside Redis) stored."""
         job, execution = self._restored(work)
-        if not plain(job):
-            raise ValueError(f"job {job.id} has callbacks or repeats")
         pngs = encoded(self.settings, work.rendered)
         store.put_images(job, pngs, fault_hook(self.settings, job, work.rendered))
         return job, execution, pngs, finished(job, work.rendered, pngs)

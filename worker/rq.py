@@ -43,14 +43,14 @@ PRIVATE_METHODS: dict[tuple[type, str], list[str]] = {
 # return value that _handle_success stores as the job's result.
 PRIVATE_ATTRIBUTES: dict[str, Callable[..., Any]] = {"_stopped_job_id": SimpleWorker.handle_job_failure,
                                                      "_result": Job._handle_success}
-# What RQ's start bookkeeping writes, each through a public method: RQWorker.start writes the same
-# in one transaction. RQ's two functions must still call these (and nothing else that writes).
-START_CALLS: dict[str, tuple[Callable[..., Any], list[str]]] = {
+# What RQ's start bookkeeping and its success path write, each through the calls named: RQWorker.start
+# and RQWorker.succeed queue the same on one pipeline for a whole batch. RQ's functions must still
+# make these calls (and none other that writes).
+REPLAYED_CALLS: dict[str, tuple[Callable[..., Any], list[str]]] = {
     "prepare_execution": (prepare_execution, ["Execution.create", "set_state"]),
     "prepare_job_execution": (SimpleWorker.prepare_job_execution,
                               ["self.heartbeat", "job.heartbeat", "job.prepare_for_execution",
                                "pipeline.persist"]),
-    # And what its success path writes, which RQWorker.succeed queues for a whole batch.
     "handle_job_success": (SimpleWorker.handle_job_success,
                            ["self.increment_successful_job_count", "self.increment_total_working_time",
                             "job._handle_success", "job.cleanup", "self.cleanup_execution", "release_slot"]),
@@ -71,7 +71,7 @@ def check_rq() -> None:
     attributes = PRIVATE_ATTRIBUTES.items()
     problems += [f"rq's {reader.__name__} no longer reads self.{name}" for name, reader in attributes
                  if f"self.{name}" not in inspect.getsource(reader)]
-    for name, (function, calls) in START_CALLS.items():
+    for name, (function, calls) in REPLAYED_CALLS.items():
         body = inspect.getsource(function)
         problems += [f"rq's {name} no longer calls {call}" for call in calls if f"{call}(" not in body]
     rq_names = (Queue.redis_queue_namespace_prefix, Queue.redis_queues_keys)
