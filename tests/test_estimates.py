@@ -97,22 +97,33 @@ def test_retry_after_for_a_low_job_counts_the_jobs_that_must_leave_first(
     assert post_job(client, priority="low", **SMALL).status_code == 202
 
 
-def test_an_eta_far_down_a_long_line_extrapolates_from_the_first_jobs_ahead(
-        settings: Settings, redis: Redis) -> None:
-    # The first ETA_WALK jobs ahead are read one by one; further ones are taken to cost what those
-    # did on average, so an admission takes as long behind 10,000 jobs as behind 100.
+def test_an_eta_down_a_long_line_counts_what_the_jobs_ahead_cost(settings: Settings, redis: Redis) -> None:
+    # Each class's waiting cost is kept as a sum beside the line: an ETA reads one hash, whatever
+    # the line's length, and counts what the jobs ahead cost, exactly where they are all of one
+    # tenant (each new job the last of its class).
     from shared.contract import keys
     from tests.conftest import app_client
 
     a, b = 0.5, 2.0  # seconds: a + b * cost
     redis.hset(keys.model_key(settings.line), mapping={"a": a, "b": b})
-    walk, costs = keys.ETA_WALK, {64: 64 * 64 * 4 / 512**2, 128: 128 * 128 * 4 / 512**2}
+    cost = {side: side * side * 4 / 512**2 for side in (64, 128)}  # cost units of a 4-step job
+    small, large = a + b * cost[64], a + b * cost[128]
     with contextmanager(app_client)(settings.model_copy(update={"queue_capacity": 1000})) as api:
-        etas = [post_job(api, width=64, height=64, steps=4).get_json()["eta_s"]["start"] for _ in range(walk)]
-        etas += [post_job(api, width=128, height=128, steps=4).get_json()["eta_s"]["start"]
-                 for _ in range(walk // 2)]
-    small = a + b * costs[64]
-    assert etas[:walk] == pytest.approx([index * small for index in range(walk)])  # read one by one
-    # Behind more than ETA_WALK jobs: the first ETA_WALK of them (all small) stand for the rest.
-    assert etas[-1] == pytest.approx((walk + walk // 2 - 1) * small)
-    assert etas[-1] < walk * small + (walk // 2 - 1) * (a + b * costs[128])  # the exact sum, not taken
+        etas = [post_job(api, width=side, height=side, steps=4).get_json()["eta_s"]["start"]
+                for side in [64] * 25 + [128] * 12]
+        high = post_job(api, width=64, height=64, steps=4, priority="high").get_json()
+        low = post_job(api, width=64, height=64, steps=4, priority="low").get_json()
+        queued = [api.get(f"/v1/jobs/{job['id']}").get_json() for job in (high, low)]
+        # Out of the line again (canceled): the sums follow.
+        assert api.delete(f"/v1/jobs/{high['id']}").status_code == 200
+        after = post_job(api, width=64, height=64, steps=4, priority="low").get_json()
+    assert etas[:25] == pytest.approx([index * small for index in range(25)])
+    assert etas[25:] == pytest.approx([25 * small + index * large for index in range(12)])  # the exact sums
+    assert high["eta_s"]["start"] == pytest.approx(0)  # first in line
+    # The low job waits behind the high one and every normal one; GET says what admission said.
+    assert low["eta_s"]["start"] == pytest.approx(small + 25 * small + 12 * large)
+    assert [view["eta_s"]["start"] for view in queued] == pytest.approx([0, low["eta_s"]["start"]])
+    assert after["eta_s"]["start"] == pytest.approx(25 * small + 12 * large + small)
+    sums = redis.hgetall(f"{keys.line_key(settings.line)}:costs")
+    assert {name.decode(): float(value) for name, value in sums.items()} == pytest.approx(
+        {"high": 0, "normal": 25 * cost[64] + 12 * cost[128], "low": 2 * cost[64]})

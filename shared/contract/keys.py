@@ -17,7 +17,6 @@ QUEUE_SEPARATOR = ":"
 LOG_LENGTH = 512  # events a job's log keeps (about: XADD's MAXLEN ~); a job has a few dozen
 PREVIEW_TTL_MS = 120_000  # a job's latest preview outlives the longest preview interval (60 s)
 DOORBELL_TOKENS = 16  # enough to wake every idle worker of a host; more would only spin them
-ETA_WALK = 25  # jobs ahead an ETA reads one by one; it extrapolates beyond (lua/lib/starts_in.lua)
 JOB_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")  # use with fullmatch: "$" allows a final newline
 
 

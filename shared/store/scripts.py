@@ -32,7 +32,6 @@ CONSTANTS = {
     "RQ_QUEUE_PREFIX": keys.RQ_QUEUE_PREFIX,
     "RQ_QUEUES_KEY": keys.RQ_QUEUES_KEY,
     "DOORBELL_TOKENS": str(keys.DOORBELL_TOKENS),
-    "ETA_WALK": str(keys.ETA_WALK),
 }
 
 

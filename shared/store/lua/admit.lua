@@ -12,7 +12,7 @@ local p = cjson.decode(ARGV[1])
 local line, prefix = line_of(p.queue), p.job_prefix
 local now = expire_due(line, KEYS[3], prefix, p.ended_at, p.record_ttl, p.channel, p.outbox, p.ended,
                        p.inputs_ttl)
-local function frees_in(index) return num(starts_in(line, prefix, KEYS[6], KEYS[7], now, index)) end
+local function frees_in(index, counts) return num(starts_in(line, KEYS[6], KEYS[7], now, index, counts)) end
 if p.digest then
   local prior = redis.call('GET', KEYS[2])
   if prior then return {-2, prior} end
@@ -28,10 +28,10 @@ end
 local counts, total = line_counts(line)
 if p.max_queued and line_tenant_count(line, p.tenant) >= p.max_queued then
   -- A place frees for this tenant when the first of its waiting jobs starts.
-  return {-4, frees_in(line_tenant_first(line, p.tenant, counts) or 0)}
+  return {-4, frees_in(line_tenant_first(line, p.tenant, counts) or 0, counts)}
 end
 -- The class's share of the line: `limit` places for normal, fewer for low, more for high.
-if total >= p.limit then return {-1, frees_in(total - p.limit)} end
+if total >= p.limit then return {-1, frees_in(total - p.limit, counts)} end
 -- The job's hash in one write: RQ's fields, then its place in the fair order.
 local tag = line_tag(line, p.priority, p.tenant, p.cost)
 redis.call('HSET', KEYS[1], 'priority', p.priority, 'tenant', p.tenant, 'cost', num(p.cost), 'tag', num(tag),
@@ -39,7 +39,7 @@ redis.call('HSET', KEYS[1], 'priority', p.priority, 'tenant', p.tenant, 'cost', 
 for index, name in ipairs(p.inputs or {}) do
   redis.call('HSET', KEYS[8], name, ARGV[1 + p.fields + index])
 end
-line_insert(line, p.id, p.priority, p.tenant, tag, false)
+line_insert(line, p.id, p.priority, p.tenant, tag, p.cost, false)
 if p.rate then
   redis.call('HSET', KEYS[5], 'tokens', num(tokens - p.cost), 'at', num(now))
   redis.call('EXPIRE', KEYS[5], math.ceil(p.burst / p.rate) + 60)
@@ -61,7 +61,8 @@ if p.deadline_s then
   meta['deadline_at'] = deadline
   redis.call('HSET', KEYS[1], 'meta', cjson.encode(meta))
 end
+counts[p.priority] = counts[p.priority] + 1  -- the job itself, inserted since
 local position = line_position(line, p.priority, p.id, counts)
 local own = job_seconds(KEYS[6], p.cost)
-local start = own and starts_in(line, prefix, KEYS[6], KEYS[7], now, position)
+local start = own and starts_in(line, KEYS[6], KEYS[7], now, position, counts, p.priority, p.cost)
 return {position, own and num(start) or false, own and num(start + own) or false, deadline and num(deadline)}

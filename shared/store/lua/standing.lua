@@ -7,7 +7,7 @@ local position = line_position(line, f[2] or 'normal', ARGV[2])
 local own = job_seconds(KEYS[2], tonumber(f[1]) or 0)
 if not own then return {position or false} end
 if position then
-  local start = starts_in(line, ARGV[3], KEYS[2], KEYS[3], now, position)
+  local start = starts_in(line, KEYS[2], KEYS[3], now, position, nil, f[2] or 'normal', tonumber(f[1]) or 0)
   return {position, num(start), num(start + own)}
 end
 local entry = redis.call('HGET', KEYS[3], ARGV[4])

@@ -1,6 +1,7 @@
 -- The waiting line (shared/store/waiting.py). Waiting ids sit in RQ's own lists, one per priority
 -- class and tenant, so `rq info` and rq.Queue see them; a sorted set per class orders them by start
--- tag (start-time fair queueing by cost). Every function keeps the lists and the order in step.
+-- tag (start-time fair queueing by cost); a hash holds each class's waiting cost in all, which ETAs
+-- are drawn from. Every function keeps the lists, the order and the costs in step.
 local CLASSES = {'high', 'normal', 'low'}
 local function num(x) return string.format('%.17g', x) end
 -- One queue's line: its RQ lists are named after the queue, its bookkeeping under `key`.
@@ -11,6 +12,7 @@ local function rq_list(line, class, tenant)
   return '@RQ_QUEUE_PREFIX@' .. name
 end
 local function order_key(line, class) return line.key .. ':' .. class end
+local function costs_key(line) return line.key .. ':costs' end
 -- How many wait in each class, and in all.
 local function line_counts(line)
   local counts, total = {}, 0
@@ -20,14 +22,37 @@ local function line_counts(line)
   end
   return counts, total
 end
+-- What the first `index` jobs of the line cost in all: each class whole ahead of the job at
+-- `index` by its sum, and of the class it stands in the share it is ahead of, at that class's
+-- average cost (without `own`, the cost of a job of `own_class` at `index`, where one is there).
+-- It reads one hash however long the line is.
+local function line_cost_ahead(line, index, counts, own_class, own)
+  local sums = redis.call('HMGET', costs_key(line), unpack(CLASSES))
+  local jobs, cost = 0, 0
+  for i, class in ipairs(CLASSES) do
+    if jobs >= index then break end
+    local n, sum = counts[class], math.max(0, tonumber(sums[i]) or 0)
+    local take = math.min(index - jobs, n)
+    if take == n then
+      cost = cost + sum
+    elseif class == own_class and n > 1 then
+      cost = cost + take * math.max(0, sum - own) / (n - 1)
+    else
+      cost = cost + take * sum / n
+    end
+    jobs = jobs + take
+  end
+  return cost, jobs
+end
 local function line_tenant_count(line, tenant)
   local total = 0
   for _, class in ipairs(CLASSES) do total = total + redis.call('LLEN', rq_list(line, class, tenant)) end
   return total
 end
 -- Into the line; `front` puts it at the head of its tenant's list (a requeue, as RQ's at_front).
-local function line_insert(line, id, class, tenant, tag, front)
+local function line_insert(line, id, class, tenant, tag, cost, front)
   redis.call('ZADD', order_key(line, class), tag, id)
+  redis.call('HINCRBYFLOAT', costs_key(line), class, cost)
   local list = rq_list(line, class, tenant)
   redis.call(front and 'LPUSH' or 'RPUSH', list, id)
   redis.call('SADD', '@RQ_QUEUES_KEY@', list)
@@ -53,25 +78,28 @@ local function line_unlist(line, class, tenant, id)
 end
 -- Out of the line without running (canceled, expired); false when it was not waiting.
 local function line_remove(line, job_key, id)
-  local f = redis.call('HMGET', job_key, 'priority', 'tenant')
+  local f = redis.call('HMGET', job_key, 'priority', 'tenant', 'cost')
   local class, tenant = f[1] or 'normal', f[2] or ''
   if redis.call('ZREM', order_key(line, class), id) == 0 then return false end
+  redis.call('HINCRBYFLOAT', costs_key(line), class, -(tonumber(f[3]) or 0))
   -- A tenant that withdrew all it had waiting owes no turn for the work that never ran.
   if line_unlist(line, class, tenant, id) then redis.call('HDEL', line.key .. ':finish', class .. ' ' .. tenant) end
   return true
 end
 -- Back in the line after an interrupted or lost run, with its own tag: first in its class.
 local function line_requeue(line, job_key, id)
-  local f = redis.call('HMGET', job_key, 'priority', 'tenant', 'tag')
+  local f = redis.call('HMGET', job_key, 'priority', 'tenant', 'tag', 'cost')
   local class = f[1] or 'normal'
   local tag = tonumber(f[3]) or tonumber(redis.call('HGET', line.key .. ':vtime', class)) or 0
-  line_insert(line, id, class, f[2] or '', tag, true)
+  line_insert(line, id, class, f[2] or '', tag, tonumber(f[4]) or 0, true)
 end
 -- A job leaves the line for a worker: the class's virtual time moves up to its tag.
 local function line_taken(line, job_prefix, class, id, tag)
   local vtime = tonumber(redis.call('HGET', line.key .. ':vtime', class)) or 0
   redis.call('HSET', line.key .. ':vtime', class, num(math.max(vtime, tonumber(tag))))
-  line_unlist(line, class, redis.call('HGET', job_prefix .. id, 'tenant') or '', id)
+  local f = redis.call('HMGET', job_prefix .. id, 'tenant', 'cost')
+  redis.call('HINCRBYFLOAT', costs_key(line), class, -(tonumber(f[2]) or 0))
+  line_unlist(line, class, f[1] or '', id)
 end
 local function line_pop(line, job_prefix)
   for _, class in ipairs(CLASSES) do
