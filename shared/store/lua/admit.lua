@@ -12,7 +12,9 @@ local p = cjson.decode(ARGV[1])
 local line, prefix = line_of(p.queue), p.job_prefix
 local now = expire_due(line, KEYS[3], prefix, p.ended_at, p.record_ttl, p.channel, p.outbox, p.ended,
                        p.inputs_ttl)
-local function frees_in(index, counts) return num(starts_in(line, KEYS[6], KEYS[7], now, index, counts)) end
+local function frees_in(index, counts)
+  return num(starts_in(line, job_model(KEYS[6]), KEYS[7], now, index, counts))
+end
 if p.digest then
   local prior = redis.call('GET', KEYS[2])
   if prior then return {-2, prior} end
@@ -63,6 +65,7 @@ if p.deadline_s then
 end
 counts[p.priority] = counts[p.priority] + 1  -- the job itself, inserted since
 local position = line_position(line, p.priority, p.id, counts)
-local own = job_seconds(KEYS[6], p.cost)
-local start = own and starts_in(line, KEYS[6], KEYS[7], now, position, counts, p.priority, p.cost)
+local model = job_model(KEYS[6])
+local own = job_seconds(model, p.cost)
+local start = own and starts_in(line, model, KEYS[7], now, position, counts, p.priority, p.cost)
 return {position, own and num(start) or false, own and num(start + own) or false, deadline and num(deadline)}

@@ -7,8 +7,8 @@ local function job_model(model_key)
   if not a then return nil end
   return {a, b}
 end
-local function job_seconds(model_key, cost)
-  local model = job_model(model_key)
+-- What a job of this cost takes by the model, or nil without one.
+local function job_seconds(model, cost)
   return model and model[1] + model[2] * cost
 end
 local function running_left(model, running_key, now)

@@ -3,10 +3,10 @@
 -- have left plus the jobs ahead of it, shared among the workers running now. Admission asks it
 -- when a refused place frees; GET /v1/jobs asks it for a waiting job's ETA. The jobs ahead cost
 -- what their classes' sums say (line_cost_ahead), so the answer takes as long with 10,000 jobs
--- ahead as with one. `counts` (of line_counts), when given, spares the classes' ZCARDs; `own_class`
--- and `own` name the class and cost of the job at `index`, where it waits.
-local function starts_in(line, model_key, running_key, now, index, counts, own_class, own)
-  local model = job_model(model_key)  -- once: read for the running jobs and the ones ahead
+-- ahead as with one. `model` is job_model's (read once by the caller); `counts` (of line_counts),
+-- when given, spares the classes' ZCARDs; `own_class` and `own` name the class and cost of the job
+-- at `index`, where it waits.
+local function starts_in(line, model, running_key, now, index, counts, own_class, own)
   local left = running_left(model, running_key, now)
   local busy = 0
   for _, seconds in ipairs(left) do busy = busy + seconds end
