@@ -324,7 +324,8 @@ def loop_rate(pipeline: Any, case: ImageCase, threads: int) -> float:
 def ceiling_threads(pipeline: Any, case: ImageCase, trials: int) -> int:
     """The faster for this case of torch's default thread count and one fewer (the worker's two
     candidates), by the median of ``trials`` alternating loops each: the ceiling's count, fixed for
-    every round (the faster of two noisy loops each round would be a ceiling raised by the noise)."""
+    every round (the faster of two noisy loops each round would be a ceiling raised by the noise);
+    with no trials, the worker's count (the fewer)."""
     from worker.pipeline import TORCH_DEFAULT_THREADS
 
     counts = sorted({max(1, TORCH_DEFAULT_THREADS - 1), TORCH_DEFAULT_THREADS})
@@ -439,7 +440,7 @@ def image_figure(pipeline: Any, port: int, case: ImageCase, rounds: int, warm_up
     """One case's rounds, each the loop, the service and the loop again; its line."""
     for _ in range(warm_ups):  # the first calls of a shape are slower: warm up, untimed
         loop_rate(pipeline, case, 1)
-    threads = ceiling_threads(pipeline, case, 1 if rounds == 1 else 3)
+    threads = ceiling_threads(pipeline, case, 0 if rounds == 1 else 3)  # quick: the worker's count
     long = LongJob.lasting(LONG_JOB_S, case, 1 / loop_rate(pipeline, case, threads))
     service_rate(port, case, LongJob(case.size, 16), 10**6)  # warm up the service's paths, untimed
     loops: list[float] = []

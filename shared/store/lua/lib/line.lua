@@ -136,17 +136,6 @@ local function line_tenant_first(line, tenant, counts)
   end
   return nil
 end
--- The first `count` ids in the order workers take them.
-local function line_head(line, count)
-  local ids = {}
-  for _, class in ipairs(CLASSES) do
-    if #ids >= count then break end
-    for _, id in ipairs(redis.call('ZRANGE', order_key(line, class), 0, count - #ids - 1)) do
-      table.insert(ids, id)
-    end
-  end
-  return ids
-end
 -- Whether every adapter an adapters key names ("ink:1.0,neon:0.5"; '' for none) is in `resident`.
 local function adapters_resident(key, resident)
   for name in string.gmatch(key, '([^,:]+):[^,]*') do
