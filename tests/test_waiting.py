@@ -385,3 +385,59 @@ def test_affinity_keeps_fair_share_between_tenants_within_the_bound(settings: Se
     for claims in range(1, len(affine) + 1):  # so neither tenant falls behind its turns by more
         served = [tenant_of[job_id] for job_id in affine[:claims]]
         assert abs(served.count("a") - served.count("b")) <= max_skip + 1, served
+
+
+# --- the classes' waiting-cost sums, which ETAs read, follow every way a job leaves or comes back ---
+
+def waiting_costs(redis: Redis, line: str) -> tuple[dict[str, float], dict[str, float]]:
+    """Each class's kept sum, and the sum of the `cost` fields of the jobs that wait in it."""
+    sums = redis.hgetall(f"{keys.line_key(line)}:costs")
+    kept = {name.decode(): float(value) for name, value in sums.items()}
+    actual = {}
+    for class_ in ("high", "normal", "low"):
+        ids = redis.zrange(f"{keys.line_key(line)}:{class_}", 0, -1)
+        actual[class_] = sum(float(redis.hget(Job.key_for(i.decode()), "cost") or 0) for i in ids)
+    return {class_: kept.get(class_, 0.0) for class_ in actual}, actual
+
+
+def test_the_cost_sums_follow_claims_batches_requeues_cancels_and_expiry_back_to_zero(
+        keyed: FlaskClient, redis: Redis, settings: Settings) -> None:
+    # Every script that moves a job in or out of the line keeps its class's sum in step: after each
+    # move the sums equal what the waiting jobs cost, and a drained line's sums are zero.
+    line, claims = settings.line, keys.claims_key("sums-worker")
+    sizes = [(64, 4), (128, 8), (256, 4), (64, 12)]
+    for index in range(16):
+        key = ["key-a", "key-c", "key-ops", "key-batch"][index % 4]
+        priority = {"key-batch": "low", "key-ops": "high"}.get(key, "normal")
+        side, steps = sizes[index // 4]
+        response = submit(keyed, key, priority=priority, width=side, height=side, steps=steps)
+        assert response.status_code == 202, response.get_json()
+    doomed = submit(keyed, "key-a", width=128, height=128, deadline_s=0.05).get_json()["id"]
+    canceled = submit_id(keyed, "key-c", "normal")
+
+    def in_step(after: str) -> None:
+        kept, actual = waiting_costs(redis, line)
+        assert kept == pytest.approx(actual, abs=1e-9), after
+
+    in_step("admissions")
+    assert all(waiting_costs(redis, line)[0].values())  # every class holds work
+    assert keyed.delete(f"/v1/jobs/{canceled}", headers={"Authorization": "Bearer key-c"}).status_code == 200
+    in_step("a cancel")
+    queue = Queue(settings.queue_name, connection=redis)
+    wait_for(lambda: waiting.expire_due(queue, settings, line)
+             and waiting.position(redis, line, doomed) is None, what="the job past its deadline to expire")
+    in_step("an expiry")
+    first = waiting.claim(redis, line, claims)
+    assert first is not None
+    in_step("a claim")
+    waiting.requeue(redis, line, first.job_id)
+    in_step("a requeue")
+    again = waiting.claim(redis, line, claims, waiting.Affinity(2, "", ()))
+    assert again is not None and again.job_id == first.job_id  # the head of its class again
+    in_step("a claim with affinity")
+    batches = 0
+    while (claimed := waiting.claim(redis, line, claims)) is not None:
+        batches += bool(waiting.claim_compatible(redis, line, claims, claimed, 3, 8))
+        in_step("a batch's claims")
+    assert batches and sum(waiting.counts(redis, line).values()) == 0
+    assert waiting_costs(redis, line)[0] == pytest.approx({"high": 0, "normal": 0, "low": 0}, abs=1e-9)
