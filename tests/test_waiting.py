@@ -441,3 +441,17 @@ def test_the_cost_sums_follow_claims_batches_requeues_cancels_and_expiry_back_to
         in_step("a batch's claims")
     assert batches and sum(waiting.counts(redis, line).values()) == 0
     assert waiting_costs(redis, line)[0] == pytest.approx({"high": 0, "normal": 0, "low": 0}, abs=1e-9)
+
+
+def test_recounting_sets_the_sums_of_jobs_admitted_before_they_were_kept(keyed: FlaskClient, redis: Redis,
+                                                                         settings: Settings) -> None:
+    # A Redis holding a line from a version that kept no sums: the worker recounts them at start.
+    for key, priority in [("key-a", "normal"), ("key-c", "normal"), ("key-ops", "high"),
+                          ("key-batch", "low")]:
+        submit_id(keyed, key, priority)
+    submit(keyed, "key-a", width=256, height=256, steps=12)
+    kept, actual = waiting_costs(redis, settings.line)
+    redis.delete(f"{keys.line_key(settings.line)}:costs")
+    assert waiting.recount_costs(redis, settings.line) == pytest.approx(actual)
+    assert waiting_costs(redis, settings.line)[0] == pytest.approx(actual)
+    assert all(actual.values()) and kept == pytest.approx(actual)

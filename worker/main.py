@@ -60,6 +60,7 @@ class SlotWorker(Outcomes):
         self.finisher: Finisher[list[Member]] = Finisher(self.settings, self.name, self._finished,
                                                          self._lost)
         self._register()
+        waiting.recount_costs(self.connection, self.settings.line)  # sums kept by an older version
         beating = threading.Event()
         heart = threading.Thread(target=self._beat, args=(beating,), name="heartbeat", daemon=True)
         heart.start()

@@ -106,6 +106,12 @@ def remove(connection: Redis, line: str, job_id: str) -> bool:
     return bool(scripts.run(connection, "remove", [Job.key_for(job_id)], [line, job_id]))
 
 
+def recount_costs(connection: Redis, line: str) -> dict[str, float]:
+    """Set each class's waiting-cost sum (which ETAs read) to what its waiting jobs cost; the sums."""
+    flat = scripts.run(connection, "recount_costs", [], [line, Job.redis_job_namespace_prefix])
+    return {name.decode(): float(value) for name, value in zip(flat[::2], flat[1::2], strict=True)}
+
+
 def counts(connection: Redis, line: str) -> dict[str, int]:
     """How many jobs wait in each class."""
     answer = scripts.run(connection, "counts", [], [line])
