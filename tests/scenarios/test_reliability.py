@@ -197,7 +197,10 @@ def test_redis_restart_loses_no_queued_job(private_redis: RedisServer, tmp_path:
     client = next(clients)
     worker = start_worker(settings, tmp_path / "worker.log")
     try:
-        ids = [post_job(client, width=256, height=256, steps=6, seed=i).get_json()["id"] for i in range(6)]
+        # The first job runs for about a second even on a fast machine (a 256x256 job of 6 steps took
+        # 0.1 s there, over before any poll saw it step): Redis stops while it runs, the rest waiting.
+        sizes = [{"width": 512, "height": 512, "steps": 24}] + [{"width": 256, "height": 256, "steps": 6}] * 5
+        ids = [post_job(client, seed=i, **size).get_json()["id"] for i, size in enumerate(sizes)]
         wait_for_step(client, ids[0])
         private_redis.stop()
         assert post_job(client).status_code == 503
