@@ -28,6 +28,7 @@ class Submitted:
 
     view: JobView
     replayed: bool
+    about: str  # the log's words for it: "admitted job <id>: model ..., 64x64, 4 steps, ..."
     waited: int | None = None  # the ``Prefer: wait=N`` applied: the job ended within it
 
 
@@ -65,7 +66,8 @@ class Jobs:
             assert admitted.record is not None and admitted.position is not None
             view = records.admitted_view(admitted.job_id, admitted.record.request, admitted.record.created_at,
                                          admitted.position, admitted.eta, admitted.deadline_at)
-        return Submitted(view, admitted.replayed, wait if wait and view.status.is_terminal else None)
+        about = admission.describe(self.settings, admitted, submission.request)
+        return Submitted(view, admitted.replayed, about, wait if wait and view.status.is_terminal else None)
 
     def read(self, job_id: str, tenant: Tenant | None = None, wait: float | None = None) -> JobView:
         """A job's view; with ``wait``, once its status changes or ``wait`` seconds pass."""

@@ -43,9 +43,11 @@ def end_request(response: Response) -> Response:
         metrics.admission(context.get("error_code") or context.get("admission") or "admitted")
     level = logging.DEBUG if route in QUIET_ROUTES else logging.INFO
     if log.isEnabledFor(level):
-        log.log(level, "%s %s %d %.1f ms", method, asked.path, status, 1000 * seconds,
-                extra={"method": method, "route": route, "status": status,
-                       "duration_ms": round(1000 * seconds, 2)})
+        # An admission's line begins with what was admitted: one line a submit, not two.
+        about = context.get("about")
+        log.log(level, "%s%s %s %d %.1f ms", f"{about}; " if about else "", method, asked.path, status,
+                1000 * seconds, extra={"method": method, "route": route, "status": status,
+                                       "duration_ms": round(1000 * seconds, 2)})
     if (token := context.pop("request_id_token", None)) is not None:
         logs.request_id.reset(token)
     return response

@@ -64,6 +64,7 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
     submission, wait = _submission(), longpoll.preferred_wait(request.headers.getlist("Prefer"))
     submitted = _jobs().submit(submission, Ticket(_idempotency_key(), _tenant(), g.get("request_id")), wait)
     g.admission = "replayed" if submitted.replayed else "admitted"
+    g.about = submitted.about  # the request's log line says it (api/observability.py)
     headers = {"Location": f"/v1/jobs/{submitted.view.id}"}
     if submitted.waited:
         headers["Preference-Applied"] = f"wait={submitted.waited}"

@@ -133,11 +133,19 @@ def enqueue_job(queue: Queue, settings: Settings, request: JobRequest,
         store.drop_inputs(record.id, inputs)  # the first job has its own
     if settings.min_replicas_ack:
         _await_replicas(queue.connection, settings, admission.job_id, name)
-    log.info("%s job %s: model %s, priority %s, %dx%d, %d steps, prompt %s",
-             "replayed" if admission.replayed else "admitted", admission.job_id, request.model,
-             request.priority, request.width, request.height, request.steps,
-             logs.prompt_for_log(settings, request.prompt))
     return admission
+
+
+def describe(settings: Settings, admission: Admission, submitted: JobRequest) -> str:
+    """What a log line says of a submit: the job admitted (as admitted: its model, its priority) or
+    replayed, and what it asks for. The API writes it on the request's own line: one line an
+    admission, not two (each line is a formatted record and a write: two were a sixteenth of an
+    admission's CPU under load)."""
+    request = admission.record.request if admission.record else submitted
+    return (f"{'replayed' if admission.replayed else 'admitted'} job {admission.job_id}: model "
+            f"{request.model or settings.default_model}, priority {request.priority}, "
+            f"{request.width}x{request.height}, {request.steps} steps, "
+            f"prompt {logs.prompt_for_log(settings, request.prompt)}")
 
 
 def _for_model(settings: Settings, request: JobRequest) -> JobRequest:
