@@ -39,7 +39,7 @@ from shared.contract.images import InputName
 from shared.contract.jobs import JobRequest, Priority
 from shared.contract.settings import Settings
 from shared.contract.tenants import Tenant, job_cost
-from shared.store import results, scripts
+from shared.store import autopipeline, results
 from shared.store.connection import text
 from shared.store.records import fetch_job
 
@@ -124,7 +124,9 @@ def enqueue_job(queue: Queue, settings: Settings, request: JobRequest,
     params = _parameters(line, settings, record.id, request, tenant, cost, digest, len(fields),
                          list(in_script))
     try:
-        answer = scripts.run(queue.connection, "admit", script_keys, [params, *fields, *in_script.values()])
+        # Shares its round trip with the admissions that other requests of this process make now.
+        answer = autopipeline.of(queue.connection).run("admit", script_keys,
+                                                       [params, *fields, *in_script.values()])
         admission = _admission(queue, record, answer, digest, tenant)
     except BaseException:
         store.drop_inputs(record.id, inputs)  # refused: nothing of it stays behind

@@ -9,6 +9,7 @@ prefixes, which suits one Redis (with replicas or Sentinel) but not Redis Cluste
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Sequence
 from functools import cache
@@ -57,6 +58,12 @@ def source(name: str) -> str:
     text = "\n".join([*parts, path.read_text()])
     text = re.sub(r"@([A-Z_]+)@", lambda match: CONSTANTS[match.group(1)], text)
     return text
+
+
+@cache
+def sha(name: str) -> str:
+    """The SHA1 that EVALSHA names the script by."""
+    return hashlib.sha1(source(name).encode()).hexdigest()
 
 
 _SCRIPTS: dict[str, Script] = {}

@@ -1,0 +1,138 @@
+"""Auto-pipelining: the script calls that requests of one process make at the same moment, sent
+to Redis in one round trip.
+
+Under load an API process has several requests admitting at once, and each script call paid a
+round trip of its own: a pool checkout (with its readiness poll), a send that wakes Redis, a read.
+On a small machine that round trip was the largest single cost of an admission. Here the first
+caller sends; whoever calls while its round trip is out waits for it to come back, and the first
+of them then sends all that gathered as one pipeline (``transaction=False``), then hands on. At
+low load every call goes alone, at once; no call waits on a timer. (ioredis's
+``enableAutoPipelining`` does the same; redis-py has no such switch.)
+
+Nothing about a call changes: each is still one ``EVALSHA`` that Redis runs atomically, on its
+own, in arrival order; a pipeline only shares the socket. A call's error is its own (a script's
+refusal, NOSCRIPT); a connection error reaches every call of that round trip, as it would have
+reached each alone.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis import Redis
+from redis.exceptions import NoScriptError
+
+from shared.store import scripts
+
+MAX_CALLS = 32  # a round trip's calls at most: bounds one send (a call may carry input images)
+
+
+@dataclass(eq=False)
+class _Call:
+    """One caller's script call, and how it ended (or that it is to lead the next round trip)."""
+
+    name: str
+    keys: Sequence[str]
+    args: Sequence[Any]
+    # Looked up per call, not bound here: gevent patches threading after this module is imported.
+    woken: threading.Event = field(default_factory=lambda: threading.Event())
+    leads: bool = False
+    finished: bool = False
+    result: Any = None
+    error: BaseException | None = None
+
+    def end(self, result: Any = None, error: BaseException | None = None) -> None:
+        self.result, self.error, self.finished = result, error, True
+        self.woken.set()
+
+
+class AutoPipeline:
+    """Script calls on one client; concurrent ones share round trips (threads or greenlets)."""
+
+    def __init__(self, client: Redis) -> None:
+        self._client = client
+        self._lock = threading.Lock()
+        self._gathered: list[_Call] = []
+        self._out = False  # a round trip is out: new calls gather for the next one
+        self.round_trips = 0  # how many were sent, for the tests and the benchmarks
+
+    def run(self, name: str, keys: Sequence[str] = (), args: Sequence[Any] = ()) -> Any:
+        """Run one script with EVALSHA and return its answer, as ``scripts.run`` does."""
+        call = _Call(name, keys, args)
+        with self._lock:
+            self._gathered.append(call)
+            call.leads = not self._out
+            self._out = True
+        while not call.finished:
+            if call.leads:
+                self._lead()
+            else:
+                call.woken.wait()
+                call.woken.clear()
+        if call.error is not None:
+            raise call.error
+        return call.result
+
+    def _lead(self) -> None:
+        """Send what gathered (the leader's own call among it), then hand the lead on."""
+        with self._lock:
+            batch, self._gathered = self._gathered[:MAX_CALLS], self._gathered[MAX_CALLS:]
+            self.round_trips += 1
+        try:
+            self._send(batch)
+        except BaseException as exc:
+            for call in batch:
+                if not call.finished:
+                    call.end(error=exc)
+        finally:
+            with self._lock:
+                if self._gathered:
+                    successor = self._gathered[0]
+                    successor.leads = True
+                    successor.woken.set()
+                else:
+                    self._out = False
+
+    def _send(self, batch: list[_Call]) -> None:
+        answers = self._pipelined(batch)
+        missing = [index for index, answer in enumerate(answers) if isinstance(answer, NoScriptError)]
+        if missing:  # a restarted or flushed Redis: load those scripts, then send their calls again
+            for name in {batch[index].name for index in missing}:
+                self._client.script_load(scripts.source(name))
+            for index, answer in zip(missing, self._pipelined([batch[index] for index in missing]),
+                                     strict=True):
+                answers[index] = answer
+        for call, answer in zip(batch, answers, strict=True):
+            if isinstance(answer, BaseException):
+                call.end(error=answer)
+            else:
+                call.end(result=answer)
+
+    def _pipelined(self, batch: list[_Call]) -> list[Any]:
+        if len(batch) == 1:  # alone: a plain call, without a pipeline's bookkeeping
+            (call,) = batch
+            try:
+                return [self._client.evalsha(scripts.sha(call.name), len(call.keys), *call.keys, *call.args)]
+            except NoScriptError as exc:
+                return [exc]
+        with self._client.pipeline(transaction=False) as pipe:
+            for call in batch:
+                pipe.evalsha(scripts.sha(call.name), len(call.keys), *call.keys, *call.args)
+            return pipe.execute(raise_on_error=False)
+
+
+_pipelines: weakref.WeakKeyDictionary[Redis, AutoPipeline] = weakref.WeakKeyDictionary()
+_made = threading.Lock()
+
+
+def of(client: Redis) -> AutoPipeline:
+    """The auto-pipeline of this client (one a client, made on first use)."""
+    pipeline = _pipelines.get(client)
+    if pipeline is None:
+        with _made:
+            pipeline = _pipelines.setdefault(client, AutoPipeline(client))
+    return pipeline

@@ -1,0 +1,145 @@
+"""shared/store/autopipeline.py: concurrent script calls share round trips, each keeps its own answer."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+from flask.testing import FlaskClient
+from redis import Redis
+from redis.backoff import NoBackoff
+from redis.exceptions import ResponseError
+from redis.retry import Retry
+
+from shared.contract.settings import Settings
+from shared.store import autopipeline
+from shared.store.autopipeline import AutoPipeline
+from tests.conftest import post_job, wait_for, waiting_ids
+
+CALLERS = 10
+
+
+def evalsha_calls(redis: Redis) -> int:
+    return int(redis.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+@contextmanager
+def redis_paused(redis: Redis) -> Iterator[None]:
+    """Redis holds every script call until the block ends (CLIENT PAUSE WRITE: reads and CLIENT go on)."""
+    redis.execute_command("CLIENT", "PAUSE", 10_000, "WRITE")  # scripts may write: held too
+    try:
+        yield
+    finally:
+        redis.execute_command("CLIENT", "UNPAUSE")
+
+
+def in_threads(calls: list[Callable[[], Any]]) -> tuple[list[threading.Thread], dict[int, Any]]:
+    """Start each call on a thread of its own; their answers (or errors) by index, once joined."""
+    answers: dict[int, Any] = {}
+
+    def run(index: int, call: Callable[[], Any]) -> None:
+        try:
+            answers[index] = call()
+        except Exception as exc:  # the test asserts on it
+            answers[index] = exc
+
+    threads = [threading.Thread(target=run, args=(index, call)) for index, call in enumerate(calls)]
+    for thread in threads:
+        thread.start()
+    return threads, answers
+
+
+def gathered(pipeline: AutoPipeline, count: int) -> Callable[[], bool]:
+    return lambda: len(pipeline._gathered) == count
+
+
+def test_calls_made_while_a_round_trip_is_out_go_together_in_the_next(redis: Redis) -> None:
+    pipeline, line = AutoPipeline(Redis.from_url(_url(redis))), "autopipe"
+    assert pipeline.run("counts", [], [line]) == [0, 0, 0]  # alone; and the script is loaded
+    before = evalsha_calls(redis)
+    with redis_paused(redis):
+        # The first call goes out at once and waits on the paused Redis; the others gather behind it.
+        threads, answers = in_threads([lambda: pipeline.run("counts", [], [line])])
+        wait_for(lambda: pipeline.round_trips == 2, what="the first call's round trip")
+        more, more_answers = in_threads([lambda: pipeline.run("counts", [], [line])] * CALLERS)
+        wait_for(gathered(pipeline, CALLERS), what="the other calls gathered")
+    for thread in threads + more:
+        thread.join(30)
+    assert answers == {0: [0, 0, 0]} and more_answers == dict.fromkeys(range(CALLERS), [0, 0, 0])
+    assert pipeline.round_trips == 3  # the first alone, then the ten in one
+    # Still one EVALSHA a call: Redis runs each script on its own, atomically.
+    assert evalsha_calls(redis) - before == 1 + CALLERS
+
+
+def test_admissions_made_at_once_share_round_trips_and_keep_the_cap_exact(
+        settings: Settings, redis: Redis, client: FlaskClient) -> None:
+    # The API admits through the auto-pipeline: six submits made while the first one's round trip
+    # is out go to Redis together, and the line's cap (5) still holds exactly.
+    pipeline = autopipeline.of(client.application.extensions["slotq.queue"].connection)
+    assert post_job(client, prompt="loads the script").status_code == 202
+    trips = pipeline.round_trips
+    with redis_paused(redis):
+        threads, first = in_threads([lambda: post_job(client).status_code])
+        wait_for(lambda: pipeline.round_trips == trips + 1, what="the first submit's round trip")
+        more, answers = in_threads([lambda: post_job(client).status_code] * 6)
+        wait_for(gathered(pipeline, 6), what="six submits gathered")
+    for thread in threads + more:
+        thread.join(30)
+    assert first == {0: 202}
+    assert sorted(answers.values()) == [202, 202, 202, 429, 429, 429] and pipeline.round_trips == trips + 2
+    assert len(waiting_ids(redis, settings)) == settings.queue_capacity == 5
+
+
+def test_a_call_s_error_is_its_own(redis: Redis) -> None:
+    pipeline = AutoPipeline(Redis.from_url(_url(redis)))
+    with redis_paused(redis):
+        threads, first = in_threads([lambda: pipeline.run("counts", [], ["autopipe"])])
+        wait_for(lambda: pipeline.round_trips == 1, what="the first call's round trip")
+        # The middle call names no line: its script fails; the calls beside it do not.
+        calls = [lambda: pipeline.run("counts", [], ["autopipe"]), lambda: pipeline.run("counts", [], []),
+                 lambda: pipeline.run("counts", [], ["autopipe"])]
+        more, answers = in_threads(calls)
+        wait_for(gathered(pipeline, 3), what="three calls gathered")
+    for thread in threads + more:
+        thread.join(30)
+    assert first == {0: [0, 0, 0]}
+    assert answers[0] == answers[2] == [0, 0, 0]
+    assert isinstance(answers[1], ResponseError)
+    assert pipeline.round_trips == 2
+
+
+@pytest.mark.parametrize("callers", [1, 4])
+def test_scripts_flushed_from_redis_are_loaded_again(redis: Redis, callers: int) -> None:
+    pipeline = AutoPipeline(Redis.from_url(_url(redis)))
+    assert pipeline.run("counts", [], ["autopipe"]) == [0, 0, 0]
+    redis.script_flush()
+    threads, answers = in_threads([lambda: pipeline.run("counts", [], ["autopipe"])] * callers)
+    for thread in threads:
+        thread.join(30)
+    assert answers == dict.fromkeys(range(callers), [0, 0, 0])
+
+
+def test_a_connection_error_reaches_every_call_of_its_round_trip() -> None:
+    # Nothing listens on port 1: the round trip fails, and each caller hears of it (then a 503).
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    pipeline = AutoPipeline(Redis(port=1, socket_connect_timeout=1, retry=Retry(NoBackoff(), 0)))
+    threads, answers = in_threads([lambda: pipeline.run("counts", [], ["autopipe"])] * 3)
+    for thread in threads:
+        thread.join(30)
+    assert all(isinstance(answer, RedisConnectionError) for answer in answers.values()), answers
+    assert pipeline._out is False  # nobody is left holding the lead
+
+
+def test_one_auto_pipeline_a_client(redis: Redis) -> None:
+    other = Redis.from_url(_url(redis))
+    assert autopipeline.of(redis) is autopipeline.of(redis)
+    assert autopipeline.of(other) is not autopipeline.of(redis)
+
+
+def _url(redis: Redis) -> str:
+    kwargs = redis.connection_pool.connection_kwargs
+    return f"redis://{kwargs['host']}:{kwargs['port']}/{kwargs.get('db', 0)}"
