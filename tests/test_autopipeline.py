@@ -134,6 +134,23 @@ def test_a_connection_error_reaches_every_call_of_its_round_trip() -> None:
     assert pipeline._out is False  # nobody is left holding the lead
 
 
+def test_a_caller_gone_before_its_call_was_sent_passes_its_lead_on(redis: Redis) -> None:
+    # A waiting greenlet can be killed (gunicorn's graceful timeout): its call must not be sent,
+    # and a lead handed to it must pass on, or every later call of the process would wait forever.
+    from shared.store.autopipeline import _Call
+
+    pipeline = AutoPipeline(Redis.from_url(_url(redis)))
+    gone, waiting = _Call("counts", [], ["autopipe"]), _Call("counts", [], ["autopipe"])
+    pipeline._out, pipeline._gathered = True, [gone, waiting]  # a round trip out, two gathered
+    pipeline._hand_on()  # it came back: the lead goes to the first gathered, which is gone
+    assert gone.leads and gone.woken.is_set()
+    pipeline._abandon(gone)
+    assert pipeline._gathered == [waiting] and waiting.leads and waiting.woken.is_set()
+    pipeline._abandon(waiting)
+    assert pipeline._gathered == [] and pipeline._out is False
+    assert pipeline.run("counts", [], ["autopipe"]) == [0, 0, 0]  # the next call leads at once
+
+
 def test_one_auto_pipeline_a_client(redis: Redis) -> None:
     other = Redis.from_url(_url(redis))
     assert autopipeline.of(redis) is autopipeline.of(redis)

@@ -12,7 +12,8 @@ low load every call goes alone, at once; no call waits on a timer. (ioredis's
 Nothing about a call changes: each is still one ``EVALSHA`` that Redis runs atomically, on its
 own, in arrival order; a pipeline only shares the socket. A call's error is its own (a script's
 refusal, NOSCRIPT); a connection error reaches every call of that round trip, as it would have
-reached each alone.
+reached each alone. A caller gone before its call was sent (a greenlet killed while it waits) is
+left out, and a lead handed to it passes on.
 """
 
 from __future__ import annotations
@@ -70,12 +71,25 @@ class AutoPipeline:
         while not call.finished:
             if call.leads:
                 self._lead()
-            else:
+                continue
+            try:
                 call.woken.wait()
-                call.woken.clear()
+            except BaseException:  # a greenlet killed while it waits (gunicorn's graceful timeout)
+                self._abandon(call)
+                raise
+            call.woken.clear()
         if call.error is not None:
             raise call.error
         return call.result
+
+    def _abandon(self, call: _Call) -> None:
+        """A caller gives up before its call was sent: it is not sent, and a lead handed to it
+        passes on, so that no call waits behind a caller that is gone."""
+        with self._lock:
+            if call in self._gathered:
+                self._gathered.remove(call)
+                if call.leads:
+                    self._hand_on()
 
     def _lead(self) -> None:
         """Send what gathered (the leader's own call among it), then hand the lead on."""
@@ -90,12 +104,16 @@ class AutoPipeline:
                     call.end(error=exc)
         finally:
             with self._lock:
-                if self._gathered:
-                    successor = self._gathered[0]
-                    successor.leads = True
-                    successor.woken.set()
-                else:
-                    self._out = False
+                self._hand_on()
+
+    def _hand_on(self) -> None:
+        """The lead to the first call gathered, or (none) the next call leads as it comes."""
+        if self._gathered:
+            successor = self._gathered[0]
+            successor.leads = True
+            successor.woken.set()
+        else:
+            self._out = False
 
     def _send(self, batch: list[_Call]) -> None:
         answers = self._pipelined(batch)
