@@ -131,12 +131,9 @@ class AutoPipeline:
                 call.end(result=answer)
 
     def _pipelined(self, batch: list[_Call]) -> list[Any]:
-        if len(batch) == 1:  # alone: a plain call, without a pipeline's bookkeeping
+        if len(batch) == 1:  # alone: the plain call (its Script loads itself on NOSCRIPT)
             (call,) = batch
-            try:
-                return [self._client.evalsha(scripts.sha(call.name), len(call.keys), *call.keys, *call.args)]
-            except NoScriptError as exc:
-                return [exc]
+            return [scripts.run(self._client, call.name, call.keys, call.args)]
         with self._client.pipeline(transaction=False) as pipe:
             for call in batch:
                 pipe.evalsha(scripts.sha(call.name), len(call.keys), *call.keys, *call.args)
