@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from flask.testing import FlaskClient
 from redis import Redis
+from redis.client import Pipeline
+from redis.exceptions import ResponseError
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
@@ -48,6 +50,49 @@ def test_writes_under_a_current_fence_go_through(fenced: FencedRedis) -> None:
             pipe.exists(keys.cancel_key("job"))
             assert pipe.execute() == [1, 0]
         assert fenced.hgetall("record") == {b"status": b"started", b"progress": b"1"}
+
+
+def test_a_fenced_pipeline_is_one_script_call_that_answers_as_exec_would(fenced: FencedRedis,
+                                                                          redis: Redis) -> None:
+    fenced.rpush(CLAIMS, "job")
+    (fence,) = fencing.acquire(fenced, CLAIMS, ["job"], ttl_s=60)
+    assert fence is not None
+    redis.set("text", "a string")
+
+    def queue(pipe: Pipeline, prefix: str) -> None:
+        pipe.hset(f"{prefix}:hash", mapping={"status": "started", "cost": 1.5})
+        pipe.hgetall(f"{prefix}:hash")
+        pipe.hmget(f"{prefix}:hash", ["status", "missing"])
+        pipe.hincrbyfloat(f"{prefix}:hash", "cost", 0.25)
+        pipe.set(f"{prefix}:string", "value", ex=60)
+        pipe.get(f"{prefix}:missing")
+        pipe.zadd(f"{prefix}:zset", {"a": 1.5, "b": 2})
+        pipe.zrange(f"{prefix}:zset", 0, -1, withscores=True)
+        pipe.expire(f"{prefix}:zset", 60)
+        pipe.rpush(f"{prefix}:list", "x", "y")
+        pipe.lrange(f"{prefix}:list", 0, -1)
+        pipe.hset("text", "field", "value")  # WRONGTYPE: an error in its place, the rest still runs
+        pipe.exists(f"{prefix}:hash", f"{prefix}:missing")
+        pipe.publish("events", "job")
+        pipe.delete(f"{prefix}:list")
+
+    with redis.pipeline() as pipe:  # MULTI ... EXEC, unfenced
+        queue(pipe, "exec")
+        expected = pipe.execute(raise_on_error=False)
+    redis.config_resetstat()
+    with holding(fence), fenced.pipeline() as pipe:
+        queue(pipe, "fenced")
+        answers = pipe.execute(raise_on_error=False)
+    assert [str(answer) if isinstance(answer, Exception) else answer for answer in answers] == [
+        str(answer) if isinstance(answer, Exception) else answer for answer in expected]
+    assert isinstance(answers[11], ResponseError) and "WRONGTYPE" in str(answers[11])
+    assert redis.hgetall("fenced:hash") == {b"status": b"started", b"cost": b"1.75"}
+    calls = {name: stats["calls"] for name, stats in redis.info("commandstats").items()}
+    assert calls.get("cmdstat_evalsha") == 1  # one round trip: no WATCH, no MULTI ... EXEC
+    assert not {"cmdstat_watch", "cmdstat_multi", "cmdstat_exec"} & set(calls)
+    with holding(fence), fenced.pipeline() as pipe, pytest.raises(ResponseError, match="WRONGTYPE"):
+        pipe.hset("text", "field", "value")
+        pipe.execute()
 
 
 def test_a_revoked_fence_refuses_every_write_and_writes_nothing(fenced: FencedRedis, redis: Redis) -> None:

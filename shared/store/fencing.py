@@ -7,10 +7,11 @@ token: starting an attempt sets the job's fence key to a fresh token, in one scr
 checks that the worker still holds the claim; recovering a claim deletes the key.
 
 While a thread works on an attempt (``with holding(fence):``), every write it makes through a
-:class:`FencedRedis` connection, RQ's own bookkeeping included, runs as a transaction that
-WATCHes the fence key and checks the token first (WATCH and GET in one round trip, then
-MULTI … EXEC): if the token changed, nothing is written and :class:`StaleAttemptError` is raised.
-Reads pass through.
+:class:`FencedRedis` connection, RQ's own bookkeeping included, is checked against the token
+first: if the token changed, nothing is written and :class:`StaleAttemptError` is raised. A write
+or a pipeline of writes goes as one script call that checks the tokens and runs the commands (one
+round trip); a transaction that WATCHes keys of its own (RQ's way) WATCHes the fence keys with
+them and checks the tokens (WATCH and GET in one round trip, then MULTI … EXEC). Reads pass through.
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 from typing import Any
 
 from redis import Redis, WatchError
-from redis.client import Pipeline
-from redis.exceptions import RedisError
+from redis.client import EMPTY_RESPONSE, Pipeline
+from redis.exceptions import RedisError, ResponseError
 
 from shared.contract import keys
 from shared.contract.settings import Settings
@@ -56,6 +57,15 @@ READS = frozenset({
     "XRANGE", "XREVRANGE", "ZCARD", "ZCOUNT", "ZMSCORE", "ZRANGE", "ZRANGEBYSCORE", "ZRANK",
     "ZREVRANGE", "ZREVRANGEBYSCORE", "ZSCAN", "ZSCORE",
 })
+
+# Commands a script may not run (or would run otherwise): a pipeline holding one is fenced with WATCH.
+UNSCRIPTABLE = frozenset({
+    "BLMOVE", "BLMPOP", "BLPOP", "BRPOP", "BRPOPLPUSH", "BZMPOP", "BZPOPMAX", "BZPOPMIN", "CLIENT",
+    "DISCARD", "EVAL", "EVAL_RO", "EVALSHA", "EVALSHA_RO", "EXEC", "FCALL", "FCALL_RO", "FUNCTION",
+    "MONITOR", "MULTI", "PSUBSCRIBE", "PSYNC", "SCRIPT", "SSUBSCRIBE", "SUBSCRIBE", "SYNC", "UNWATCH",
+    "WAIT", "WAITAOF", "WATCH", "XREAD", "XREADGROUP",
+})
+STALE = "STALE"  # fenced.lua's error: the places of the fences that changed follow
 
 _held: ContextVar[tuple[Fence, ...]] = ContextVar("slotq_fences", default=())
 
@@ -94,11 +104,11 @@ def holding(*fences: Fence) -> Iterator[None]:
 class FencedPipeline(Pipeline):
     """A transaction that writes only if the fences held by this thread are still current."""
 
-    def __init__(self, *args: Any, fences: tuple[Fence, ...], **kwargs: Any) -> None:
+    def __init__(self, *args: Any, fences: tuple[Fence, ...], unfenced: Redis, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # The check and the writes must be one transaction (redis-py names the flag like its method).
         self.transaction = True  # type: ignore[method-assign, assignment]
-        self.fences = fences
+        self.fences, self.unfenced = fences, unfenced
 
     def watch(self, *names: Any) -> bool:  # type: ignore[override]
         """WATCH these keys and the fence keys and check the tokens, in one round trip."""
@@ -133,6 +143,8 @@ class FencedPipeline(Pipeline):
     def execute(self, raise_on_error: bool = True) -> list[Any]:
         if not self.command_stack:
             return super().execute(raise_on_error)
+        if not self.watching and self._scriptable():  # no WATCH of the caller's own
+            return self._execute_in_script(raise_on_error)
         own_watch = not self.watching
         if own_watch:
             self.watch()
@@ -142,6 +154,50 @@ class FencedPipeline(Pipeline):
             if own_watch:  # only the fence was watched: it changed since the check
                 raise StaleAttemptError("a newer attempt took over this job") from None
             raise  # the caller's own WATCH: it retries, and its next watch() checks the fence
+
+    def _scriptable(self) -> bool:
+        return all(EMPTY_RESPONSE not in options and _words(args)[0].upper() not in UNSCRIPTABLE
+                   for args, options in self.command_stack)
+
+    def _execute_in_script(self, raise_on_error: bool) -> list[Any]:
+        """Check the tokens and run the commands in one script call (fenced.lua): one round trip
+        where WATCH, then MULTI … EXEC, take two; the replies parsed as EXEC's would be."""
+        commands, fences = self.command_stack, self.fences
+        words = [word for args, _ in commands for word in (len(_words(args)), *_words(args))]
+        try:
+            replies = scripts.run(self.unfenced, "fenced", [fence.key for fence in fences],
+                                  [*(fence.token for fence in fences), *words])
+        except ResponseError as error:
+            places = str(error).split()
+            if not places or places[0] != STALE:
+                raise
+            stale = [fences[int(place) - 1].job_id for place in places[1:]]
+            raise StaleAttemptError(f"a newer attempt took over job(s) {', '.join(stale)}") from None
+        finally:
+            self.reset()
+        if raise_on_error:
+            self.raise_first_error(commands, replies)
+        return [reply if isinstance(reply, Exception) else self._parsed(reply, args, options)
+                for reply, (args, options) in zip(replies, commands, strict=True)]
+
+    def _parsed(self, reply: Any, args: tuple[Any, ...], options: dict[str, Any]) -> Any:
+        callback = _script_callbacks().get(args[0])
+        if callback is None:
+            return reply
+        return callback(reply, **{name: value for name, value in options.items() if name != "keys"})
+
+
+@cache
+def _script_callbacks() -> Any:
+    """redis-py's parsers for replies as a script receives them: RESP2's, whatever protocol the
+    client speaks (a RESP3 client's parsers expect maps, doubles and pairs where a script has
+    flat arrays and strings). A client made for RESP2 (not connected) holds them."""
+    return Redis(protocol=2).response_callbacks
+
+
+def _words(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A queued command as Redis reads it: a name of two words ("CLIENT SETNAME") is two."""
+    return (*str(args[0]).split(), *args[1:])
 
 
 class FencedRedis(Redis):
@@ -157,7 +213,7 @@ class FencedRedis(Redis):
         if not fences:
             return super().pipeline(transaction, shard_hint)
         return FencedPipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint,
-                              fences=fences)
+                              fences=fences, unfenced=self.unfenced)
 
     def execute_command(self, *args: Any, **options: Any) -> Any:
         if not _held.get() or str(args[0]).split()[0].upper() in READS:
