@@ -5,12 +5,17 @@ from __future__ import annotations
 import signal
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from flask.testing import FlaskClient
-from redis import Redis
+from redis import ConnectionPool, Redis
+from redis.backoff import NoBackoff
 from redis.client import Pipeline
+from redis.connection import Connection
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
@@ -93,6 +98,38 @@ def test_a_fenced_pipeline_is_one_script_call_that_answers_as_exec_would(fenced:
     with holding(fence), fenced.pipeline() as pipe, pytest.raises(ResponseError, match="WRONGTYPE"):
         pipe.hset("text", "field", "value")
         pipe.execute()
+
+
+class LosesOneReply(Connection):
+    """A connection that, once told to, reads a reply and then fails as if it had timed out: a reply
+    lost after Redis ran the command."""
+
+    lose = False
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        response = super().read_response(*args, **kwargs)
+        if LosesOneReply.lose:
+            LosesOneReply.lose = False
+            raise RedisTimeoutError("Timeout reading from socket (the test lost the reply)")
+        return response
+
+
+def test_a_fenced_write_whose_reply_is_lost_is_not_sent_again(settings: Settings, redis: Redis) -> None:
+    # As the worker's client: one retry on a timeout, which would send the writes a second time.
+    pool = ConnectionPool.from_url(settings.redis_url, connection_class=LosesOneReply,
+                                   retry=Retry(NoBackoff(), 1))
+    fenced = FencedRedis(connection_pool=pool)
+    fenced.rpush(CLAIMS, "job")
+    (fence,) = fencing.acquire(fenced, CLAIMS, ["job"], ttl_s=60)
+    assert fence is not None
+    redis.script_flush()  # and the script is loaded on the way (NOSCRIPT, then EVAL)
+    with holding(fence):
+        assert fenced.hincrby("ended", "succeeded", 1) == 1
+    LosesOneReply.lose = True
+    with holding(fence), pytest.raises(RedisTimeoutError):
+        fenced.hincrby("ended", "succeeded", 1)
+    assert redis.hget("ended", "succeeded") == b"2"  # it ran once: not again (3)
+    fenced.close()
 
 
 def test_a_revoked_fence_refuses_every_write_and_writes_nothing(fenced: FencedRedis, redis: Redis) -> None:

@@ -26,7 +26,9 @@ from typing import Any
 
 from redis import Redis, WatchError
 from redis.client import EMPTY_RESPONSE, Pipeline
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.contract import keys
 from shared.contract.settings import Settings
@@ -104,11 +106,11 @@ def holding(*fences: Fence) -> Iterator[None]:
 class FencedPipeline(Pipeline):
     """A transaction that writes only if the fences held by this thread are still current."""
 
-    def __init__(self, *args: Any, fences: tuple[Fence, ...], unfenced: Redis, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, fences: tuple[Fence, ...], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # The check and the writes must be one transaction (redis-py names the flag like its method).
         self.transaction = True  # type: ignore[method-assign, assignment]
-        self.fences, self.unfenced = fences, unfenced
+        self.fences = fences
 
     def watch(self, *names: Any) -> bool:  # type: ignore[override]
         """WATCH these keys and the fence keys and check the tokens, in one round trip."""
@@ -165,8 +167,8 @@ class FencedPipeline(Pipeline):
         commands, fences = self.command_stack, self.fences
         words = [word for args, _ in commands for word in (len(_words(args)), *_words(args))]
         try:
-            replies = scripts.run(self.unfenced, "fenced", [fence.key for fence in fences],
-                                  [*(fence.token for fence in fences), *words])
+            replies = self._send_once([fence.key for fence in fences],
+                                      [*(fence.token for fence in fences), *words])
         except ResponseError as error:
             places = str(error).split()
             if not places or places[0] != STALE:
@@ -179,6 +181,24 @@ class FencedPipeline(Pipeline):
             self.raise_first_error(commands, replies)
         return [reply if isinstance(reply, Exception) else self._parsed(reply, args, options)
                 for reply, (args, options) in zip(replies, commands, strict=True)]
+
+    def _send_once(self, fence_keys: list[str], args: list[Any]) -> Any:
+        """fenced.lua's answer, the script sent once: a reply lost to a timeout or a dropped link is
+        not followed by the writes sent again, which might then land twice (redis-py's retry would;
+        the pool replaces a connection the server closed before lending it)."""
+        connection = self.connection_pool.get_connection()
+        try:
+            try:
+                connection.send_command("EVALSHA", scripts.sha("fenced"), len(fence_keys), *fence_keys, *args)
+                return connection.read_response()
+            except NoScriptError:  # not run: EVAL runs it and caches it
+                connection.send_command("EVAL", scripts.source("fenced"), len(fence_keys), *fence_keys, *args)
+                return connection.read_response()
+        except (RedisConnectionError, RedisTimeoutError):
+            connection.disconnect()
+            raise
+        finally:
+            self.connection_pool.release(connection)
 
     def _parsed(self, reply: Any, args: tuple[Any, ...], options: dict[str, Any]) -> Any:
         callback = _script_callbacks().get(args[0])
@@ -213,7 +233,7 @@ class FencedRedis(Redis):
         if not fences:
             return super().pipeline(transaction, shard_hint)
         return FencedPipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint,
-                              fences=fences, unfenced=self.unfenced)
+                              fences=fences)
 
     def execute_command(self, *args: Any, **options: Any) -> Any:
         if not _held.get() or str(args[0]).split()[0].upper() in READS:
