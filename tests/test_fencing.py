@@ -21,8 +21,8 @@ from rq.serializers import JSONSerializer
 
 from shared.contract import keys
 from shared.contract.settings import Settings
-from shared.store import fencing, records
-from shared.store.fencing import FencedRedis, StaleAttemptError, holding
+from shared.store import fencing, records, waiting
+from shared.store.fencing import Fence, FencedRedis, StaleAttemptError, holding
 from tests.conftest import Process, post_job, start_worker, wait_for, wait_for_status
 
 CLAIMS = "slotq:claims:test-worker"
@@ -35,19 +35,34 @@ def fenced(settings: Settings) -> Iterator[FencedRedis]:
     connection.close()
 
 
-def test_only_the_holder_of_a_claim_gets_a_fence(fenced: FencedRedis) -> None:
-    fenced.rpush(CLAIMS, "held")
-    held, other = fencing.acquire(fenced, CLAIMS, ["held", "not-held"], ttl_s=60)
-    assert held is not None and held.job_id == "held"
-    assert other is None
-    assert fenced.get(keys.fence_key("held")).decode() == held.token
-    assert 0 < fenced.ttl(keys.fence_key("held")) <= 60
+def claimed(fenced: FencedRedis, job_id: str) -> Fence:
+    """A job in the test worker's claims with its attempt started, as a claim leaves it."""
+    fenced.rpush(CLAIMS, job_id)
+    fence = Fence(job_id, fencing.new_token())
+    fenced.set(fence.key, fence.token, ex=60)
+    return fence
+
+
+def test_a_claim_starts_an_attempt_its_fence_holding_the_claims_token(client: FlaskClient, settings: Settings,
+                                                                      redis: Redis) -> None:
+    ids = [post_job(client, seed=seed).get_json()["id"] for seed in range(3)]
+    first = waiting.claim(redis, settings.line, CLAIMS, fence_ttl_s=60)
+    assert first is not None and first.job_id == ids[0] and first.token
+    assert redis.get(keys.fence_key(ids[0])) == first.token.encode()
+    assert 0 < redis.ttl(keys.fence_key(ids[0])) <= 60
+    more = waiting.claim_compatible(redis, settings.line, CLAIMS, first, 2, 8, fence_ttl_s=60)
+    assert [each.job_id for each in more] == ids[1:]
+    assert len({first.token, *(each.token for each in more)}) == 3  # each attempt its own token
+    assert [redis.get(keys.fence_key(each.job_id)) for each in more] == [each.token.encode() for each in more]
+    # Without a TTL (a plain claim, as RQ-level tools and tests make), no attempt is started.
+    assert redis.delete(*(keys.fence_key(job_id) for job_id in ids)) == 3
+    post_job(client, seed=3)
+    plain = waiting.claim(redis, settings.line, CLAIMS)
+    assert plain is not None and plain.token == "" and not redis.exists(keys.fence_key(plain.job_id))
 
 
 def test_writes_under_a_current_fence_go_through(fenced: FencedRedis) -> None:
-    fenced.rpush(CLAIMS, "job")
-    (fence,) = fencing.acquire(fenced, CLAIMS, ["job"], ttl_s=60)
-    assert fence is not None
+    fence = claimed(fenced, "job")
     with holding(fence):
         fenced.hset("record", "status", "started")  # a single write
         with fenced.pipeline(transaction=False) as pipe:  # a pipeline, made a transaction
@@ -59,9 +74,7 @@ def test_writes_under_a_current_fence_go_through(fenced: FencedRedis) -> None:
 
 def test_a_fenced_pipeline_is_one_script_call_that_answers_as_exec_would(fenced: FencedRedis,
                                                                           redis: Redis) -> None:
-    fenced.rpush(CLAIMS, "job")
-    (fence,) = fencing.acquire(fenced, CLAIMS, ["job"], ttl_s=60)
-    assert fence is not None
+    fence = claimed(fenced, "job")
     redis.set("text", "a string")
 
     def queue(pipe: Pipeline, prefix: str) -> None:
@@ -119,9 +132,7 @@ def test_a_fenced_write_whose_reply_is_lost_is_not_sent_again(settings: Settings
     pool = ConnectionPool.from_url(settings.redis_url, connection_class=LosesOneReply,
                                    retry=Retry(NoBackoff(), 1))
     fenced = FencedRedis(connection_pool=pool)
-    fenced.rpush(CLAIMS, "job")
-    (fence,) = fencing.acquire(fenced, CLAIMS, ["job"], ttl_s=60)
-    assert fence is not None
+    fence = claimed(fenced, "job")
     redis.script_flush()  # and the script is loaded on the way (NOSCRIPT, then EVAL)
     with holding(fence):
         assert fenced.hincrby("ended", "succeeded", 1) == 1
@@ -129,13 +140,11 @@ def test_a_fenced_write_whose_reply_is_lost_is_not_sent_again(settings: Settings
     with holding(fence), pytest.raises(RedisTimeoutError):
         fenced.hincrby("ended", "succeeded", 1)
     assert redis.hget("ended", "succeeded") == b"2"  # it ran once: not again (3)
-    fenced.close()
+    pool.disconnect()
 
 
 def test_a_revoked_fence_refuses_every_write_and_writes_nothing(fenced: FencedRedis, redis: Redis) -> None:
-    fenced.rpush(CLAIMS, "job")
-    (fence,) = fencing.acquire(fenced, CLAIMS, ["job"], ttl_s=60)
-    assert fence is not None
+    fence = claimed(fenced, "job")
     with redis.pipeline() as pipe:  # another worker recovers the claim
         pipe.lrem(CLAIMS, 1, "job")
         fencing.revoke(pipe, "job")
@@ -150,13 +159,10 @@ def test_a_revoked_fence_refuses_every_write_and_writes_nothing(fenced: FencedRe
         assert fenced.hgetall("record") == {}  # reads still pass
     fenced.hset("record", "status", "unfenced")  # outside ``holding`` the client is a plain one
     assert redis.hget("record", "status") == b"unfenced"
-    assert fencing.acquire(fenced, CLAIMS, ["job"], ttl_s=60) == [None]  # nor can it start again
 
 
 def test_a_fence_taken_over_between_check_and_exec_writes_nothing(fenced: FencedRedis, redis: Redis) -> None:
-    fenced.rpush(CLAIMS, "job")
-    (fence,) = fencing.acquire(fenced, CLAIMS, ["job"], ttl_s=60)
-    assert fence is not None
+    fence = claimed(fenced, "job")
     with holding(fence), fenced.pipeline() as pipe:
         # RQ's own way (handle_job_success): WATCH its key, read, MULTI, write, EXEC.
         pipe.watch("dependents")
@@ -175,9 +181,7 @@ def test_step_progress_checks_the_fence_in_its_own_script(fenced: FencedRedis, r
     job = Job.create("worker.tasks.generate", kwargs={"request": {}}, connection=fenced,
                      serializer=JSONSerializer)
     job.save()
-    fenced.rpush(CLAIMS, job.id)
-    (fence,) = fencing.acquire(fenced, CLAIMS, [job.id], ttl_s=60)
-    assert fence is not None
+    fence = claimed(fenced, job.id)
     redis.set(keys.cancel_key(job.id), 1)
     with holding(fence):
         assert records.report_progress([job], 1, 4) == [True]  # written, and the cancel seen

@@ -19,7 +19,7 @@ from shared.contract.settings import Settings
 from shared.store import records
 from shared.store.claims import Claims
 from shared.store.connection import job_queue
-from shared.store.fencing import FencedPipeline, connect_worker, holding
+from shared.store.fencing import Fence, FencedPipeline, connect_worker, holding
 from tests.conftest import post_job
 from worker.finisher import Finishing
 from worker.messages import Batch, Work
@@ -43,22 +43,21 @@ def started_batch(client: FlaskClient, finishing: Finishing, count: int) -> Batc
         post_job(client, width=64, height=64, steps=1, seed=seed)
     claims = Claims(finishing.queue, finishing.settings, NAME)
     claimed = [claims.claim(1.0) for _ in range(count)]
-    fences = claims.fence([each.job_id for each in claimed if each is not None])
-    jobs = []
+    jobs, fences = [], []
     for each in claimed:
-        assert each is not None
+        assert each is not None and each.token  # the claim started the attempt
         job = Job(each.job_id, connection=finishing.connection, serializer=finishing.serializer)
         job.restore(each.record)
         jobs.append(job)
-    with holding(*(fence for fence in fences if fence is not None)), finishing.connection.pipeline() as pipe:
+        fences.append(Fence(each.job_id, each.token))
+    with holding(*fences), finishing.connection.pipeline() as pipe:
         for job in jobs:
             records.begin_attempt(job)
         executions = finishing.start(jobs, pipe)
         pipe.execute()
     works = [Work.of(job, execution, fence, (JobRequest.model_validate(job.kwargs["request"]),
                                               [Image.new("RGB", (64, 64), (seed, 0, 0))]))
-             for seed, (job, execution, fence) in enumerate(zip(jobs, executions, fences, strict=True))
-             if fence is not None]
+             for seed, (job, execution, fence) in enumerate(zip(jobs, executions, fences, strict=True))]
     return Batch(works, running="", cost=1.0, seconds=0.1)
 
 

@@ -151,9 +151,10 @@ class SlotWorker(Outcomes):
             self.finisher.submit([member for member, _ in done], Batch(works, running, cost, seconds))
 
     def _begin(self, batch: list[Claimed]) -> tuple[list[Member], str, float, set[str]]:
-        """Fence each claimed job, drop those that must not start, and start the others: RQ's start
-        bookkeeping, the attempt, the worker's running entry and step 0 in one fenced transaction.
-        The members, the running entry, their cost and the ids of those canceled by then."""
+        """Drop the claimed jobs that must not start and start the others, each under the fence its
+        claim set: RQ's start bookkeeping, the attempt, the worker's running entry and step 0 in one
+        fenced transaction. The members, the running entry, their cost and the ids of those
+        canceled by then."""
         startable = self._fenced(batch)
         if not startable:
             return [], "", 0.0, set()
@@ -182,14 +183,10 @@ class SlotWorker(Outcomes):
         return members, running, cost, canceled
 
     def _fenced(self, batch: list[Claimed]) -> list[tuple[Job, Fence]]:
-        """Fence each claimed job; those that may start, each with its fence."""
+        """The claimed jobs that may start, each with the fence its claim set."""
         startable = []
-        fences = self.claims.fence([claimed.job_id for claimed in batch])
-        for claimed, fence in zip(batch, fences, strict=True):
-            if fence is None:
-                log.warning("job %s: claim recovered by another worker meanwhile; not starting it",
-                            claimed.job_id)
-                continue
+        for claimed in batch:
+            fence = Fence(claimed.job_id, claimed.token)
             try:
                 with holding(fence):
                     job = self._startable(claimed)

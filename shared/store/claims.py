@@ -58,33 +58,30 @@ class Claims:
 
     def claim(self, timeout: float | None, holding: tuple[str, tuple[str, ...]] = ("", ())
               ) -> waiting.Claimed | None:
-        """Move the next waiting job id into this worker's claims; None when there is none.
+        """Move the next waiting job id into this worker's claims and start an attempt at it (its
+        fence token is the claim's); None when there is none.
         ``holding``: the adapters key this worker ran last and its resident adapters, for affinity
         (SLOTQ_AFFINITY_MAX_SKIP)."""
         affinity = waiting.Affinity(self.settings.affinity_max_skip, *holding)
-        claimed = waiting.claim(self.connection, self.line, self.key, affinity)
+        claimed = waiting.claim(self.connection, self.line, self.key, affinity, self.fence_ttl_s)
         if claimed is None and timeout is not None:
             waiting.wait_for_work(self.connection, self.line, timeout)
-            claimed = waiting.claim(self.connection, self.line, self.key, affinity)
+            claimed = waiting.claim(self.connection, self.line, self.key, affinity, self.fence_ttl_s)
         if claimed is not None:
             self._held.add(claimed.job_id)
         return claimed
 
     def claim_compatible(self, like: waiting.Claimed, count: int, window: int) -> list[waiting.Claimed]:
         """Claim up to ``count`` more waiting jobs that may share a batch with ``like``."""
-        claimed = waiting.claim_compatible(self.connection, self.line, self.key, like, count, window)
+        claimed = waiting.claim_compatible(self.connection, self.line, self.key, like, count, window,
+                                           self.fence_ttl_s)
         self._held.update(member.job_id for member in claimed)
         return claimed
 
-    def fence(self, job_ids: list[str]) -> list[fencing.Fence | None]:
-        """Start an attempt at each claimed job: its fence, or None where the claim was recovered
-        meanwhile (this worker was presumed dead): such a job is no longer this worker's to run."""
-        fences = fencing.acquire(self.connection, self.key, job_ids,
-                                 self.settings.job_timeout_s + FENCE_MARGIN_S)
-        for job_id, fence in zip(job_ids, fences, strict=True):
-            if fence is None:
-                self.unhold(job_id)
-        return fences
+    @property
+    def fence_ttl_s(self) -> int:
+        """How long the fence of an attempt this worker starts lasts: the job's run and its end."""
+        return self.settings.job_timeout_s + FENCE_MARGIN_S
 
     def wait_for_work(self, timeout: float) -> None:
         """Block until a job may have arrived, or the timeout passes."""

@@ -3,8 +3,8 @@
 A worker cut off from Redis (a partition, a long pause) keeps running; meanwhile its heartbeat
 lapses and another worker recovers and reruns its jobs. When the first one comes back, its stale
 attempt must not touch the new attempt's status, progress or result. So each attempt holds a
-token: starting an attempt sets the job's fence key to a fresh token, in one script that also
-checks that the worker still holds the claim; recovering a claim deletes the key.
+token: claiming a job starts an attempt, the claim's script setting the job's fence key to a fresh
+token (shared/store/waiting.py); recovering a claim deletes the key.
 
 While a thread works on an attempt (``with holding(fence):``), every write it makes through a
 :class:`FencedRedis` connection, RQ's own bookkeeping included, is checked against the token
@@ -72,15 +72,9 @@ STALE = "STALE"  # fenced.lua's error: the places of the fences that changed fol
 _held: ContextVar[tuple[Fence, ...]] = ContextVar("slotq_fences", default=())
 
 
-def acquire(connection: Redis, claims_key: str, job_ids: list[str], ttl_s: int) -> list[Fence | None]:
-    """Start an attempt at each job: its fence, or None where this worker no longer holds the claim."""
-    fences = [Fence(job_id, secrets.token_hex(8)) for job_id in job_ids]
-    # One script call for the whole batch: one round trip (a pipeline of scripts asks SCRIPT EXISTS
-    # first). The script checks the claims itself: nothing here is fenced yet.
-    client = connection.unfenced if isinstance(connection, FencedRedis) else connection
-    granted = scripts.run(client, "fence", [claims_key, *(fence.key for fence in fences)],
-                          [ttl_s, *(item for fence in fences for item in (fence.job_id, fence.token))])
-    return [fence if ok else None for fence, ok in zip(fences, granted, strict=True)]
+def new_token() -> str:
+    """A fresh attempt's fence token."""
+    return secrets.token_hex(8)
 
 
 def held() -> tuple[Fence, ...]:

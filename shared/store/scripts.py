@@ -28,6 +28,7 @@ CONSTANTS = {
     "LINE_PREFIX": keys.line_key(""),
     "INPUTS_PREFIX": keys.inputs_key(""),
     "LOG_PREFIX": keys.log_key(""),
+    "FENCE_PREFIX": keys.fence_key(""),
     "LOG_LENGTH": str(keys.LOG_LENGTH),
     "SEP": keys.QUEUE_SEPARATOR,
     "RQ_QUEUE_PREFIX": keys.RQ_QUEUE_PREFIX,

@@ -32,17 +32,18 @@ from shared.contract import keys
 from shared.contract.jobs import PRIORITIES
 from shared.contract.models import DEFAULT_MODEL_NAME
 from shared.contract.settings import Settings
-from shared.store import scripts
+from shared.store import fencing, scripts
 
 
 @dataclass(frozen=True)
 class Claimed:
-    """A job id a worker has just claimed, with the job's record as it stood (empty: none) and
-    Redis's clock at the claim."""
+    """A job id a worker has just claimed, with the job's record as it stood (empty: none), Redis's
+    clock at the claim and the fence token of the attempt the claim started ('' for none)."""
 
     job_id: str
     record: dict[bytes, bytes]
     at: float
+    token: str = ""
 
 
 @dataclass(frozen=True)
@@ -65,30 +66,36 @@ def line_of(job: Job) -> str:
     return keys.line_name(job.origin, job_model(job))
 
 
-def claim(connection: Redis, line: str, claims_key: str, affinity: Affinity | None = None
-          ) -> Claimed | None:
+def claim(connection: Redis, line: str, claims_key: str, affinity: Affinity | None = None,
+          fence_ttl_s: int = 0) -> Claimed | None:
     """Move the next job id into a worker's claims list, atomically; None when none waits. With
-    ``affinity``, a job of the adapters the worker holds may go first, within its bound."""
-    affinity = affinity or Affinity()
+    ``affinity``, a job of the adapters the worker holds may go first, within its bound. With a
+    ``fence_ttl_s``, the claim also starts an attempt at the job: its fence holds the claim's token
+    (shared/store/fencing.py), in the same script."""
+    affinity, token = affinity or Affinity(), fencing.new_token() if fence_ttl_s else ""
     claimed = scripts.run(connection, "claim", [claims_key],
                           [line, Job.redis_job_namespace_prefix, affinity.max_skip,
-                           keys.events_channel(keys.queue_of(line)), affinity.last,
+                           keys.events_channel(keys.queue_of(line)), affinity.last, token, fence_ttl_s,
                            *affinity.resident])
     if not claimed:
         return None
     job_id, flat, at = claimed
-    return Claimed(job_id.decode(), dict(zip(flat[::2], flat[1::2], strict=True)), float(at))
+    return Claimed(job_id.decode(), dict(zip(flat[::2], flat[1::2], strict=True)), float(at), token)
 
 
 def claim_compatible(connection: Redis, line: str, claims_key: str, like: Claimed, count: int,
-                     window: int) -> list[Claimed]:
+                     window: int, fence_ttl_s: int = 0) -> list[Claimed]:
     """Claim up to ``count`` more jobs that may share a batch with ``like``: of its class and batch
-    key, among the first ``window`` of that class (a bounded step out of line)."""
+    key, among the first ``window`` of that class (a bounded step out of line). With a
+    ``fence_ttl_s``, each claim starts an attempt, as :func:`claim`'s does."""
     priority, batch = like.record.get(b"priority", b"normal"), like.record.get(b"batch", b"")
+    tokens = [fencing.new_token() for _ in range(count)] if fence_ttl_s else []
     taken = scripts.run(connection, "claim_compatible", [claims_key],
-                        [line, Job.redis_job_namespace_prefix, priority, batch, count, window])
-    return [Claimed(job_id.decode(), dict(zip(flat[::2], flat[1::2], strict=True)), like.at)
-            for job_id, flat in taken]
+                        [line, Job.redis_job_namespace_prefix, priority, batch, count, window,
+                         fence_ttl_s, *tokens])
+    return [Claimed(job_id.decode(), dict(zip(flat[::2], flat[1::2], strict=True)), like.at,
+                    tokens[index] if tokens else "")
+            for index, (job_id, flat) in enumerate(taken)]
 
 
 def wait_for_work(connection: Redis, line: str, timeout: float) -> None:
