@@ -159,7 +159,8 @@ class FencedPipeline(Pipeline):
         """Check the tokens and run the commands in one script call (fenced.lua): one round trip
         where WATCH, then MULTI … EXEC, take two; the replies parsed as EXEC's would be."""
         commands, fences = self.command_stack, self.fences
-        words = [word for args, _ in commands for word in (len(_words(args)), *_words(args))]
+        queued = [_words(args) for args, _ in commands]
+        words = [word for command in queued for word in (len(command), *command)]
         try:
             replies = self._send_once([fence.key for fence in fences],
                                       [*(fence.token for fence in fences), *words])
