@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 from flask.testing import FlaskClient
 from redis import Redis
+from redis.connection import Connection
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq import Queue, Worker
 
 from api.app import create_app
@@ -36,6 +38,22 @@ def wait_for(condition: Callable[[], Any], timeout: float = DEADLINE_S, what: st
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(0.02)
+
+
+class LosesOneReply(Connection):
+    """A connection that reads a reply and then fails as if it had timed out: a reply lost after
+    Redis ran the command. ``lose_at``: which reply to lose, counting those read (by any connection
+    of this class) from when it is set; 1 is the next."""
+
+    lose_at = 0
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        response = super().read_response(*args, **kwargs)
+        if LosesOneReply.lose_at:
+            LosesOneReply.lose_at -= 1
+            if not LosesOneReply.lose_at:
+                raise RedisTimeoutError("Timeout reading from socket (the test lost the reply)")
+        return response
 
 
 # The line's order and RQ's lists, read in one step (a worker may claim between two reads).

@@ -10,9 +10,25 @@ from typing import Any
 
 from flask.testing import FlaskClient
 from redis import Redis
+from redis.connection import Connection
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from rq import Queue
 
+from shared.contract import keys
+from shared.contract.jobs import JobRequest
 from shared.contract.settings import Settings
-from tests.conftest import Process, http_post_job, post_job, wait_for, wait_for_status, waiting_ids
+from shared.store import admission, autopipeline, waiting
+from shared.store.connection import connect, job_queue
+from tests.conftest import (
+    LosesOneReply,
+    Process,
+    http_post_job,
+    post_job,
+    wait_for,
+    wait_for_status,
+    waiting_ids,
+)
+from tests.test_autopipeline import gathered, in_threads, redis_paused
 
 
 def post_keyed(client: FlaskClient, key: str, **body: Any) -> Any:
@@ -93,3 +109,81 @@ def test_expired_job_shows_expired_without_other_traffic(client: FlaskClient) ->
     view = wait_for_status(client, job_id, "expired", timeout=10)
     assert view["error"] is None
     assert client.get("/v1/queue").get_json()["waiting"] == 0
+
+
+def lossy_queue(settings: Settings, connection_class: type[LosesOneReply] = LosesOneReply) -> Queue:
+    """The API's queue (its client as ``connect`` makes it: one retry on a timeout), on connections
+    that lose a reply when told to (``LosesOneReply.lose_at``)."""
+    client = connect(settings)
+    client.connection_pool.connection_class = connection_class
+    return job_queue(client, settings)
+
+
+def test_an_admission_whose_reply_is_lost_goes_in_line_once(settings: Settings, redis: Redis) -> None:
+    # redis-py sends a command again when a timeout lost its reply: the script ran the first time.
+    queue = lossy_queue(settings)
+    first = admission.enqueue_job(queue, settings, JobRequest(prompt="loads the script"))
+    LosesOneReply.lose_at = 1
+    again = admission.enqueue_job(queue, settings, JobRequest(prompt="its reply is lost"))
+    assert LosesOneReply.lose_at == 0  # the reply was lost, and the call sent again
+    assert not again.replayed and again.position == 1 and again.record is not None
+    assert waiting_ids(redis, settings) == [first.job_id, again.job_id]  # each once, in RQ's lists too
+    assert sum(waiting.waiting_counts(queue, settings, settings.line).values()) == 2
+    assert len(redis.xrange(keys.log_key(again.job_id))) == 1  # one "queued" event
+    queue.connection.close()
+
+
+def test_an_admission_resent_after_its_job_left_the_line_answers_where_it_stands(
+        settings: Settings, redis: Redis) -> None:
+    # Taken by a worker between the first run and the second: the job is not put in line again.
+    job_id = ""
+
+    class TakenMeanwhile(LosesOneReply):
+        def read_response(self, *args: Any, **kwargs: Any) -> Any:
+            if LosesOneReply.lose_at == 1:  # the admission's reply: take the job before it is resent
+                nonlocal job_id
+                response = Connection.read_response(self, *args, **kwargs)
+                job_id = waiting_ids(redis, settings)[-1]
+                for _ in range(2):  # the first job, then this one
+                    waiting.claim(redis, settings.line, "slotq:claims:test-worker")
+                LosesOneReply.lose_at = 0
+                raise RedisTimeoutError(f"the test lost the reply {response!r}")
+            return super().read_response(*args, **kwargs)
+
+    queue = lossy_queue(settings, TakenMeanwhile)
+    admission.enqueue_job(queue, settings, JobRequest(prompt="loads the script"))
+    LosesOneReply.lose_at = 1
+    again = admission.enqueue_job(queue, settings, JobRequest(prompt="taken meanwhile"))
+    assert again.job_id == job_id and not again.replayed and again.position is None
+    assert again.prior is not None and again.prior.id == job_id
+    assert job_id not in waiting_ids(redis, settings)
+    queue.connection.close()
+
+
+def test_admissions_sent_together_whose_replies_are_lost_go_in_line_once(settings: Settings,
+                                                                          redis: Redis) -> None:
+    # Admissions made at once share a round trip (shared/store/autopipeline.py); redis-py sends the
+    # whole pipeline again when a timeout lost one of its replies.
+    queue = lossy_queue(settings)
+    pipeline = autopipeline.of(queue.connection)
+
+    def submit(prompt: str) -> admission.Admission:
+        return admission.enqueue_job(queue, settings, JobRequest(prompt=prompt))
+
+    first = admission.enqueue_job(queue, settings, JobRequest(prompt="loads the script")).job_id
+    trips = pipeline.round_trips
+    with redis_paused(redis):
+        threads, alone = in_threads([lambda: submit("alone")])
+        wait_for(lambda: pipeline.round_trips == trips + 1, what="the first submit's round trip")
+        more, together = in_threads([lambda: submit("together")] * 3)
+        wait_for(gathered(pipeline, 3), what="three submits gathered")
+        LosesOneReply.lose_at = 2  # the first submit's reply arrives; the next, the pipeline's first, is lost
+    for thread in threads + more:
+        thread.join(30)
+    assert LosesOneReply.lose_at == 0 and pipeline.round_trips == trips + 2
+    admitted = [alone[0], *together.values()]
+    assert all(not isinstance(answer, Exception) and not answer.replayed for answer in admitted), admitted
+    assert sorted(answer.position for answer in admitted) == [1, 2, 3, 4]
+    assert waiting_ids(redis, settings) == [first, *(answer.job_id for answer in sorted(
+        admitted, key=lambda answer: answer.position))]  # each once, in RQ's lists too
+    queue.connection.close()

@@ -5,14 +5,12 @@ from __future__ import annotations
 import signal
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from flask.testing import FlaskClient
 from redis import ConnectionPool, Redis
 from redis.backoff import NoBackoff
 from redis.client import Pipeline
-from redis.connection import Connection
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
@@ -23,7 +21,7 @@ from shared.contract import keys
 from shared.contract.settings import Settings
 from shared.store import fencing, records, waiting
 from shared.store.fencing import Fence, FencedRedis, StaleAttemptError, holding
-from tests.conftest import Process, post_job, start_worker, wait_for, wait_for_status
+from tests.conftest import LosesOneReply, Process, post_job, start_worker, wait_for, wait_for_status
 
 CLAIMS = "slotq:claims:test-worker"
 
@@ -113,20 +111,6 @@ def test_a_fenced_pipeline_is_one_script_call_that_answers_as_exec_would(fenced:
         pipe.execute()
 
 
-class LosesOneReply(Connection):
-    """A connection that, once told to, reads a reply and then fails as if it had timed out: a reply
-    lost after Redis ran the command."""
-
-    lose = False
-
-    def read_response(self, *args: Any, **kwargs: Any) -> Any:
-        response = super().read_response(*args, **kwargs)
-        if LosesOneReply.lose:
-            LosesOneReply.lose = False
-            raise RedisTimeoutError("Timeout reading from socket (the test lost the reply)")
-        return response
-
-
 def test_a_fenced_write_whose_reply_is_lost_is_not_sent_again(settings: Settings, redis: Redis) -> None:
     # As the worker's client: one retry on a timeout, which would send the writes a second time.
     pool = ConnectionPool.from_url(settings.redis_url, connection_class=LosesOneReply,
@@ -136,7 +120,7 @@ def test_a_fenced_write_whose_reply_is_lost_is_not_sent_again(settings: Settings
     redis.script_flush()  # and the script is loaded on the way (NOSCRIPT, then EVAL)
     with holding(fence):
         assert fenced.hincrby("ended", "succeeded", 1) == 1
-    LosesOneReply.lose = True
+    LosesOneReply.lose_at = 1  # the next reply
     with holding(fence), pytest.raises(RedisTimeoutError):
         fenced.hincrby("ended", "succeeded", 1)
     assert redis.hget("ended", "succeeded") == b"2"  # it ran once: not again (3)

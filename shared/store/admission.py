@@ -63,7 +63,9 @@ class Record:
 @dataclass(frozen=True)
 class Admission:
     """A submit's outcome: the job admitted now (its record, place, estimates and deadline), or the
-    earlier job that an idempotent retry replays (``prior``)."""
+    earlier job that an idempotent retry replays (``prior``). A job admitted now that has already
+    left the line when its answer came (a call sent again, the admission script's ``-5``) has its
+    record and, as ``prior``, where it stands."""
 
     job_id: str
     record: Record | None = None
@@ -74,7 +76,7 @@ class Admission:
 
     @property
     def replayed(self) -> bool:
-        return self.prior is not None
+        return self.prior is not None and self.record is None
 
 
 def request_digest(request: JobRequest) -> str:
@@ -247,6 +249,8 @@ def _admission(queue: Queue, record: Record, answer: list[Any], digest: str | No
     refusals = {-1: QueueFullError, -3: RateLimitedError, -4: TenantQueueFullError}
     if outcome in refusals:
         raise refusals[outcome](retry_after=_whole_seconds(detail))
+    if outcome == -5:  # admitted by this call's first sending, and taken from the line since
+        return Admission(record.id, record, prior=fetch_job(queue, record.id, tenant))
     if outcome == -2:
         prior_digest, prior_id = text(answer[1]).split(" ")
         if prior_digest != digest:

@@ -7,9 +7,25 @@
 -- ARGV[1]: the parameters as JSON; ARGV[2..]: the RQ job's fields, as Job.save would write them
 -- (`p.fields` of them), then the bytes of each input image that `p.inputs` names.
 -- Answers {position, starts in, finishes in, deadline}, or a refusal: {-1 full, -2 replay,
--- -3 rate limited, -4 tenant full; detail}.
+-- -3 rate limited, -4 tenant full; detail}, or {-5} (below).
 local p = cjson.decode(ARGV[1])
 local line, prefix = line_of(p.queue), p.job_prefix
+-- Where the job stands, and when it starts and finishes by the estimates; nil once it left the line.
+local function standing(now, counts, deadline)
+  local position = line_position(line, p.priority, p.id, counts)
+  if not position then return nil end
+  local model = job_model(KEYS[6])
+  local own = job_seconds(model, p.cost)
+  local start = own and starts_in(line, model, KEYS[7], now, position, counts, p.priority, p.cost)
+  return {position, own and num(start) or false, own and num(start + own) or false, deadline and num(deadline)}
+end
+-- The same call sent again: redis-py sends a command once more when a timeout lost its reply, and
+-- the job (its id is new to each submit) went in the first time. This run writes nothing: it
+-- answers where the job stands, or {-5} once the job has left the line (taken meanwhile).
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  local deadline = redis.call('ZSCORE', KEYS[3], p.id)
+  return standing(redis_now(), (line_counts(line)), deadline and tonumber(deadline)) or {-5}
+end
 local now = expire_due(line, KEYS[3], prefix, p.ended_at, p.record_ttl, p.channel, p.outbox, p.ended,
                        p.inputs_ttl)
 local function frees_in(index, counts)
@@ -64,8 +80,4 @@ if p.deadline_s then
   redis.call('HSET', KEYS[1], 'meta', cjson.encode(meta))
 end
 counts[p.priority] = counts[p.priority] + 1  -- the job itself, inserted since
-local position = line_position(line, p.priority, p.id, counts)
-local model = job_model(KEYS[6])
-local own = job_seconds(model, p.cost)
-local start = own and starts_in(line, model, KEYS[7], now, position, counts, p.priority, p.cost)
-return {position, own and num(start) or false, own and num(start + own) or false, deadline and num(deadline)}
+return standing(now, counts, deadline)
