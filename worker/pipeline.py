@@ -93,7 +93,9 @@ class ImagePipeline:
         # of a job is reproducible from its seed + i, on any device and in any batch.
         generators = [torch.Generator("cpu").manual_seed(r.seed + index)  # type: ignore[operator]
                       for r in requests for index in range(r.num_images)]
-        pipe.scheduler = self.samplers.get(first.scheduler)
+        scheduler = self.samplers.get(first.scheduler)
+        if pipe.scheduler is not scheduler:  # setting a module rewrites the pipeline's config: 0.2 ms
+            pipe.scheduler = scheduler
         self.adapters.use(self.pipe, first.loras)  # into the modules its twins share
         arguments = self._arguments(pipe, requests, inputs)
         began = self.running_since = time.perf_counter()
@@ -197,9 +199,14 @@ def family_of(pipe: DiffusionPipeline) -> Family:
     return PIPELINE_CLASSES[name]
 
 
+_accepted: dict[type, frozenset[str]] = {}
+
+
 def _parameters(kind: type) -> frozenset[str]:
-    """The keyword arguments a pipeline class's ``__call__`` takes."""
-    return frozenset(inspect.signature(kind.__call__).parameters)
+    """The keyword arguments a pipeline class's ``__call__`` takes (read once a class: 0.17 ms)."""
+    if kind not in _accepted:
+        _accepted[kind] = frozenset(inspect.signature(kind.__call__).parameters)
+    return _accepted[kind]
 
 
 _current: ImagePipeline | None = None
