@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import UTC
 
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -39,6 +41,21 @@ MAX_BACKOFF_S = 15.0
 EXIT_FATAL = 3
 
 
+@dataclass(frozen=True)
+class Taken:
+    """Jobs claimed for one GPU execution: the claims, those that may start (each with the fence its
+    claim set), and when they were claimed, on Redis's clock and on this process's."""
+
+    claims: list[Claimed]
+    startable: list[tuple[Job, Fence]]
+    at: float
+    monotonic: float
+
+    def starts_at(self) -> float:
+        """Now, on Redis's clock: when the execution starts (later than the claim, if taken ahead)."""
+        return self.at + time.monotonic() - self.monotonic
+
+
 class SlotWorker(Outcomes):
     """An RQ worker that runs jobs in its own process, so the model stays loaded on the device.
 
@@ -54,6 +71,9 @@ class SlotWorker(Outcomes):
         super().__init__(queue, settings, settings.worker_name)
         self.claims = Claims(queue, settings, self.name)
         self.metrics = WorkerMetrics(current_pipeline(), settings, self.name)
+        # The next execution's claim, made while the current one decodes (SLOTQ_CLAIM_AHEAD).
+        self._ahead: Future[Taken | None] | None = None
+        self._claimer = ThreadPoolExecutor(1, thread_name_prefix="claim-ahead")
 
     def serve(self, burst: bool = False) -> int:
         """Take and run jobs until told to stop; the process's exit code."""
@@ -79,6 +99,7 @@ class SlotWorker(Outcomes):
             log.critical("device unusable, exiting for the supervisor to restart: %s", exc)
             return EXIT_FATAL
         finally:
+            self._put_back_ahead()
             self.finisher.close()  # the last job's end is recorded before this worker says it is gone
             if sender:
                 sender.close()  # what it has not sent stays in the outbox for the next worker
@@ -91,21 +112,20 @@ class SlotWorker(Outcomes):
         backoff = 0.5
         while not lifecycle.stopping.is_set():
             try:
+                ahead = self._taken_ahead()  # first: recovery would take a claim in flight for a leftover
                 if self.claims.recover() is not None:  # at most once a second, like the expiry
                     waiting.expire_due(self.queue, self.settings, self.settings.line)
-                holding = current_pipeline().adapters.holding  # for the claim's affinity
-                claimed = self.claims.claim(None if burst else CLAIM_TIMEOUT_S, holding)
-                if claimed is None:
+                taken = ahead or self._take(None if burst else CLAIM_TIMEOUT_S)
+                if taken is None:
                     if self.get_state() != WorkerStatus.IDLE:
                         self.set_state(WorkerStatus.IDLE)  # for `rq info` and dashboards: nothing runs
                     if burst:
                         break
                     continue
-                batch = [claimed] + batching.gather(self.claims, self.settings, claimed)
                 try:
-                    self._run(batch)
+                    self._run(taken)
                 except BaseException:
-                    for member in batch:  # not handed over: leftovers for recovery now
+                    for member in taken.claims:  # not handed over: leftovers for recovery now
                         self.claims.unhold(member.job_id)
                     raise
                 backoff = 0.5
@@ -115,13 +135,58 @@ class SlotWorker(Outcomes):
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
         return 0
 
-    def _run(self, batch: list[Claimed]) -> None:
+    def _take(self, timeout: float | None) -> Taken | None:
+        """Claim the next execution's jobs (waiting up to ``timeout`` for one) and restore those
+        that may start; None when none waits."""
+        holding = current_pipeline().adapters.holding  # for the claim's affinity
+        claimed = self.claims.claim(timeout, holding)
+        if claimed is None:
+            return None
+        batch = [claimed]
+        try:
+            batch += batching.gather(self.claims, self.settings, claimed)
+            return Taken(batch, self._fenced(batch), claimed.at, time.monotonic())
+        except BaseException:
+            for member in batch:  # not started: leftovers for recovery
+                self.claims.unhold(member.job_id)
+            raise
+
+    def _claim_ahead(self) -> None:
+        """On the main thread at an execution's last denoising step: claim the next one's jobs on
+        the claiming thread while this one decodes, so that the claim's round trip and the restore
+        are off the path between two GPU sections. Taken this late, a job leaves the line at most
+        one decode before it would have (SLOTQ_CLAIM_AHEAD)."""
+        if self.settings.claim_ahead and self._ahead is None and not lifecycle.stopping.is_set():
+            self._ahead = self._claimer.submit(self._take, None)
+
+    def _taken_ahead(self) -> Taken | None:
+        """The jobs claimed ahead, once the claim is done; None when none was made or none waited."""
+        ahead, self._ahead = self._ahead, None
+        return ahead.result() if ahead is not None else None
+
+    def _put_back_ahead(self) -> None:
+        """Stopping: jobs claimed ahead go back to the head of the line (their claims, left behind by
+        an error, are recovered once this worker is gone)."""
+        try:
+            taken = self._taken_ahead()
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            log.warning("could not claim ahead (%s): any job it took is recovered", exc)
+            taken = None
+        finally:
+            self._claimer.shutdown()
+        for claimed in taken.claims if taken else []:
+            try:
+                self.claims.recover_now(claimed.job_id)
+            except RedisError as exc:
+                log.warning("job %s claimed ahead stays claimed (%s): it is recovered", claimed.job_id, exc)
+
+    def _run(self, taken: Taken) -> None:
         """Run claimed jobs as one GPU execution (a single job unless batching is on).
 
-        From its fence on, each job's writes are fenced with it: the main thread's under the
+        From its claim on, each job's writes are fenced with it: the main thread's under the
         fences of the whole batch, the ending of each under its own (see shared/store/fencing.py).
         """
-        members, running, cost, canceled = self._begin(batch)
+        members, running, cost, canceled = self._begin(taken)
         if not members:
             return
         fences = [member.fence for member in members]
@@ -150,12 +215,11 @@ class SlotWorker(Outcomes):
             seconds = time.perf_counter() - started  # the drain rate Retry-After and ETAs need
             self.finisher.submit([member for member, _ in done], Batch(works, running, cost, seconds))
 
-    def _begin(self, batch: list[Claimed]) -> tuple[list[Member], str, float, set[str]]:
-        """Drop the claimed jobs that must not start and start the others, each under the fence its
-        claim set: RQ's start bookkeeping, the attempt, the worker's running entry and step 0 in one
-        fenced transaction. The members, the running entry, their cost and the ids of those
-        canceled by then."""
-        startable = self._fenced(batch)
+    def _begin(self, taken: Taken) -> tuple[list[Member], str, float, set[str]]:
+        """Start the claimed jobs that may start, each under the fence its claim set: RQ's start
+        bookkeeping, the attempt, the worker's running entry and step 0 in one fenced transaction.
+        The members, the running entry, their cost and the ids of those canceled by then."""
+        startable, at = taken.startable, taken.starts_at()
         if not startable:
             return [], "", 0.0, set()
         jobs = [job for job, _ in startable]
@@ -166,7 +230,7 @@ class SlotWorker(Outcomes):
                 for job in jobs:
                     records.begin_attempt(job)
                 executions = self.start(jobs, pipe)
-                running = estimates.mark_running(pipe, self.settings.line, self.name, cost, batch[0].at)
+                running = estimates.mark_running(pipe, self.settings.line, self.name, cost, at)
                 records.announce_start(jobs, pipe)  # step 0; its last answers: which were canceled
                 flags = pipe.execute()[-len(jobs):]
                 canceled = {job.id for job, flag in zip(jobs, flags, strict=True) if flag}
@@ -179,7 +243,7 @@ class SlotWorker(Outcomes):
         members = [Member(job, execution, fence)
                    for (job, fence), execution in zip(startable, executions, strict=True)]
         for member in members:
-            self._started(member.job, batch[0].at)
+            self._started(member.job, at)
         return members, running, cost, canceled
 
     def _fenced(self, batch: list[Claimed]) -> list[tuple[Job, Fence]]:
@@ -232,7 +296,7 @@ class SlotWorker(Outcomes):
         timeout."""
         timeout = min(job.timeout or self.settings.job_timeout_s for job in jobs)
         with self.death_penalty_class(timeout, JobTimeoutException, job_id=jobs[0].id):
-            return tasks.render(jobs, announced=True)
+            return tasks.render(jobs, announced=True, last_step=self._claim_ahead)
 
     def _beat(self, done: threading.Event) -> None:
         interval = self.settings.heartbeat_ttl_s / 4

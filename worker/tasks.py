@@ -8,6 +8,7 @@ job overlaps the next one's GPU section; ``generate`` runs both in turn, for any
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,12 +51,14 @@ def generate(request: dict[str, Any]) -> dict[str, Any]:
     return store_result(job, get_settings(), outcome)
 
 
-def render(jobs: list[Job], announced: bool = False) -> list[RenderResult]:
+def render(jobs: list[Job], announced: bool = False,
+           last_step: Callable[[], None] | None = None) -> list[RenderResult]:
     """The GPU section: validate each stored request, then denoise and decode them all as one batch.
 
     A member canceled while the batch runs ends canceled and its images are dropped; the others go
     on (the batch stops only when every member is canceled). Any other error ends the whole batch.
     ``announced``: step 0 is recorded already (the slotq worker records it as it starts the jobs).
+    ``last_step`` is called once the last denoising step is done, before the decoding.
     """
     prepared = [_prepared(job) for job in jobs]
     outcomes: list[RenderResult | None] = [each if isinstance(each, Exception) else None for each in prepared]
@@ -78,8 +81,9 @@ def render(jobs: list[Job], announced: bool = False) -> list[RenderResult]:
         if faults and step == 1:
             for request in requests:
                 inject_fault(request)
-        if latents is not None:
-            show.offer([jobs[index] if index in live else None for index in members], step, total, latents)
+        show.offer([jobs[index] if index in live else None for index in members], step, total, latents)
+        if step == total and last_step is not None:
+            last_step()
 
     # Step 0: reported here, or (announced) only the start the cadence counts its interval from.
     (cadence.due if announced else on_step)(0, requests[0].steps_run)
@@ -101,9 +105,9 @@ class PreviewOffers:
         self.cadence = previews.Cadence(settings.preview_interval_ms / 1000)
         self.wanted = any(request.previews for request in requests)
 
-    def offer(self, members: list[Job | None], step: int, total: int, latents: torch.Tensor) -> None:
+    def offer(self, members: list[Job | None], step: int, total: int, latents: torch.Tensor | None) -> None:
         """Offer the first image's latents of each live member that asked (None: canceled)."""
-        if not self.wanted:
+        if not self.wanted or latents is None:
             return
         asking = enumerate(zip(members, self.requests, strict=True))
         wanted = [(place, job) for place, (job, request) in asking if job is not None and request.previews]

@@ -1,0 +1,119 @@
+"""Claiming ahead (SLOTQ_CLAIM_AHEAD): the next execution's jobs are claimed while the current one
+decodes, in-process with the tiny model and a real Redis."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from flask.testing import FlaskClient
+from redis import Redis
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from shared.contract import keys
+from shared.contract.settings import Settings
+from shared.store.connection import job_queue
+from shared.store.fencing import connect_worker
+from tests.conftest import post_job, waiting_ids
+from worker import lifecycle, tasks
+from worker.main import SlotWorker
+from worker.pipeline import current_pipeline, load_pipeline, set_current_pipeline
+
+
+@pytest.fixture
+def slot_worker(settings: Settings) -> Iterator[SlotWorker]:
+    """A worker of the test queue in this process, its model loaded, not serving."""
+    set_current_pipeline(load_pipeline(settings.model_copy(update={"device": "cpu"})))
+    worker = SlotWorker(job_queue(connect_worker(settings), settings), settings)
+    yield worker
+    worker._claimer.shutdown()
+    worker.connection.close()
+
+
+def submitted(client: FlaskClient, count: int, steps: int = 2) -> list[str]:
+    ids = []
+    for index in range(count):
+        response = post_job(client, prompt=f"job {index}", width=64, height=64, steps=steps)
+        assert response.status_code == 202, response.get_json()
+        ids.append(response.get_json()["id"])
+    return ids
+
+
+def test_the_claim_is_made_at_the_last_step_before_the_decoding(
+        slot_worker: SlotWorker, client: FlaskClient, redis: Redis) -> None:
+    [job_id] = submitted(client, 1, steps=3)
+    job = Job.fetch(job_id, connection=redis, serializer=JSONSerializer)
+    pipeline, seen = current_pipeline(), []
+    # The pipeline counts its calls; the hook notes how many denoising steps each had reported.
+    steps: list[int] = []
+    original = pipeline.generate_batch
+
+    def counting(requests, on_step=None, inputs=()):  # type: ignore[no-untyped-def]
+        def step(index: int, total: int, latents: object = None) -> None:
+            steps.append(index)
+            assert on_step is not None
+            on_step(index, total, latents)
+        return original(requests, step, inputs)
+
+    pipeline.generate_batch = counting  # type: ignore[method-assign]
+    try:
+        (outcome,) = tasks.render([job], announced=True, last_step=lambda: seen.append(list(steps)))
+    finally:
+        del pipeline.generate_batch
+    assert not isinstance(outcome, Exception)
+    assert seen == [[1, 2, 3]]  # once, after the last step (3 of 3), before the images came back
+
+
+def test_a_claim_ahead_takes_the_next_jobs_with_their_fences(
+        slot_worker: SlotWorker, client: FlaskClient, redis: Redis, settings: Settings) -> None:
+    first, second = submitted(client, 2)
+    slot_worker._claim_ahead()
+    taken = slot_worker._taken_ahead()
+    assert taken is not None and [job.id for job, _ in taken.startable] == [first]
+    assert [claimed.job_id for claimed in taken.claims] == [first]
+    assert redis.lrange(keys.claims_key(slot_worker.name), 0, -1) == [first.encode()]
+    assert redis.get(keys.fence_key(first)) == taken.startable[0][1].token.encode()
+    assert waiting_ids(redis, settings) == [second]
+    assert slot_worker._taken_ahead() is None  # taken once
+
+
+def test_without_claim_ahead_nothing_is_claimed_early(
+        client: FlaskClient, redis: Redis, settings: Settings) -> None:
+    off = settings.model_copy(update={"claim_ahead": False})
+    set_current_pipeline(load_pipeline(off.model_copy(update={"device": "cpu"})))
+    worker = SlotWorker(job_queue(connect_worker(off), off), off)
+    try:
+        [job_id] = submitted(client, 1)
+        worker._claim_ahead()
+        assert worker._taken_ahead() is None
+        assert waiting_ids(redis, settings) == [job_id]
+    finally:
+        worker._claimer.shutdown()
+        worker.connection.close()
+
+
+def test_a_job_claimed_ahead_goes_back_to_the_head_of_the_line_when_the_worker_stops(
+        slot_worker: SlotWorker, client: FlaskClient, redis: Redis, settings: Settings) -> None:
+    first, second, third = submitted(client, 3)
+    slot_worker._claim_ahead()
+    slot_worker._ahead.result()  # type: ignore[union-attr]  # the claim is made
+    assert waiting_ids(redis, settings) == [second, third]
+    slot_worker._put_back_ahead()  # as the worker stops
+    assert waiting_ids(redis, settings) == [first, second, third]  # at the head, where it was
+    assert redis.llen(keys.claims_key(slot_worker.name)) == 0
+    assert redis.get(keys.fence_key(first)) is None  # that attempt is over before it began
+    view = client.get(f"/v1/jobs/{first}").get_json()
+    assert view["status"] == "queued" and view["attempt"] == 0  # not counted: it never started
+
+
+def test_no_claim_is_made_ahead_once_the_worker_is_stopping(
+        slot_worker: SlotWorker, client: FlaskClient, redis: Redis, settings: Settings) -> None:
+    [job_id] = submitted(client, 1)
+    lifecycle.stopping.set()
+    try:
+        slot_worker._claim_ahead()
+        assert slot_worker._taken_ahead() is None
+    finally:
+        lifecycle.stopping.clear()
+    assert waiting_ids(redis, settings) == [job_id]
