@@ -117,3 +117,19 @@ def test_no_claim_is_made_ahead_once_the_worker_is_stopping(
     finally:
         lifecycle.stopping.clear()
     assert waiting_ids(redis, settings) == [job_id]
+
+
+def test_a_start_is_timed_from_the_claim_with_batchings_wait_in_it(
+        client: FlaskClient, settings: Settings) -> None:
+    """The start's Redis clock is the claim's plus the time since: the gather's wait counts."""
+    gathering = settings.model_copy(update={"max_batch": 4, "batch_wait_ms": 300})
+    set_current_pipeline(load_pipeline(gathering.model_copy(update={"device": "cpu"})))
+    worker = SlotWorker(job_queue(connect_worker(gathering), gathering), gathering)
+    try:
+        submitted(client, 1)  # alone: the gather waits its whole 300 ms for a companion
+        taken = worker._take(None)
+        assert taken is not None and len(taken.claims) == 1
+        assert taken.starts_at() - taken.at >= 0.3
+    finally:
+        worker._claimer.shutdown()
+        worker.connection.close()

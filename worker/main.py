@@ -142,10 +142,11 @@ class SlotWorker(Outcomes):
         claimed = self.claims.claim(timeout, holding)
         if claimed is None:
             return None
+        claimed_at = time.monotonic()  # with claimed.at: batching's gather is part of the wait
         batch = [claimed]
         try:
             batch += batching.gather(self.claims, self.settings, claimed)
-            return Taken(batch, self._fenced(batch), claimed.at, time.monotonic())
+            return Taken(batch, self._fenced(batch), claimed.at, claimed_at)
         except BaseException:
             for member in batch:  # not started: leftovers for recovery
                 self.claims.unhold(member.job_id)
