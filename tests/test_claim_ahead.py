@@ -133,3 +133,14 @@ def test_a_start_is_timed_from_the_claim_with_batchings_wait_in_it(
     finally:
         worker._claimer.shutdown()
         worker.connection.close()
+
+
+def test_a_failed_claim_ahead_does_not_stop_the_worker_from_stopping(
+        slot_worker: SlotWorker, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    def failing(timeout: float | None) -> None:
+        raise RuntimeError("the claiming thread failed")
+
+    monkeypatch.setattr(slot_worker, "_take", failing)
+    slot_worker._claim_ahead()
+    slot_worker._put_back_ahead()  # as the worker stops: logged, not raised
+    assert "could not claim ahead (the claiming thread failed)" in caplog.text

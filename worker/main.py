@@ -170,7 +170,7 @@ class SlotWorker(Outcomes):
         an error, are recovered once this worker is gone)."""
         try:
             taken = self._taken_ahead()
-        except (RedisConnectionError, RedisTimeoutError) as exc:
+        except Exception as exc:  # the worker stops either way; _take let go of what it held
             log.warning("could not claim ahead (%s): any job it took is recovered", exc)
             taken = None
         finally:

@@ -63,9 +63,9 @@ class Record:
 @dataclass(frozen=True)
 class Admission:
     """A submit's outcome: the job admitted now (its record, place, estimates and deadline), or the
-    earlier job that an idempotent retry replays (``prior``). A job admitted now that has already
-    left the line when its answer came (a call sent again, the admission script's ``-5``) has its
-    record and, as ``prior``, where it stands."""
+    earlier job that an idempotent retry replays (``prior``, ``replayed``). A job admitted now that
+    has already left the line when its answer came (a call sent again, the admission script's
+    ``-5``) has its record and, as ``prior``, where it stands."""
 
     job_id: str
     record: Record | None = None
@@ -73,10 +73,7 @@ class Admission:
     eta: tuple[float, float] | None = None
     deadline_at: float | None = None
     prior: Job | None = None
-
-    @property
-    def replayed(self) -> bool:
-        return self.prior is not None and self.record is None
+    replayed: bool = False  # an earlier submit with this Idempotency-Key made the job
 
 
 def request_digest(request: JobRequest) -> str:
@@ -255,7 +252,7 @@ def _admission(queue: Queue, record: Record, answer: list[Any], digest: str | No
         prior_digest, prior_id = text(answer[1]).split(" ")
         if prior_digest != digest:
             raise IdempotencyConflictError()
-        return Admission(prior_id, prior=fetch_job(queue, prior_id, tenant))
+        return Admission(prior_id, prior=fetch_job(queue, prior_id, tenant), replayed=True)
     start, finish, deadline = (answer + [None] * 4)[1:4]
     eta = (float(start), float(finish)) if start is not None else None
     return Admission(record.id, record, int(outcome), eta, float(deadline) if deadline is not None else None)
