@@ -28,7 +28,10 @@ of the two loops is the round's ceiling. The service gets one long job,
 then N jobs over HTTP while it runs, so all N wait; each is followed with ``GET /v1/jobs/<id>?wait=30``
 in order until it ends, and its images/s is N over the time from the long job's ``finished_at`` to
 the last one's. The batching row runs the loop on batches of 8 and the worker with
-``SLOTQ_MAX_BATCH=8``.
+``SLOTQ_MAX_BATCH=8``. Each image line also says where the service's time an image went: the
+pipeline call (the worker's ``slotq_gpu_busy_seconds`` over its executions, read from its metrics
+once the long job has ended and again at the end, against the loop's time an image) and the rest,
+outside the call; each the median of the rounds.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
+from prometheus_client.parser import text_string_to_metric_families
 from redis import Redis
 
 from api.app import create_app
@@ -63,7 +67,7 @@ from shared.contract.tenants import Tenant
 from shared.store import waiting
 from shared.store.admission import enqueue_job
 from shared.store.connection import connect, job_queue
-from slotq.localredis import running_redis
+from slotq.localredis import free_port, running_redis
 
 JOB = {"prompt": "bench", "width": 64, "height": 64, "steps": 4}
 BODY = json.dumps(JOB)
@@ -386,9 +390,37 @@ def read(port: int, job_id: str) -> dict[str, Any]:
     return view
 
 
-def service_rate(port: int, case: ImageCase, long: LongJob, first_seed: int) -> float | None:
+@dataclass(frozen=True)
+class WorkerTime:
+    """The worker's GPU sections so far, from its metrics: their time in all and how many."""
+
+    busy_s: float
+    executions: int
+
+    @classmethod
+    def scraped(cls, port: int) -> WorkerTime:
+        status, answer = end_to_end.call(port, "GET", "/metrics")
+        if status != 200:
+            raise RuntimeError(f"the worker's /metrics answered {status}")
+        samples = {sample.name: sample.value for family in text_string_to_metric_families(answer.decode())
+                   for sample in family.samples}
+        return cls(samples["slotq_gpu_busy_seconds_total"], int(samples["slotq_gpu_section_seconds_count"]))
+
+
+@dataclass(frozen=True)
+class Served:
+    """One service round: its images a second, and its pipeline calls' time an image."""
+
+    rate: float
+    call_s: float
+
+
+def service_rate(port: int, metrics_port: int, case: ImageCase, long: LongJob,
+                 first_seed: int) -> Served | None:
     """Images a second through the service: N jobs submitted behind a long one, followed in order;
-    None when the long job ended before the last of them was submitted (the line ran dry)."""
+    None when the long job ended before the last of them was submitted (the line ran dry). With it,
+    the worker's pipeline calls' time an image over the executions that ended after the long job's
+    end was seen (its metrics read then and at the last job's end)."""
     deadline = time.monotonic() + 600
     [first] = submit(port, [long.body(first_seed + case.jobs)])
     while first["status"] == "queued":  # until the worker holds it: the N jobs then all wait
@@ -397,13 +429,18 @@ def service_rate(port: int, case: ImageCase, long: LongJob, first_seed: int) -> 
     jobs = submit(port, [request.model_dump(mode="json", exclude_none=True)
                          for request in case.requests(first_seed)])
     submitted = datetime.now(UTC)
-    for view in [first, *jobs]:
+    end_to_end.wait_end(port, first, deadline)
+    after_long = WorkerTime.scraped(metrics_port)
+    for view in jobs:
         end_to_end.wait_end(port, view, deadline)
+    at_end = WorkerTime.scraped(metrics_port)
     began = datetime.fromisoformat(read(port, first["id"])["finished_at"])
     if began <= submitted:
         return None
     ended = max(datetime.fromisoformat(read(port, view["id"])["finished_at"]) for view in jobs)
-    return case.jobs / (ended - began).total_seconds()
+    images = (at_end.executions - after_long.executions) * case.batch  # the line was full: whole batches
+    call_s = (at_end.busy_s - after_long.busy_s) / max(1, images)
+    return Served(case.jobs / (ended - began).total_seconds(), call_s)
 
 
 def image_lines(quick: bool, scratch: Path) -> tuple[str, list[str]]:
@@ -416,14 +453,17 @@ def image_lines(quick: bool, scratch: Path) -> tuple[str, list[str]]:
              ImageCase("images/s batch 8 64x64, service ÷ loop", 64, 8 if quick else 48, 8, 0.95)]
     models = scratch / "models"
     pipeline = load_pipeline(Settings(cache_dir=models, device="cpu"))  # the tiny model, made once
+    metrics_ports = {batch: free_port() for batch in (1, 8)}  # the worker's, for its GPU sections' time
     services = [end_to_end.running(scratch / f"batch-{batch}", 8, device="cpu", log_level="INFO",
-                                   max_batch=batch, cache_dir=models) for batch in (1, 8)]
+                                   max_batch=batch, cache_dir=models, worker_metrics_port=port)
+                for batch, port in metrics_ports.items()]
     lines = []
     with ExitStack() as stack:  # both services at once: their start-ups overlap; one idles at a time
         ports = {batch: service.port
                  for batch, service in zip((1, 8), enter_all(stack, services), strict=True)}
         for case in cases:
-            lines.append(image_figure(pipeline, ports[case.batch], case, rounds, 1 if quick else 2))
+            lines.append(image_figure(pipeline, ports[case.batch], metrics_ports[case.batch], case, rounds,
+                                      1 if quick else 2))
     jobs = ", ".join(f"{case.jobs} at {case.size}x{case.size}"
                      + (f" in batches of {case.batch}" if case.batch > 1 else "") for case in cases)
     counts = sorted({max(1, TORCH_DEFAULT_THREADS - 1), TORCH_DEFAULT_THREADS})
@@ -436,33 +476,42 @@ def image_lines(quick: bool, scratch: Path) -> tuple[str, list[str]]:
     return header, lines
 
 
-def image_figure(pipeline: Any, port: int, case: ImageCase, rounds: int, warm_ups: int) -> str:
+def image_figure(pipeline: Any, port: int, metrics_port: int, case: ImageCase, rounds: int,
+                 warm_ups: int) -> str:
     """One case's rounds, each the loop, the service and the loop again; its line."""
     for _ in range(warm_ups):  # the first calls of a shape are slower: warm up, untimed
         loop_rate(pipeline, case, 1)
     threads = ceiling_threads(pipeline, case, 0 if rounds == 1 else 3)  # quick: the worker's count
     long = LongJob.lasting(LONG_JOB_S, case, 1 / loop_rate(pipeline, case, threads))
-    service_rate(port, case, LongJob(case.size, 16), 10**6)  # warm up the service's paths, untimed
+    service_rate(port, metrics_port, case, LongJob(case.size, 16), 10**6)  # warm up the service's paths
     loops: list[float] = []
-    served: list[float] = []
+    served: list[Served] = []
     dry = 0
     while len(served) < rounds:
         # The loop before and after the service, their mean its ceiling: a drift of the machine's
         # speed during the round lands on both sides.
         before = loop_rate(pipeline, case, threads)
-        rate = service_rate(port, case, long, 1000 * len(served))
+        round_ = service_rate(port, metrics_port, case, long, 1000 * len(served))
         loop = (before + loop_rate(pipeline, case, threads)) / 2
-        if rate is None:  # the long job was too short: lengthen it, run the round again
+        if round_ is None:  # the long job was too short: lengthen it, run the round again
             dry, long = dry + 1, long.longer()
             if dry > 5:
                 raise RuntimeError(f"{case.name}: the line ran dry while its jobs were submitted")
             continue
         loops.append(loop)
-        served.append(rate)
-    ratios = [rate / loop for rate, loop in zip(served, loops, strict=True)]
-    detail = (f"{median(served):.2f} vs {median(loops):.2f} images/s, the loop at {threads} torch "
-              f"thread(s), worst round {min(ratios):.3f}; {case.jobs} jobs behind one of "
-              f"{long.side}x{long.side}, {long.steps} steps")
+        served.append(round_)
+    ratios = [round_.rate / loop for round_, loop in zip(served, loops, strict=True)]
+    # Where a round's time an image went: the pipeline call (against the loop's time an image) and
+    # the rest of the worker's path, each the median of the rounds.
+    calls = [1000 * round_.call_s for round_ in served]
+    loop_ms = [1000 / loop for loop in loops]
+    slower = median([call / ceiling for call, ceiling in zip(calls, loop_ms, strict=True)])
+    outside = median([1000 / round_.rate - call for round_, call in zip(served, calls, strict=True)])
+    detail = (f"{median([round_.rate for round_ in served]):.2f} vs {median(loops):.2f} images/s, the loop "
+              f"at {threads} torch thread(s), worst round {min(ratios):.3f}; {case.jobs} jobs behind one of "
+              f"{long.side}x{long.side}, {long.steps} steps; an image: the pipeline call {median(calls):.1f} "
+              f"ms in the service vs {median(loop_ms):.1f} in the loop ({slower:.2f} times), "
+              f"{outside:.1f} ms outside the call")
     return figure(case.name, ratios, detail, f">= {case.goal}", lambda value: value >= case.goal, digits=3)
 
 
