@@ -409,10 +409,11 @@ class WorkerTime:
 
 @dataclass(frozen=True)
 class Served:
-    """One service round: its images a second, and its pipeline calls' time an image."""
+    """One service round: its images a second, and its pipeline calls' time an image (None when no
+    execution ended between the two reads of the worker's metrics)."""
 
     rate: float
-    call_s: float
+    call_s: float | None
 
 
 def service_rate(port: int, metrics_port: int, case: ImageCase, long: LongJob,
@@ -439,7 +440,7 @@ def service_rate(port: int, metrics_port: int, case: ImageCase, long: LongJob,
         return None
     ended = max(datetime.fromisoformat(read(port, view["id"])["finished_at"]) for view in jobs)
     images = (at_end.executions - after_long.executions) * case.batch  # the line was full: whole batches
-    call_s = (at_end.busy_s - after_long.busy_s) / max(1, images)
+    call_s = (at_end.busy_s - after_long.busy_s) / images if images else None
     return Served(case.jobs / (ended - began).total_seconds(), call_s)
 
 
@@ -502,16 +503,17 @@ def image_figure(pipeline: Any, port: int, metrics_port: int, case: ImageCase, r
         served.append(round_)
     ratios = [round_.rate / loop for round_, loop in zip(served, loops, strict=True)]
     # Where a round's time an image went: the pipeline call (against the loop's time an image) and
-    # the rest of the worker's path, each the median of the rounds.
-    calls = [1000 * round_.call_s for round_ in served]
-    loop_ms = [1000 / loop for loop in loops]
-    slower = median([call / ceiling for call, ceiling in zip(calls, loop_ms, strict=True)])
-    outside = median([1000 / round_.rate - call for round_, call in zip(served, calls, strict=True)])
+    # the rest of the worker's path, each the median of the rounds that read the call's time.
+    split = [(1000 * round_.call_s, 1000 / loop, 1000 / round_.rate)
+             for round_, loop in zip(served, loops, strict=True) if round_.call_s is not None]
+    where = "no execution ended between the reads of the worker's metrics" if not split else (
+        f"an image: the pipeline call {median([call for call, _, _ in split]):.1f} ms in the service vs "
+        f"{median([ceiling for _, ceiling, _ in split]):.1f} in the loop "
+        f"({median([call / ceiling for call, ceiling, _ in split]):.2f} times), "
+        f"{median([each - call for call, _, each in split]):.1f} ms outside the call")
     detail = (f"{median([round_.rate for round_ in served]):.2f} vs {median(loops):.2f} images/s, the loop "
               f"at {threads} torch thread(s), worst round {min(ratios):.3f}; {case.jobs} jobs behind one of "
-              f"{long.side}x{long.side}, {long.steps} steps; an image: the pipeline call {median(calls):.1f} "
-              f"ms in the service vs {median(loop_ms):.1f} in the loop ({slower:.2f} times), "
-              f"{outside:.1f} ms outside the call")
+              f"{long.side}x{long.side}, {long.steps} steps; {where}")
     return figure(case.name, ratios, detail, f">= {case.goal}", lambda value: value >= case.goal, digits=3)
 
 
