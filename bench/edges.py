@@ -31,7 +31,10 @@ the last one's. The batching row runs the loop on batches of 8 and the worker wi
 ``SLOTQ_MAX_BATCH=8``. Each image line also says where the service's time an image went: the
 pipeline call (the worker's ``slotq_gpu_busy_seconds`` over its executions, read from its metrics
 once the long job has ended and again at the end, against the loop's time an image) and the rest,
-outside the call; each the median of the rounds.
+outside the call; each the median of the rounds. It also gives the CPU that the service's other
+work took an image over the same executions (from ``/proc``, on Linux): the API's processes, the
+worker's threads but the main one, its finishing process and Redis. On this machine's two cores that
+work runs beside the pipeline call, which a GPU would hide.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
@@ -59,7 +62,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis import Redis
 
 from api.app import create_app
-from bench import admission, end_to_end
+from bench import admission, end_to_end, memory
 from shared.contract import keys
 from shared.contract.jobs import PRIORITIES, JobRequest
 from shared.contract.settings import Settings
@@ -408,21 +411,65 @@ class WorkerTime:
 
 
 @dataclass(frozen=True)
+class SideWork:
+    """CPU seconds of what runs beside the worker's pipeline calls: the API's processes, the worker's
+    threads but its main one, its finishing process and Redis."""
+
+    api: float
+    threads: float
+    finisher: float
+    redis: float
+
+    @classmethod
+    def read(cls, service: end_to_end.Service) -> SideWork | None:
+        """Their CPU so far, from /proc; None where there is none (not Linux)."""
+        if not Path("/proc/self/stat").exists():
+            return None
+        api, worker = service.api.pid, service.worker.pid
+        return cls(api=sum(cpu_seconds(pid) for pid in [api, *memory.children(api)]),
+                   threads=cpu_seconds(worker) - cpu_seconds(worker, thread=worker),
+                   finisher=cpu_seconds(memory.finishing_process(worker)),
+                   redis=cpu_seconds(service.redis.pid))
+
+    def per_image(self, before: SideWork, images: int) -> SideWork:
+        """What each took an image between ``before`` and this reading."""
+        pairs = zip(astuple(self), astuple(before), strict=True)
+        return SideWork(*((now - then) / images for now, then in pairs))
+
+    @staticmethod
+    def describe(readings: list[SideWork]) -> str:
+        """The median of each, in ms."""
+        columns = zip(*map(astuple, readings), strict=True)
+        api, threads, finisher, redis = (1000 * median(list(column)) for column in columns)
+        return (f"the service's other CPU an image: API {api:.1f} ms, the worker's other threads "
+                f"{threads:.1f}, its finishing process {finisher:.1f}, Redis {redis:.1f}")
+
+
+def cpu_seconds(pid: int, thread: int | None = None) -> float:
+    """User and system CPU of a process (its threads, ended ones included), or of one of its threads."""
+    path = f"/proc/{pid}/task/{thread}/stat" if thread else f"/proc/{pid}/stat"
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()  # after the name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
 class Served:
-    """One service round: its images a second, and its pipeline calls' time an image (None when no
-    execution ended between the two reads of the worker's metrics)."""
+    """One service round: its images a second, its pipeline calls' time an image and the CPU of the
+    service's other work an image (each None when no execution ended between the two readings)."""
 
     rate: float
     call_s: float | None
+    side: SideWork | None = None
 
 
-def service_rate(port: int, metrics_port: int, case: ImageCase, long: LongJob,
+def service_rate(service: end_to_end.Service, metrics_port: int, case: ImageCase, long: LongJob,
                  first_seed: int) -> Served | None:
     """Images a second through the service: N jobs submitted behind a long one, followed in order;
     None when the long job ended before the last of them was submitted (the line ran dry). With it,
-    the worker's pipeline calls' time an image over the executions that ended after the long job's
-    end was seen (its metrics read then and at the last job's end)."""
-    deadline = time.monotonic() + 600
+    the worker's pipeline calls' time an image, and the CPU of the service's other work an image,
+    over the executions that ended after the long job's end was seen (its metrics and the CPU read
+    then and at the last job's end)."""
+    port, deadline = service.port, time.monotonic() + 600
     [first] = submit(port, [long.body(first_seed + case.jobs)])
     while first["status"] == "queued":  # until the worker holds it: the N jobs then all wait
         time.sleep(0.01)
@@ -431,17 +478,18 @@ def service_rate(port: int, metrics_port: int, case: ImageCase, long: LongJob,
                          for request in case.requests(first_seed)])
     submitted = datetime.now(UTC)
     end_to_end.wait_end(port, first, deadline)
-    after_long = WorkerTime.scraped(metrics_port)
+    after_long, side_before = WorkerTime.scraped(metrics_port), SideWork.read(service)
     for view in jobs:
         end_to_end.wait_end(port, view, deadline)
-    at_end = WorkerTime.scraped(metrics_port)
+    at_end, side_after = WorkerTime.scraped(metrics_port), SideWork.read(service)
     began = datetime.fromisoformat(read(port, first["id"])["finished_at"])
     if began <= submitted:
         return None
     ended = max(datetime.fromisoformat(read(port, view["id"])["finished_at"]) for view in jobs)
     images = (at_end.executions - after_long.executions) * case.batch  # the line was full: whole batches
     call_s = (at_end.busy_s - after_long.busy_s) / images if images else None
-    return Served(case.jobs / (ended - began).total_seconds(), call_s)
+    side = side_after.per_image(side_before, images) if images and side_after and side_before else None
+    return Served(case.jobs / (ended - began).total_seconds(), call_s, side)
 
 
 def image_lines(quick: bool, scratch: Path) -> tuple[str, list[str]]:
@@ -460,10 +508,9 @@ def image_lines(quick: bool, scratch: Path) -> tuple[str, list[str]]:
                 for batch, port in metrics_ports.items()]
     lines = []
     with ExitStack() as stack:  # both services at once: their start-ups overlap; one idles at a time
-        ports = {batch: service.port
-                 for batch, service in zip((1, 8), enter_all(stack, services), strict=True)}
+        running = dict(zip((1, 8), enter_all(stack, services), strict=True))
         for case in cases:
-            lines.append(image_figure(pipeline, ports[case.batch], metrics_ports[case.batch], case, rounds,
+            lines.append(image_figure(pipeline, running[case.batch], metrics_ports[case.batch], case, rounds,
                                       1 if quick else 2))
     jobs = ", ".join(f"{case.jobs} at {case.size}x{case.size}"
                      + (f" in batches of {case.batch}" if case.batch > 1 else "") for case in cases)
@@ -477,14 +524,14 @@ def image_lines(quick: bool, scratch: Path) -> tuple[str, list[str]]:
     return header, lines
 
 
-def image_figure(pipeline: Any, port: int, metrics_port: int, case: ImageCase, rounds: int,
-                 warm_ups: int) -> str:
+def image_figure(pipeline: Any, service: end_to_end.Service, metrics_port: int, case: ImageCase,
+                 rounds: int, warm_ups: int) -> str:
     """One case's rounds, each the loop, the service and the loop again; its line."""
     for _ in range(warm_ups):  # the first calls of a shape are slower: warm up, untimed
         loop_rate(pipeline, case, 1)
     threads = ceiling_threads(pipeline, case, 0 if rounds == 1 else 3)  # quick: the worker's count
     long = LongJob.lasting(LONG_JOB_S, case, 1 / loop_rate(pipeline, case, threads))
-    service_rate(port, metrics_port, case, LongJob(case.size, 16), 10**6)  # warm up the service's paths
+    service_rate(service, metrics_port, case, LongJob(case.size, 16), 10**6)  # warm up the service's paths
     loops: list[float] = []
     served: list[Served] = []
     dry = 0
@@ -492,7 +539,7 @@ def image_figure(pipeline: Any, port: int, metrics_port: int, case: ImageCase, r
         # The loop before and after the service, their mean its ceiling: a drift of the machine's
         # speed during the round lands on both sides.
         before = loop_rate(pipeline, case, threads)
-        round_ = service_rate(port, metrics_port, case, long, 1000 * len(served))
+        round_ = service_rate(service, metrics_port, case, long, 1000 * len(served))
         loop = (before + loop_rate(pipeline, case, threads)) / 2
         if round_ is None:  # the long job was too short: lengthen it, run the round again
             dry, long = dry + 1, long.longer()
@@ -511,6 +558,9 @@ def image_figure(pipeline: Any, port: int, metrics_port: int, case: ImageCase, r
         f"{median([ceiling for _, ceiling, _ in split]):.1f} in the loop "
         f"({median([call / ceiling for call, ceiling, _ in split]):.2f} times), "
         f"{median([each - call for call, _, each in split]):.1f} ms outside the call")
+    sides = [round_.side for round_ in served if round_.side is not None]
+    if sides:
+        where += f"; {SideWork.describe(sides)}"
     detail = (f"{median([round_.rate for round_ in served]):.2f} vs {median(loops):.2f} images/s, the loop "
               f"at {threads} torch thread(s), worst round {min(ratios):.3f}; {case.jobs} jobs behind one of "
               f"{long.side}x{long.side}, {long.steps} steps; {where}")

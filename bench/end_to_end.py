@@ -53,6 +53,7 @@ class Service:
     api: subprocess.Popen[bytes]
     worker: subprocess.Popen[bytes]
     scratch: Path
+    redis: subprocess.Popen[bytes]
 
 
 def bench_settings(scratch: Path, clients: int, redis_url: str = "redis://127.0.0.1:6379/0") -> Settings:
@@ -94,7 +95,8 @@ def running(scratch: Path, clients: int, **overrides: Any) -> Iterator[Service]:
     ``overrides`` replace settings of :func:`bench_settings` (``max_batch=8``, ``log_level="INFO"``)."""
     with ExitStack() as stack:
         redis_port = free_port()
-        stack.callback(stop, start_redis(redis_port, scratch / "redis"))
+        redis = start_redis(redis_port, scratch / "redis")
+        stack.callback(stop, redis)
         settings = bench_settings(scratch, clients, f"redis://127.0.0.1:{redis_port}/0")
         settings = settings.model_copy(update=overrides)
         port = free_port()
@@ -102,7 +104,7 @@ def running(scratch: Path, clients: int, **overrides: Any) -> Iterator[Service]:
         stack.callback(stop, api)
         worker = spawn(["worker"], settings, scratch / "worker.log")
         stack.callback(stop, worker)  # stopped first: the callbacks run last in, first out
-        service = Service(port, api, worker, scratch)
+        service = Service(port, api, worker, scratch, redis)
         wait_ready(service, settings)
         yield service
 

@@ -70,3 +70,24 @@ def test_quick_report_has_every_section_with_its_baseline() -> None:
     assert "202x40" in sections["Admission"] and "429x40" in sections["Admission"]
     assert len(re.findall(r"^api process \(pid \d+\)", sections["Memory"], re.MULTILINE)) == 2
     assert "10 refused (503)" in sections["Event streams"]  # past the bound, under gevent
+
+
+def test_side_work_cpu_is_read_per_process_and_without_its_main_thread() -> None:
+    # bench.edges reads the CPU of the service's other work from /proc: a process's in all, and
+    # without its main thread (the worker's GPU section). A child burns 0.3 s on a second thread only.
+    from bench.edges import cpu_seconds
+
+    burn = ("import threading, time\n"
+            "def spin():\n"
+            "    until = time.thread_time() + 0.3\n"
+            "    while time.thread_time() < until: pass\n"
+            "thread = threading.Thread(target=spin); thread.start(); thread.join()\n"
+            "print('burnt', flush=True); time.sleep(30)\n")
+    with subprocess.Popen([sys.executable, "-c", burn], stdout=subprocess.PIPE, text=True) as child:
+        try:
+            assert child.stdout is not None and child.stdout.readline() == "burnt\n"
+            in_all, main_thread = cpu_seconds(child.pid), cpu_seconds(child.pid, thread=child.pid)
+            assert in_all - main_thread >= 0.25, (in_all, main_thread)  # the ended thread's time counts
+            assert main_thread < 0.25, main_thread
+        finally:
+            child.kill()
