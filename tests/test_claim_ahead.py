@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import torch
 from flask.testing import FlaskClient
 from redis import Redis
 from rq.job import Job
@@ -17,15 +18,17 @@ from shared.store.connection import job_queue
 from shared.store.fencing import connect_worker
 from tests.conftest import post_job, waiting_ids
 from worker import lifecycle, tasks
-from worker.main import SlotWorker
+from worker.main import SlotWorker, claims_ahead
 from worker.pipeline import current_pipeline, load_pipeline, set_current_pipeline
 
 
 @pytest.fixture
 def slot_worker(settings: Settings) -> Iterator[SlotWorker]:
-    """A worker of the test queue in this process, its model loaded, not serving."""
-    set_current_pipeline(load_pipeline(settings.model_copy(update={"device": "cpu"})))
-    worker = SlotWorker(job_queue(connect_worker(settings), settings), settings)
+    """A worker of the test queue in this process, its model loaded, not serving, claiming ahead
+    (which ``auto`` does only on a GPU)."""
+    on = settings.model_copy(update={"claim_ahead": True})
+    set_current_pipeline(load_pipeline(on.model_copy(update={"device": "cpu"})))
+    worker = SlotWorker(job_queue(connect_worker(on), on), on)
     yield worker
     worker._claimer.shutdown()
     worker.connection.close()
@@ -78,9 +81,11 @@ def test_a_claim_ahead_takes_the_next_jobs_with_their_fences(
     assert slot_worker._taken_ahead() is None  # taken once
 
 
+@pytest.mark.parametrize("claim_ahead", [False, "auto"])  # auto: the default, off on the CPU
 def test_without_claim_ahead_nothing_is_claimed_early(
-        client: FlaskClient, redis: Redis, settings: Settings) -> None:
-    off = settings.model_copy(update={"claim_ahead": False})
+        client: FlaskClient, redis: Redis, settings: Settings, claim_ahead: bool | str) -> None:
+    off = settings.model_copy(update={"claim_ahead": claim_ahead})
+    assert Settings().claim_ahead == "auto"
     set_current_pipeline(load_pipeline(off.model_copy(update={"device": "cpu"})))
     worker = SlotWorker(job_queue(connect_worker(off), off), off)
     try:
@@ -91,6 +96,13 @@ def test_without_claim_ahead_nothing_is_claimed_early(
     finally:
         worker._claimer.shutdown()
         worker.connection.close()
+
+
+@pytest.mark.parametrize(("setting", "device", "claims"), [
+    ("auto", "cuda", True), ("auto", "cuda:1", True), ("auto", "cpu", False), ("auto", "mps", False),
+    (True, "cpu", True), (False, "cuda", False)])
+def test_auto_claims_ahead_on_a_gpu_only(setting: bool | str, device: str, claims: bool) -> None:
+    assert claims_ahead(Settings(claim_ahead=setting), torch.device(device)) is claims
 
 
 def test_a_job_claimed_ahead_goes_back_to_the_head_of_the_line_when_the_worker_stops(

@@ -9,6 +9,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC
 
+import torch
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -72,6 +73,7 @@ class SlotWorker(Outcomes):
         self.claims = Claims(queue, settings, self.name)
         self.metrics = WorkerMetrics(current_pipeline(), settings, self.name)
         # The next execution's claim, made while the current one decodes (SLOTQ_CLAIM_AHEAD).
+        self.claims_ahead = claims_ahead(settings, current_pipeline().device)
         self._ahead: Future[Taken | None] | None = None
         self._claimer = ThreadPoolExecutor(1, thread_name_prefix="claim-ahead")
 
@@ -157,7 +159,7 @@ class SlotWorker(Outcomes):
         the claiming thread while this one decodes, so that the claim's round trip and the restore
         are off the path between two GPU sections. Taken this late, a job leaves the line at most
         one decode before it would have (SLOTQ_CLAIM_AHEAD)."""
-        if self.settings.claim_ahead and self._ahead is None and not lifecycle.stopping.is_set():
+        if self.claims_ahead and self._ahead is None and not lifecycle.stopping.is_set():
             self._ahead = self._claimer.submit(self._take, None)
 
     def _taken_ahead(self) -> Taken | None:
@@ -338,6 +340,16 @@ class SlotWorker(Outcomes):
             self.register_death()
         except RedisError as exc:
             log.warning("could not unregister: %s", exc)
+
+
+def claims_ahead(settings: Settings, device: torch.device) -> bool:
+    """Whether to claim the next execution's jobs while the current one decodes: SLOTQ_CLAIM_AHEAD,
+    where ``auto`` is on a GPU only. There the main thread waits on the device as it decodes, and the
+    claiming thread takes nothing from it; on the CPU the main thread computes, and the claiming
+    thread's Python slowed its decode by more than the claim's round trip (docs/benchmarks.md)."""
+    if settings.claim_ahead == "auto":
+        return device.type == "cuda"
+    return settings.claim_ahead
 
 
 def run_worker(settings: Settings | None = None, *, burst: bool = False) -> int:

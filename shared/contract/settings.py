@@ -93,7 +93,9 @@ class Settings(BaseSettings):
     max_batch: int = Field(1, ge=1, le=64)
     batch_wait_ms: int = Field(0, ge=0, le=10_000)
     progress_interval_ms: int = Field(100, ge=0, le=60_000)
-    claim_ahead: bool = True
+    # Claim the next execution's jobs while the current one decodes; auto: on a GPU, not on the CPU,
+    # where the claiming thread's Python slows the decode more than the round trip it saves.
+    claim_ahead: bool | Literal["auto"] = "auto"
     preview_interval_ms: int = Field(500, ge=50, le=60_000)
     preview_decoder: Path | None = None
     # zlib's level for the result PNGs: lossless at every level; 1 encodes a 1024x1024 image about 6x
