@@ -85,7 +85,7 @@ def test_a_claim_ahead_takes_the_next_jobs_with_their_fences(
 def test_without_claim_ahead_nothing_is_claimed_early(
         client: FlaskClient, redis: Redis, settings: Settings, claim_ahead: bool | str) -> None:
     off = settings.model_copy(update={"claim_ahead": claim_ahead})
-    assert Settings().claim_ahead == "auto"
+    assert Settings.model_fields["claim_ahead"].default == "auto"
     set_current_pipeline(load_pipeline(off.model_copy(update={"device": "cpu"})))
     worker = SlotWorker(job_queue(connect_worker(off), off), off)
     try:
