@@ -103,6 +103,7 @@ def test_without_claim_ahead_nothing_is_claimed_early(
     (True, "cpu", True), (False, "cuda", False)])
 def test_auto_claims_ahead_on_a_gpu_only(setting: bool | str, device: str, claims: bool) -> None:
     assert claims_ahead(Settings(claim_ahead=setting), torch.device(device)) is claims
+    assert claims_ahead(Settings(claim_ahead=setting), device) is claims  # as bench.gpu's null pipeline
 
 
 def test_a_job_claimed_ahead_goes_back_to_the_head_of_the_line_when_the_worker_stops(
