@@ -103,10 +103,26 @@ class Streams:
 
     def _pending(self, job: Job, cursor: Cursor) -> Generator[str, None, bool]:
         """What the client has not had yet; returns whether the job's stream is over."""
-        connection: Redis = self.queue.connection
+        if (yield from self._logged(job, cursor)):
+            return True
+        view = self._view(job)
+        if view is not None and view.status.is_terminal and self._entries(job, cursor, 1):
+            # It ended after its log was read: what it logged meanwhile (a last step's progress, then
+            # its end) comes first, in order, as it would have to a stream that read a moment later.
+            return (yield from self._pending(job, cursor))
+        if view is None or view.status.is_terminal:  # ended, but its log is gone (or never had it)
+            if view is not None:
+                yield _frame(f"{cursor.entry}/end", view.status.value, view.model_dump_json())
+            return True
+        if view.status is JobStatus.QUEUED and view.position != cursor.position:
+            cursor.position = view.position
+            yield _frame(f"{cursor.entry}/q{view.position}", "queued", view.model_dump_json())
+        return False
+
+    def _logged(self, job: Job, cursor: Cursor) -> Generator[str, None, bool]:
+        """The job's log after the cursor, as events; returns whether it reached the job's end."""
         while True:
-            entries = cast(list[tuple[bytes, dict[bytes, bytes]]],
-                           connection.xrange(keys.log_key(job.id), f"({cursor.entry}", "+", count=READ_COUNT))
+            entries = self._entries(job, cursor, READ_COUNT)
             # A preview's picture is the job's latest (one key): of a run of them, send the last.
             previews = [index for index, (_, fields) in enumerate(entries) if fields[b"event"] == b"preview"]
             for index, (entry_id, fields) in enumerate(entries):
@@ -120,17 +136,13 @@ class Streams:
                 if event in TERMINAL:
                     return True
             if len(entries) < READ_COUNT:
-                break
-        view = self._view(job)
-        if view is None or view.status.is_terminal:  # ended, but its log is gone (or never had it)
-            if view is not None:
-                yield _frame(f"{cursor.entry}/end", view.status.value, view.model_dump_json())
-            return True
-            return True
-        if view.status is JobStatus.QUEUED and view.position != cursor.position:
-            cursor.position = view.position
-            yield _frame(f"{cursor.entry}/q{view.position}", "queued", view.model_dump_json())
-        return False
+                return False
+
+    def _entries(self, job: Job, cursor: Cursor, count: int) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        """Up to ``count`` entries of the job's log after the cursor."""
+        connection: Redis = self.queue.connection
+        return cast(list[tuple[bytes, dict[bytes, bytes]]],
+                    connection.xrange(keys.log_key(job.id), f"({cursor.entry}", "+", count=count))
 
     def _sent(self, job: Job, cursor: Cursor, event: str, data: bytes | None) -> Iterator[str]:
         """One logged event as the client gets it."""
