@@ -34,7 +34,12 @@ once the long job has ended and again at the end, against the loop's time an ima
 outside the call; each the median of the rounds. It also gives the CPU that the service's other
 work took an image over the same executions (from ``/proc``, on Linux): the API's processes, the
 worker's threads but the main one, its finishing process and Redis. On this machine's two cores that
-work runs beside the pipeline call, which a GPU would hide.
+work runs beside the pipeline call, which a GPU would hide. Last, it gives what the least a service
+adds would leave of the loop: the loop at each of the two thread counts, handing each image to a
+second process that encodes its PNG as the finishing process does (no Redis, no HTTP, no claim),
+run in each round after the service, its ratio to the round's ceiling. Where that reads below the
+goal, no service of any design reaches the goal on this machine: the gap is the machine's cores,
+not the service's path.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import argparse
 import http.client
 import json
 import math
+import multiprocessing
 import os
 import re
 import shutil
@@ -328,6 +334,59 @@ def loop_rate(pipeline: Any, case: ImageCase, threads: int) -> float:
     return len(batch) / (time.perf_counter() - began)
 
 
+class PngProcess:
+    """A second process that encodes each image it is handed into a PNG, as the finishing process
+    does (at SLOTQ_PNG_COMPRESS_LEVEL's default): the least work a service adds to the pipeline call."""
+
+    def __init__(self) -> None:
+        context = multiprocessing.get_context("spawn")  # as the worker starts its finishing process
+        self._here, there = context.Pipe()
+        self._process = context.Process(target=_encode_each, args=(there,), name="bench-png", daemon=True)
+        self._process.start()
+        self._here.recv()  # ready: its imports are done, so no round's time includes them
+
+    def hand(self, request: JobRequest, images: list[Any]) -> int:
+        """Send a request's images to be encoded; how many."""
+        for image in images:
+            self._here.send((image, request))
+        return len(images)
+
+    def wait(self, count: int) -> None:
+        """Until ``count`` more images are encoded."""
+        for _ in range(count):
+            self._here.recv()
+
+    def close(self) -> None:
+        self._here.send(None)
+        self._process.join(30)
+
+
+def _encode_each(connection: Any) -> None:
+    from worker.messages import encode_png
+
+    level = Settings.model_fields["png_compress_level"].default
+    connection.send(True)
+    while (item := connection.recv()) is not None:
+        image, request = item
+        encode_png(image, request, level)
+        connection.send(True)
+
+
+def least_service_rate(pipeline: Any, case: ImageCase, threads: int, png: PngProcess) -> float:
+    """Images a second of the loop handing each image to ``png`` as it is made, the last one's PNG
+    included: a service that does nothing else."""
+    import torch
+
+    torch.set_num_threads(threads)
+    batch, handed, began = case.requests(), 0, time.perf_counter()
+    for start in range(0, len(batch), case.batch):
+        requests = batch[start:start + case.batch]
+        for request, images in zip(requests, pipeline.generate_batch(requests), strict=True):
+            handed += png.hand(request, images)
+    png.wait(handed)
+    return len(batch) / (time.perf_counter() - began)
+
+
 def ceiling_threads(pipeline: Any, case: ImageCase, trials: int) -> int:
     """The faster for this case of torch's default thread count and one fewer (the worker's two
     candidates), by the median of ``trials`` alternating loops each: the ceiling's count, fixed for
@@ -509,9 +568,11 @@ def image_lines(quick: bool, scratch: Path) -> tuple[str, list[str]]:
     lines = []
     with ExitStack() as stack:  # both services at once: their start-ups overlap; one idles at a time
         running = dict(zip((1, 8), enter_all(stack, services), strict=True))
+        png = PngProcess()
+        stack.callback(png.close)
         for case in cases:
-            lines.append(image_figure(pipeline, running[case.batch], metrics_ports[case.batch], case, rounds,
-                                      1 if quick else 2))
+            lines.append(image_figure(pipeline, running[case.batch], metrics_ports[case.batch], png, case,
+                                      rounds, 1 if quick else 2))
     jobs = ", ".join(f"{case.jobs} at {case.size}x{case.size}"
                      + (f" in batches of {case.batch}" if case.batch > 1 else "") for case in cases)
     counts = sorted({max(1, TORCH_DEFAULT_THREADS - 1), TORCH_DEFAULT_THREADS})
@@ -524,29 +585,36 @@ def image_lines(quick: bool, scratch: Path) -> tuple[str, list[str]]:
     return header, lines
 
 
-def image_figure(pipeline: Any, service: end_to_end.Service, metrics_port: int, case: ImageCase,
-                 rounds: int, warm_ups: int) -> str:
-    """One case's rounds, each the loop, the service and the loop again; its line."""
+def image_figure(pipeline: Any, service: end_to_end.Service, metrics_port: int, png: PngProcess,
+                 case: ImageCase, rounds: int, warm_ups: int) -> str:
+    """One case's rounds, each the loop, the service, the least service at each thread count and the
+    loop again; its line."""
+    from worker.pipeline import TORCH_DEFAULT_THREADS
+
     for _ in range(warm_ups):  # the first calls of a shape are slower: warm up, untimed
         loop_rate(pipeline, case, 1)
     threads = ceiling_threads(pipeline, case, 0 if rounds == 1 else 3)  # quick: the worker's count
     long = LongJob.lasting(LONG_JOB_S, case, 1 / loop_rate(pipeline, case, threads))
     service_rate(service, metrics_port, case, LongJob(case.size, 16), 10**6)  # warm up the service's paths
+    counts = sorted({max(1, TORCH_DEFAULT_THREADS - 1), TORCH_DEFAULT_THREADS})
+    least_service_rate(pipeline, case, counts[0], png)  # and the PNG process's, at this size
     loops: list[float] = []
     served: list[Served] = []
+    least: dict[int, list[float]] = {count: [] for count in counts}  # images/s, by thread count
     dry = 0
     while len(served) < rounds:
-        # The loop before and after the service, their mean its ceiling: a drift of the machine's
+        # The loop before and after the rest, their mean its ceiling: a drift of the machine's
         # speed during the round lands on both sides.
         before = loop_rate(pipeline, case, threads)
         round_ = service_rate(service, metrics_port, case, long, 1000 * len(served))
-        loop = (before + loop_rate(pipeline, case, threads)) / 2
         if round_ is None:  # the long job was too short: lengthen it, run the round again
             dry, long = dry + 1, long.longer()
             if dry > 5:
                 raise RuntimeError(f"{case.name}: the line ran dry while its jobs were submitted")
             continue
-        loops.append(loop)
+        for count in counts:
+            least[count].append(least_service_rate(pipeline, case, count, png))
+        loops.append((before + loop_rate(pipeline, case, threads)) / 2)
         served.append(round_)
     ratios = [round_.rate / loop for round_, loop in zip(served, loops, strict=True)]
     # Where a round's time an image went: the pipeline call (against the loop's time an image) and
@@ -561,6 +629,11 @@ def image_figure(pipeline: Any, service: end_to_end.Service, metrics_port: int, 
     sides = [round_.side for round_ in served if round_.side is not None]
     if sides:
         where += f"; {SideWork.describe(sides)}"
+    least_ratios = {count: [rate / loop for rate, loop in zip(rates, loops, strict=True)]
+                    for count, rates in least.items()}
+    reached = ", ".join(f"{median(ratios):.3f} of the loop at {count} thread(s)"
+                        for count, ratios in least_ratios.items())
+    where += f"; the loop handing each image's PNG to a second process, the least a service does: {reached}"
     detail = (f"{median([round_.rate for round_ in served]):.2f} vs {median(loops):.2f} images/s, the loop "
               f"at {threads} torch thread(s), worst round {min(ratios):.3f}; {case.jobs} jobs behind one of "
               f"{long.side}x{long.side}, {long.steps} steps; {where}")

@@ -70,6 +70,10 @@ def test_quick_report_has_every_section_with_its_baseline() -> None:
     assert "202x40" in sections["Admission"] and "429x40" in sections["Admission"]
     assert len(re.findall(r"^api process \(pid \d+\)", sections["Memory"], re.MULTILINE)) == 2
     assert "10 refused (503)" in sections["Event streams"]  # past the bound, under gevent
+    # Each image row says what a service doing only the least (each PNG encoded aside) would reach.
+    edges = sections["Speed at the edges"]
+    least = re.findall(r"the least a service does: (\d+\.\d+) of the loop at 1 thread", edges)
+    assert len(least) == 3 and all(0 < float(ratio) < 3 for ratio in least), edges
 
 
 def test_side_work_cpu_is_read_per_process_and_without_its_main_thread() -> None:
