@@ -38,8 +38,8 @@ work runs beside the pipeline call, which a GPU would hide. Last, it gives what 
 adds would leave of the loop: the loop at each of the two thread counts, handing each image to a
 second process that encodes its PNG as the finishing process does (no Redis, no HTTP, no claim),
 run in each round after the service, its ratio to the round's ceiling. Where that reads below the
-goal, no service of any design reaches the goal on this machine: the gap is the machine's cores,
-not the service's path.
+goal, no service at either thread count reached the goal in that run: the gap is the machine's
+cores, not the service's path.
 """
 
 from __future__ import annotations
@@ -322,16 +322,29 @@ class ImageCase:
                 for seed in range(first_seed, first_seed + self.jobs)]
 
 
-def loop_rate(pipeline: Any, case: ImageCase, threads: int) -> float:
+def loop_rate(pipeline: Any, case: ImageCase, threads: int, png: PngProcess | None = None) -> float:
     """Images a second calling the pipeline back to back in this process, in batches of the case's,
-    with ``threads`` torch threads."""
+    with ``threads`` torch threads; with ``png``, handing it each image as it is made, the last one's
+    PNG included (the least a service does)."""
     import torch
 
     torch.set_num_threads(threads)
-    batch, began = case.requests(), time.perf_counter()
+    batch, handed, began = case.requests(), 0, time.perf_counter()
     for start in range(0, len(batch), case.batch):
-        pipeline.generate_batch(batch[start:start + case.batch])
+        requests = batch[start:start + case.batch]
+        made = pipeline.generate_batch(requests)
+        if png is not None:
+            handed += sum(png.hand(request, images) for request, images in zip(requests, made, strict=True))
+    if png is not None:
+        png.wait(handed)
     return len(batch) / (time.perf_counter() - began)
+
+
+def thread_counts() -> list[int]:
+    """The two thread counts the loop and the worker choose from: torch's default and one fewer."""
+    from worker.pipeline import TORCH_DEFAULT_THREADS
+
+    return sorted({max(1, TORCH_DEFAULT_THREADS - 1), TORCH_DEFAULT_THREADS})
 
 
 class PngProcess:
@@ -372,29 +385,12 @@ def _encode_each(connection: Any) -> None:
         connection.send(True)
 
 
-def least_service_rate(pipeline: Any, case: ImageCase, threads: int, png: PngProcess) -> float:
-    """Images a second of the loop handing each image to ``png`` as it is made, the last one's PNG
-    included: a service that does nothing else."""
-    import torch
-
-    torch.set_num_threads(threads)
-    batch, handed, began = case.requests(), 0, time.perf_counter()
-    for start in range(0, len(batch), case.batch):
-        requests = batch[start:start + case.batch]
-        for request, images in zip(requests, pipeline.generate_batch(requests), strict=True):
-            handed += png.hand(request, images)
-    png.wait(handed)
-    return len(batch) / (time.perf_counter() - began)
-
-
 def ceiling_threads(pipeline: Any, case: ImageCase, trials: int) -> int:
     """The faster for this case of torch's default thread count and one fewer (the worker's two
     candidates), by the median of ``trials`` alternating loops each: the ceiling's count, fixed for
     every round (the faster of two noisy loops each round would be a ceiling raised by the noise);
     with no trials, the worker's count (the fewer)."""
-    from worker.pipeline import TORCH_DEFAULT_THREADS
-
-    counts = sorted({max(1, TORCH_DEFAULT_THREADS - 1), TORCH_DEFAULT_THREADS})
+    counts = thread_counts()
     rates: dict[int, list[float]] = {count: [] for count in counts}
     for _ in range(trials if len(counts) > 1 else 0):
         for count in counts:
@@ -553,7 +549,7 @@ def service_rate(service: end_to_end.Service, metrics_port: int, case: ImageCase
 
 def image_lines(quick: bool, scratch: Path) -> tuple[str, list[str]]:
     """The images/s figures, service against loop; their header and lines."""
-    from worker.pipeline import TORCH_DEFAULT_THREADS, load_pipeline
+    from worker.pipeline import load_pipeline
 
     rounds = 1 if quick else 7
     cases = [ImageCase("images/s 64x64, service ÷ loop", 64, 8 if quick else 48, 1, 0.95),
@@ -575,7 +571,7 @@ def image_lines(quick: bool, scratch: Path) -> tuple[str, list[str]]:
                                       rounds, 1 if quick else 2))
     jobs = ", ".join(f"{case.jobs} at {case.size}x{case.size}"
                      + (f" in batches of {case.batch}" if case.batch > 1 else "") for case in cases)
-    counts = sorted({max(1, TORCH_DEFAULT_THREADS - 1), TORCH_DEFAULT_THREADS})
+    counts = thread_counts()
     header = (f"images: tiny model on cpu (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')} "
               f"for every process; the loop at the faster of {' and '.join(map(str, counts))} torch threads "
               f"for each case, by the median of alternating loops before the rounds, the worker at "
@@ -589,15 +585,13 @@ def image_figure(pipeline: Any, service: end_to_end.Service, metrics_port: int, 
                  case: ImageCase, rounds: int, warm_ups: int) -> str:
     """One case's rounds, each the loop, the service, the least service at each thread count and the
     loop again; its line."""
-    from worker.pipeline import TORCH_DEFAULT_THREADS
-
     for _ in range(warm_ups):  # the first calls of a shape are slower: warm up, untimed
         loop_rate(pipeline, case, 1)
     threads = ceiling_threads(pipeline, case, 0 if rounds == 1 else 3)  # quick: the worker's count
     long = LongJob.lasting(LONG_JOB_S, case, 1 / loop_rate(pipeline, case, threads))
     service_rate(service, metrics_port, case, LongJob(case.size, 16), 10**6)  # warm up the service's paths
-    counts = sorted({max(1, TORCH_DEFAULT_THREADS - 1), TORCH_DEFAULT_THREADS})
-    least_service_rate(pipeline, case, counts[0], png)  # and the PNG process's, at this size
+    counts = thread_counts()
+    loop_rate(pipeline, case, counts[0], png)  # and the PNG process's, at this size
     loops: list[float] = []
     served: list[Served] = []
     least: dict[int, list[float]] = {count: [] for count in counts}  # images/s, by thread count
@@ -613,7 +607,7 @@ def image_figure(pipeline: Any, service: end_to_end.Service, metrics_port: int, 
                 raise RuntimeError(f"{case.name}: the line ran dry while its jobs were submitted")
             continue
         for count in counts:
-            least[count].append(least_service_rate(pipeline, case, count, png))
+            least[count].append(loop_rate(pipeline, case, count, png))
         loops.append((before + loop_rate(pipeline, case, threads)) / 2)
         served.append(round_)
     ratios = [round_.rate / loop for round_, loop in zip(served, loops, strict=True)]
