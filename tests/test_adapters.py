@@ -206,3 +206,45 @@ def test_the_document_offers_exactly_the_adapters_there_are(settings: Settings, 
 
     assert accepts(lora_dir, names(ink=1.0, moss=-1.0)) and not accepts(lora_dir, names(ghost=1.0))
     assert accepts(None, []) and not accepts(None, names(ink=1.0))  # no folder: a job names none
+
+
+# --- half precision: an adapter that overflows float16 ---------------------------------------------
+
+@pytest.fixture
+def half_worker(settings: Settings, lora_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Settings]:
+    """The tiny model in float16 in this process, as the worker's, with the tiny adapters."""
+    from worker import pipeline, tasks
+
+    half = settings.model_copy(update={"device": "cpu", "dtype": "float16", "lora_dir": lora_dir})
+    before = pipeline._current
+    pipeline.set_current_pipeline(pipeline.load_pipeline(half))
+    monkeypatch.setattr(tasks, "get_settings", lambda: half)
+    yield half
+    pipeline._current = before
+
+
+def test_an_image_that_comes_out_nan_fails_the_job_with_nan_output_not_a_black_image(
+        half_worker: Settings, lora_dir: Path) -> None:
+    """``ink`` at scale 2 overflows the tiny SD model in float16 (its weights are large on purpose):
+    every latent is NaN from the first step, which diffusers turns into a black image."""
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    from shared.contract.errors import JobFailedError
+    from worker import tasks
+
+    outcomes = {}
+    for client in app_client(half_worker):
+        for scale in (2.0, 0.5):
+            response = post_job(client, width=64, height=64, steps=3, seed=11, loras=names(ink=scale))
+            assert response.status_code == 202, response.get_json()
+            job = Job.fetch(response.get_json()["id"], connection=Redis.from_url(half_worker.redis_url),
+                            serializer=JSONSerializer)
+            (outcomes[scale],) = tasks.render([job])
+    failed = outcomes[2.0]
+    assert isinstance(failed, JobFailedError) and failed.code == "nan_output", failed
+    assert "bfloat16" in str(failed)
+    passed = outcomes[0.5]  # the same model and adapter at half the scale stays finite: images
+    assert not isinstance(passed, Exception), passed
+    _, (image,) = passed
+    assert np.asarray(image, dtype=np.float32).std() > 2.0

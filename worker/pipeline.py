@@ -14,12 +14,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from diffusers import AutoPipelineForImage2Image, AutoPipelineForInpainting, DiffusionPipeline
+from diffusers.image_processor import VaeImageProcessor
 from diffusers.utils import logging as diffusers_logging
 from PIL import Image
 
 from shared.contract.adapters import available_adapters
+from shared.contract.errors import JobFailedError
 from shared.contract.jobs import JobKind, JobRequest
 from shared.contract.models import PIPELINE_CLASSES, TINY_MODELS, Family, ModelInfo, model_info
 from shared.contract.settings import Settings
@@ -72,14 +75,19 @@ class ImagePipeline:
 
     def generate(self, request: JobRequest, on_step: StepCallback | None = None, inputs: Inputs | None = None
                  ) -> list[Image.Image]:
-        """Run one request; ``on_step(step, total, latents)`` runs after each denoising step and may raise."""
-        return self.generate_batch([request], on_step, [inputs or {}])[0]
+        """Run one request; ``on_step(step, total, latents)`` runs after each denoising step and may raise.
+        Raises ``JobFailedError`` (``nan_output``) where the model's output is not a number."""
+        (made,) = self.generate_batch([request], on_step, [inputs or {}])
+        if isinstance(made, JobFailedError):
+            raise made
+        return made
 
     def generate_batch(self, requests: list[JobRequest], on_step: StepCallback | None = None,
-                       inputs: Sequence[Inputs] = ()) -> list[list[Image.Image]]:
+                       inputs: Sequence[Inputs] = ()) -> list[list[Image.Image] | JobFailedError]:
         """Run requests of one batch key (kind, size, steps, strength, guidance, sampler, adapters, images)
-        as one execution; the images of each. Each image keeps its own generator, so it is the one it
-        would be alone. ``inputs`` holds each request's input images, in order, for an image job."""
+        as one execution; the images of each, or for a request whose images hold NaN the failure that
+        ends it (``nan_output``). Each image keeps its own generator, so it is the one it would be
+        alone. ``inputs`` holds each request's input images, in order, for an image job."""
         first = requests[0]
         assert all(r.batch_key == first.batch_key and r.seed is not None for r in requests), requests
         pipe = self._pipeline_for(first.kind)
@@ -101,7 +109,7 @@ class ImagePipeline:
         began = self.running_since = time.perf_counter()
         try:
             with torch.inference_mode():
-                output = pipe(**arguments, generator=generators, output_type="pil",
+                output = pipe(**arguments, generator=generators, output_type="np",
                               callback_on_step_end=step_end)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the section ends when the device is done
@@ -110,8 +118,8 @@ class ImagePipeline:
             self.sections.append((began, ended))
             self.busy_s += ended - began
             self.running_since = None
-        images, per_job = list(output.images), first.num_images
-        return [images[index * per_job:(index + 1) * per_job] for index in range(len(requests))]
+        pixels, per_job = output.images, first.num_images
+        return [_images_of(pixels[index * per_job:(index + 1) * per_job]) for index in range(len(requests))]
 
     def _pipeline_for(self, kind: JobKind) -> DiffusionPipeline:
         """The loaded pipeline, or its image-to-image or inpainting twin over the same modules."""
@@ -152,6 +160,19 @@ class ImagePipeline:
         """Give cached device memory back after a failure such as out-of-memory."""
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+NAN_OUTPUT = ("The model's output was not a number (NaN): it overflowed, as half precision (float16) can "
+              "with a strong LoRA or some checkpoints' VAEs. A lower LoRA scale may pass; the service's "
+              "operator can run the model in bfloat16 or float32 (SLOTQ_DTYPE).")
+
+
+def _images_of(pixels: np.ndarray) -> list[Image.Image] | JobFailedError:
+    """One request's images from the pipeline's floats in [0, 1], or its failure where any is NaN:
+    converted as they are, NaN would be a black image that looks like a success."""
+    if np.isnan(pixels).any():
+        return JobFailedError("nan_output", NAN_OUTPUT)
+    return VaeImageProcessor.numpy_to_pil(pixels)
 
 
 def load_pipeline(settings: Settings) -> ImagePipeline:

@@ -56,7 +56,8 @@ def render(jobs: list[Job], announced: bool = False,
     """The GPU section: validate each stored request, then denoise and decode them all as one batch.
 
     A member canceled while the batch runs ends canceled and its images are dropped; the others go
-    on (the batch stops only when every member is canceled). Any other error ends the whole batch.
+    on (the batch stops only when every member is canceled). A member whose images came out NaN
+    fails alone (``nan_output``). Any other error ends the whole batch.
     ``announced``: step 0 is recorded already (the slotq worker records it as it starts the jobs).
     ``last_step`` is called once the last denoising step is done, before the decoding.
     """
@@ -93,7 +94,7 @@ def render(jobs: list[Job], announced: bool = False,
         show.flush()
     for index, request, made in zip(members, requests, made_by_job, strict=True):
         if index in live:
-            outcomes[index] = (request, made)
+            outcomes[index] = made if isinstance(made, JobFailedError) else (request, made)
     return outcomes  # type: ignore[return-value]
 
 
