@@ -51,6 +51,7 @@ Sections = list[tuple[float, float]]
 LOOP = "in-process loop (ceiling)"
 PREVIEWS = "slotq worker, previews"
 FILE_STORE = "slotq worker, file store"
+CLAIM_AHEAD = "slotq worker, claim ahead "
 
 
 @dataclass
@@ -193,7 +194,9 @@ def duty_table(title: str, measured: dict[str, list[Figures]]) -> list[str]:
                      f"{figures.gap_ms(0.99):>12.2f}")
     for name in list(measured)[1:]:
         lines.append(f"% of loop by round, {name}: " + " ".join(f"{share:.1f}" for share in shares[name]))
-    for name, what in ((FILE_STORE, "the file store's"), (PREVIEWS, "previews'")):
+    flipped = [(name, f"claiming ahead {name.removeprefix(CLAIM_AHEAD)}:") for name in measured
+               if name.startswith(CLAIM_AHEAD)]
+    for name, what in ((FILE_STORE, "the file store's"), (PREVIEWS, "previews'"), *flipped):
         if name in measured:  # against the same worker as it is by default, round by round
             ratios = sorted(100 * run.per_second / plain.per_second
                             for run, plain in zip(measured[name], measured["slotq worker"], strict=True))
@@ -202,9 +205,11 @@ def duty_table(title: str, measured: dict[str, list[Figures]]) -> list[str]:
     return lines
 
 
-def duty_cycle(settings: Settings, batch: list[JobRequest], scratch: Path, rounds: int = 5) -> list[str]:
+def duty_cycle(settings: Settings, batch: list[JobRequest], scratch: Path, rounds: int = 5,
+               claim_ahead_ab: bool = False) -> list[str]:
     """The ways, interleaved for ``rounds`` rounds: the loop, plain RQ, the slotq worker, and the
-    slotq worker with its results in a folder and (jobs of two steps or more) with live previews.
+    slotq worker with its results in a folder, (jobs of two steps or more) with live previews and
+    (``claim_ahead_ab``) with claiming ahead the other way from what ``auto`` picks on this device.
 
     Interleaving spreads the machine's slow spells (other processes, thermal) over all the ways
     instead of letting one of them draw the bad minute; the median drops the odd round out.
@@ -220,6 +225,13 @@ def duty_cycle(settings: Settings, batch: list[JobRequest], scratch: Path, round
     if first.steps > 1:  # a job of one step has no preview
         previewing = [request.model_copy(update={"previews": True}) for request in batch]
         ways[PREVIEWS] = lambda: through_worker("slotq", settings, previewing, scratch)
+    if claim_ahead_ab:
+        from worker.main import claims_ahead
+        from worker.pipeline import resolve_device
+
+        flipped = not claims_ahead(settings, resolve_device(settings.device))
+        ways[f"{CLAIM_AHEAD}{'on' if flipped else 'off'}"] = lambda: through_worker(
+            "slotq", settings.model_copy(update={"claim_ahead": flipped}), batch, scratch)
     measured: dict[str, list[Figures]] = {name: [] for name in ways}
     for _ in range(rounds):
         for name, run in ways.items():
@@ -246,7 +258,7 @@ def dispatch(settings: Settings, count: int, scratch: Path) -> list[str]:
 
 
 def report(jobs: int = 60, size: int = 256, steps: int = 4, large_jobs: int = 12,
-           dispatch_jobs: int = 400, rounds: int = 5) -> list[str]:
+           dispatch_jobs: int = 400, rounds: int = 5, claim_ahead_ab: bool = False) -> list[str]:
     """Every table of this benchmark (a count of 0 skips its run), on a Redis of its own."""
     with tempfile.TemporaryDirectory(prefix="slotq-bench-") as scratch, \
             running_redis(Path(scratch) / "redis") as url:
@@ -256,7 +268,7 @@ def report(jobs: int = 60, size: int = 256, steps: int = 4, large_jobs: int = 12
         for count, side, denoise in ((jobs, size, steps), (large_jobs, 1024, 1)):
             if count:
                 batch = requests(count, side, denoise)
-                lines += duty_cycle(settings, batch, Path(scratch), rounds) + [""]
+                lines += duty_cycle(settings, batch, Path(scratch), rounds, claim_ahead_ab) + [""]
         if dispatch_jobs:
             lines += dispatch(settings, dispatch_jobs, Path(scratch))
     return lines
@@ -270,6 +282,8 @@ def main() -> None:
     parser.add_argument("--large-jobs", type=int, default=12, help="jobs of the 1024x1024 run (0: skip it)")
     parser.add_argument("--dispatch-jobs", type=int, default=400)
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the duty-cycle runs")
+    parser.add_argument("--claim-ahead-ab", action="store_true",
+                        help="also run the slotq worker with SLOTQ_CLAIM_AHEAD the other way from auto's")
     parser.add_argument("--serve", choices=["slotq", "rq"], help=argparse.SUPPRESS)
     parser.add_argument("--trace", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--null", action="store_true", help=argparse.SUPPRESS)
@@ -278,7 +292,7 @@ def main() -> None:
         serve(args.serve, args.trace, args.null)
         return
     print("\n".join(report(args.jobs, args.size, args.steps, args.large_jobs, args.dispatch_jobs,
-                           args.rounds)))
+                           args.rounds, args.claim_ahead_ab)))
 
 
 if __name__ == "__main__":
