@@ -37,6 +37,7 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -92,9 +93,10 @@ class Checks:
 
 @dataclass(frozen=True)
 class RunningWorker:
+    """A started worker: its process, its metrics' port, the seconds it took to load and register."""
+
     process: subprocess.Popen[bytes]
     metrics_port: int
-    log: Path
     load_s: float
 
     def metric(self, name: str) -> float:
@@ -125,7 +127,7 @@ def worker(settings: Settings, case: Case, scratch: Path, memory_cap: int | None
                 if process.poll() is not None or time.monotonic() - began > START_TIMEOUT_S:
                     raise RuntimeError(f"worker {case.name} did not start:\n{log.read_text()[-3000:]}")
                 time.sleep(0.1)
-        yield RunningWorker(process, port, log, time.monotonic() - began)
+        yield RunningWorker(process, port, time.monotonic() - began)
     finally:
         stop(process)
 
@@ -165,8 +167,6 @@ def run_job(port: int, body: Body) -> tuple[Body, list[np.ndarray]]:
 
 def seconds(view: Body) -> float:
     """From the job's start to its end, as its record says."""
-    from datetime import datetime
-
     return (datetime.fromisoformat(view["finished_at"]) - datetime.fromisoformat(view["started_at"])
             ).total_seconds()
 
@@ -289,6 +289,20 @@ def oom_check(checks: Checks, port: int, settings: Settings, scratch: Path) -> N
                      f"pid {running.process.pid}, worker {after.get('worker')}")
 
 
+def wait_for_api(port: int, process: subprocess.Popen[bytes], log: Path) -> None:
+    """Until the API answers ``/readyz``."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        try:
+            if call(port, "GET", "/readyz")[0] == 200:
+                return
+        except OSError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the API did not start:\n{log.read_text()[-3000:]}")
+        time.sleep(0.1)
+
+
 def lora_folder(cache_dir: Path, into: Path) -> Path:
     """Each case's adapters in a subfolder named after it, as SLOTQ_LORA_DIR serves them."""
     from worker.tiny_loras import ensure_tiny_loras
@@ -317,6 +331,7 @@ def smoke(device: str, side: int, big_side: int, logs: Path | None = None) -> Ch
             api = subprocess.Popen([sys.executable, "-m", "slotq.cli", "api", "--port", str(api_port)],
                                    env=slotq_env(settings), stdout=out, stderr=subprocess.STDOUT)
         try:
+            wait_for_api(api_port, api, scratch / "api.log")
             references: dict[str, np.ndarray] = {}
             for case in CASES:
                 try:
@@ -324,7 +339,10 @@ def smoke(device: str, side: int, big_side: int, logs: Path | None = None) -> Ch
                 except (RuntimeError, TimeoutError, OSError) as error:
                     checks.check(f"{case.name}", False, str(error)[-1500:])
             if checks.figures["cuda"]:
-                oom_check(checks, api_port, settings, scratch)
+                try:
+                    oom_check(checks, api_port, settings, scratch)
+                except (RuntimeError, TimeoutError, OSError) as error:
+                    checks.check("a real out-of-memory", False, str(error)[-1500:])
             else:
                 checks.say("-- out-of-memory: skipped on the CPU")
         finally:
