@@ -146,19 +146,32 @@ def call(port: int, method: str, path: str, body: Body | None = None) -> tuple[i
 def follow(port: int, body: Body, deadline: float) -> float:
     """POST one job, long-poll it until it ends, GET its first image: seconds from POST to PNG."""
     began = time.perf_counter()
-    status, answer = call(port, "POST", "/v1/jobs", body)
-    if status != 202:
-        raise RuntimeError(f"POST /v1/jobs answered {status}: {answer[:300]!r}")
-    view = wait_end(port, json.loads(answer), deadline)
+    view = wait_end(port, submit(port, body), deadline)
     status, image = call(port, "GET", f"/v1/jobs/{view['id']}/images/0")
     if status != 200 or not image.startswith(PNG):
         raise RuntimeError(f"image of job {view['id']}: {status} {image[:100]!r}")
     return time.perf_counter() - began
 
 
+def submit(port: int, body: Body) -> Body:
+    """POST one job; its view (any answer but 202 raises)."""
+    status, answer = call(port, "POST", "/v1/jobs", body)
+    if status != 202:
+        raise RuntimeError(f"POST /v1/jobs answered {status}: {answer[:300]!r}")
+    return dict(json.loads(answer))
+
+
 def wait_end(port: int, view: Body, deadline: float) -> Body:
-    """Follow a job with ``GET /v1/jobs/<id>?wait=30`` until it ends, as slotq's client does; its view
-    once it has succeeded (anything else raises)."""
+    """:func:`ended`, for a job that must succeed: its view once it has (anything else raises)."""
+    view = ended(port, view, deadline)
+    if view["status"] != JobStatus.SUCCEEDED:
+        raise RuntimeError(f"job {view['id']} ended {view['status']}: {view.get('error')}")
+    return view
+
+
+def ended(port: int, view: Body, deadline: float) -> Body:
+    """Follow a job with ``GET /v1/jobs/<id>?wait=30`` until it ends, as slotq's client does; its
+    last view, whatever the ending."""
     while not JobStatus(view["status"]).is_terminal:
         if time.monotonic() > deadline:
             raise TimeoutError(f"job {view['id']} still {view['status']} at the deadline")
@@ -169,8 +182,6 @@ def wait_end(port: int, view: Body, deadline: float) -> Body:
         view = json.loads(answer)
         if view["status"] == before and time.monotonic() - asked < WAIT_S / 2:
             time.sleep(0.05)  # an API without long polling answers at once: do not spin on it
-    if view["status"] != JobStatus.SUCCEEDED:
-        raise RuntimeError(f"job {view['id']} ended {view['status']}: {view.get('error')}")
     return view
 
 

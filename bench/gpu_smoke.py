@@ -46,7 +46,7 @@ from PIL import Image
 from redis import Redis
 from rq import Worker
 
-from bench.end_to_end import call, slotq_env, stop
+from bench.end_to_end import Body, call, ended, slotq_env, stop, submit
 from shared.contract.jobs import JobStatus
 from shared.contract.settings import Settings
 from slotq.localredis import free_port, running_redis
@@ -54,7 +54,6 @@ from slotq.localredis import free_port, running_redis
 START_TIMEOUT_S = 300.0
 JOB_TIMEOUT_S = 300.0
 CANCEL_STEPS = 1000  # long enough on any device for the cancel to land mid-run
-Body = dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -132,29 +131,9 @@ def worker(settings: Settings, case: Case, scratch: Path, memory_cap: int | None
         stop(process)
 
 
-def submit(port: int, body: Body) -> Body:
-    status, answer = call(port, "POST", "/v1/jobs", body)
-    if status != 202:
-        raise RuntimeError(f"POST /v1/jobs answered {status}: {answer[:300]!r}")
-    return dict(json.loads(answer))
-
-
-def ended(port: int, view: Body, deadline_s: float = JOB_TIMEOUT_S) -> Body:
-    """Long-poll the job until it ends; its last view, whatever the ending."""
-    deadline = time.monotonic() + deadline_s
-    while not JobStatus(view["status"]).is_terminal:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"job {view['id']} still {view['status']} at the deadline")
-        status, answer = call(port, "GET", f"/v1/jobs/{view['id']}?wait=10")
-        if status != 200:
-            raise RuntimeError(f"GET /v1/jobs/{view['id']} answered {status}: {answer[:300]!r}")
-        view = json.loads(answer)
-    return view
-
-
 def run_job(port: int, body: Body) -> tuple[Body, list[np.ndarray]]:
     """Submit, wait for the end, fetch every image (none unless it succeeded)."""
-    view = ended(port, submit(port, body))
+    view = ended(port, submit(port, body), time.monotonic() + JOB_TIMEOUT_S)
     images = []
     if view["status"] == JobStatus.SUCCEEDED:
         for index in range(len(view["images"])):
@@ -243,7 +222,7 @@ def cancel_check(checks: Checks, port: int, case: Case, side: int) -> None:
         view = json.loads(call(port, "GET", f"/v1/jobs/{view['id']}")[1])
     asked = time.monotonic()
     status, _ = call(port, "DELETE", f"/v1/jobs/{view['id']}")
-    final = ended(port, view)
+    final = ended(port, view, time.monotonic() + JOB_TIMEOUT_S)
     took = time.monotonic() - asked
     step = (final.get("progress") or {}).get("step")
     checks.check(f"{case.name}: a {steps}-step {side}x{side} job of 4 images canceled mid-run",
