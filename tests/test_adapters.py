@@ -248,3 +248,69 @@ def test_an_image_that_comes_out_nan_fails_the_job_with_nan_output_not_a_black_i
     assert not isinstance(passed, Exception), passed
     _, (image,) = passed
     assert np.asarray(image, dtype=np.float32).std() > 2.0
+
+
+def test_a_job_whose_latents_turn_nan_ends_after_its_first_step_not_its_last(
+        half_worker: Settings, lora_dir: Path) -> None:
+    """A NaN latent can only decode to a NaN image: the job ends once the latents are looked at
+    (after the first step), instead of holding the device for all its steps and the decoding."""
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    from shared.contract.errors import JobFailedError
+    from worker import pipeline, tasks
+
+    pipe = pipeline.current_pipeline().pipe
+    calls: list[str] = []
+    hook = pipe.unet.register_forward_hook(lambda *_: calls.append("unet"))
+    decode = pipe.vae.decode  # the pipeline decodes through vae.decode, not the VAE's forward
+    pipe.vae.decode = lambda *args, **kwargs: calls.append("vae") or decode(*args, **kwargs)
+    outcomes = {}
+    try:
+        for client in app_client(half_worker):
+            for scale in (2.0, 0.5):
+                calls.clear()
+                response = post_job(client, width=64, height=64, steps=40, seed=11, loras=names(ink=scale))
+                assert response.status_code == 202, response.get_json()
+                job = Job.fetch(response.get_json()["id"], connection=Redis.from_url(half_worker.redis_url),
+                                serializer=JSONSerializer)
+                (outcomes[scale],) = tasks.render([job])
+                outcomes[scale, "calls"] = list(calls)
+    finally:
+        hook.remove()
+        del pipe.vae.decode
+    failed = outcomes[2.0]
+    assert isinstance(failed, JobFailedError) and failed.code == "nan_output", failed
+    assert outcomes[2.0, "calls"] == ["unet"]  # one step, then no decoding
+    assert not isinstance(outcomes[0.5], Exception), outcomes[0.5]  # finite latents run every step
+    assert outcomes[0.5, "calls"].count("unet") == 40 and "vae" in outcomes[0.5, "calls"]
+
+
+def test_an_execution_ends_each_member_whose_rows_turn_nan_and_stops_once_none_is_left() -> None:
+    """Per member of a batch: its own rows of the latents decide, the others run on; with none
+    left the execution stops, each member keeping its outcome (a cancel only where all were)."""
+    import torch
+
+    from shared.contract.errors import JobCanceledError, JobFailedError
+    from worker.tasks import NothingLeft, Running
+
+    nan = float("nan")
+    invalid = JobFailedError("invalid_request", "bad")
+    outcomes: list[object] = [None, invalid, None, None]  # job 1 failed before the execution
+    running = Running([None] * 4, outcomes, [0, 2, 3], per_job=2)  # type: ignore[arg-type]
+    latents = torch.zeros(6, 4, 8, 8)
+    latents[3, 0, 0, 0] = nan  # the second image of job 2
+    running.step_done(5, 40, due=False, latents=latents)  # no report due, nor the first step: not looked at
+    assert outcomes == [None, invalid, None, None]
+    running.step_done(1, 40, due=False, latents=latents)  # the first step is always looked at
+    assert outcomes[2].code == "nan_output" and outcomes[0] is None and outcomes[3] is None  # type: ignore[union-attr]
+    assert running.live == [0, 3]
+    outcomes[0] = JobCanceledError()  # as a report that saw its cancel would have
+    latents[4:] = nan
+    with pytest.raises(NothingLeft):  # one canceled, one NaN: not a cancel of both
+        running.step_done(1, 40, due=False, latents=latents)
+    assert isinstance(outcomes[0], JobCanceledError) and outcomes[3].code == "nan_output"  # type: ignore[union-attr]
+    every = Running([None] * 2, [JobCanceledError(), None], [0, 1], per_job=1)  # type: ignore[arg-type]
+    every.outcomes[1] = JobCanceledError()
+    with pytest.raises(JobCanceledError):
+        every.step_done(3, 40, due=False, latents=None)

@@ -175,6 +175,12 @@ def _images_of(pixels: np.ndarray) -> list[Image.Image] | JobFailedError:
     return VaeImageProcessor.numpy_to_pil(pixels)
 
 
+def nan_rows(latents: torch.Tensor) -> list[bool]:
+    """Which rows (images) of a batch's latents hold NaN: a NaN latent decodes to a NaN image, so
+    such an image is lost from there on. One read of the device (on a GPU, it waits for the step)."""
+    return torch.isnan(latents).flatten(1).any(dim=1).tolist()
+
+
 def load_pipeline(settings: Settings) -> ImagePipeline:
     """Load the configured model onto its device and warm it up with a one-step image."""
     device = resolve_device(settings.device)

@@ -32,13 +32,18 @@ from shared.store import records, results
 from worker import lifecycle, previews, progress
 from worker.finisher import store_result
 from worker.messages import Rendered
-from worker.pipeline import Inputs, current_pipeline
+from worker.pipeline import NAN_OUTPUT, Inputs, current_pipeline, nan_rows
 from worker.previews import Previewer
 
 log = logging.getLogger(__name__)
 
 
 RenderResult = Rendered | Exception  # a member of a batch either has its images or the error that ended it
+
+
+class NothingLeft(Exception):
+    """Every member of an execution has ended before its last step, not all of them canceled: the
+    denoising stops, and each member keeps its own outcome."""
 
 
 def generate(request: dict[str, Any]) -> dict[str, Any]:
@@ -56,8 +61,10 @@ def render(jobs: list[Job], announced: bool = False,
     """The GPU section: validate each stored request, then denoise and decode them all as one batch.
 
     A member canceled while the batch runs ends canceled and its images are dropped; the others go
-    on (the batch stops only when every member is canceled). A member whose images came out NaN
-    fails alone (``nan_output``). Any other error ends the whole batch.
+    on (the batch stops only when every member is canceled). A member whose latents or images hold
+    NaN fails alone (``nan_output``): the latents are looked at after the first step and at each
+    progress report, so such a job ends then, not after its last step. Any other error ends the
+    whole batch.
     ``announced``: step 0 is recorded already (the slotq worker records it as it starts the jobs).
     ``last_step`` is called once the last denoising step is done, before the decoding.
     """
@@ -68,20 +75,17 @@ def render(jobs: list[Job], announced: bool = False,
         return outcomes  # type: ignore[return-value]
     requests = [prepared[index][0] for index in members]  # type: ignore[index]
     inputs = [prepared[index][1] for index in members]  # type: ignore[index]
-    live = list(members)
+    running = Running(jobs, outcomes, members, requests[0].num_images)
     settings, pipeline = get_settings(), current_pipeline()
     faults, cadence = settings.fault_injection, progress.Cadence(settings.progress_interval_ms / 1000)
     show = PreviewOffers(pipeline.previewer, settings, requests)
 
     def on_step(step: int, total: int, latents: torch.Tensor | None = None) -> None:
-        for index in check_in([jobs[index] for index in live], step, total, cadence):
-            outcomes[live[index]] = JobCanceledError()
-        live[:] = [index for index in live if not isinstance(outcomes[index], JobCanceledError)]
-        if not live:
-            raise JobCanceledError()
+        running.step_done(step, total, cadence.due(step, total), latents)
         if faults and step == 1:
             for request in requests:
                 inject_fault(request)
+        live = running.live
         show.offer([jobs[index] if index in live else None for index in members], step, total, latents)
         if step == total and last_step is not None:
             last_step()
@@ -90,10 +94,12 @@ def render(jobs: list[Job], announced: bool = False,
     (cadence.due if announced else on_step)(0, requests[0].steps_run)
     try:
         made_by_job = pipeline.generate_batch(requests, on_step, inputs)
+    except NothingLeft:
+        return outcomes  # type: ignore[return-value]  # each member has ended
     finally:
         show.flush()
     for index, request, made in zip(members, requests, made_by_job, strict=True):
-        if index in live:
+        if index in running.live:
             outcomes[index] = made if isinstance(made, JobFailedError) else (request, made)
     return outcomes  # type: ignore[return-value]
 
@@ -173,12 +179,44 @@ def _with_inputs(job: Job, request: JobRequest) -> tuple[JobRequest, Inputs] | E
     return request, decoded
 
 
-def check_in(jobs: list[Job], step: int, total: int, cadence: progress.Cadence) -> list[int]:
+class Running:
+    """The members of one execution (indexes of ``jobs`` and ``outcomes``, in the batch's order)
+    and which of them still run: those without an outcome yet."""
+
+    def __init__(self, jobs: list[Job], outcomes: list[RenderResult | None], members: list[int],
+                 per_job: int) -> None:
+        self.jobs, self.outcomes, self.members, self.per_job = jobs, outcomes, members, per_job
+        self.live = list(members)
+
+    def step_done(self, step: int, total: int, due: bool, latents: torch.Tensor | None) -> None:
+        """End the members that this step ended: canceled by their clients (seen when a report is
+        ``due``), or with NaN latents (looked at after the first step and at each report: one read
+        of the device each). Raises once none is left."""
+        for index in check_in([self.jobs[index] for index in self.live], step, total, due):
+            self.outcomes[self.live[index]] = JobCanceledError()
+        if latents is not None and (due or step == 1):
+            self._end_overflowed(nan_rows(latents))
+        self.live = [index for index in self.live if self.outcomes[index] is None]
+        if self.live:
+            return
+        if all(isinstance(self.outcomes[index], JobCanceledError) for index in self.members):
+            raise JobCanceledError()  # as one job's cancel always ended
+        raise NothingLeft()
+
+    def _end_overflowed(self, rows: list[bool]) -> None:
+        """``nan_output`` for each running member with NaN in any of its rows of the latents
+        (diffusers puts a prompt's images together): a NaN latent decodes to a NaN image."""
+        for place, index in enumerate(self.members):
+            if self.outcomes[index] is None and any(rows[place * self.per_job:(place + 1) * self.per_job]):
+                self.outcomes[index] = JobFailedError("nan_output", NAN_OUTPUT)
+
+
+def check_in(jobs: list[Job], step: int, total: int, due: bool) -> list[int]:
     """Report progress when due; the indexes of the jobs canceled by their clients. Raises when
     the worker must stop now."""
     if lifecycle.interrupting.is_set():
         raise JobInterruptedError()
-    if not cadence.due(step, total):
+    if not due:
         return []
     try:
         canceled = records.report_progress(jobs, step, total)
