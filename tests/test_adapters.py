@@ -310,7 +310,6 @@ def test_an_execution_ends_each_member_whose_rows_turn_nan_and_stops_once_none_i
     with pytest.raises(NothingLeft):  # one canceled, one NaN: not a cancel of both
         running.step_done(1, 40, due=False, latents=latents)
     assert isinstance(outcomes[0], JobCanceledError) and outcomes[3].code == "nan_output"  # type: ignore[union-attr]
-    every = Running([None] * 2, [JobCanceledError(), None], [0, 1], per_job=1)  # type: ignore[arg-type]
-    every.outcomes[1] = JobCanceledError()
-    with pytest.raises(JobCanceledError):
-        every.step_done(3, 40, due=False, latents=None)
+    canceled: list[object] = [JobCanceledError(), JobCanceledError()]  # both seen canceled by a report
+    with pytest.raises(JobCanceledError):  # a cancel, as one job's cancel always ended
+        Running([None] * 2, canceled, [0, 1], per_job=1).step_done(3, 40, due=False, latents=None)  # type: ignore[arg-type]
