@@ -17,7 +17,7 @@ from redis.retry import Retry
 from shared.contract.settings import Settings
 from shared.store import autopipeline
 from shared.store.autopipeline import AutoPipeline
-from tests.conftest import post_job, wait_for, waiting_ids
+from tests.conftest import RedisServer, post_job, wait_for, waiting_ids
 
 CALLERS = 10
 
@@ -56,8 +56,11 @@ def gathered(pipeline: AutoPipeline, count: int) -> Callable[[], bool]:
     return lambda: len(pipeline._gathered) == count
 
 
-def test_calls_made_while_a_round_trip_is_out_go_together_in_the_next(redis: Redis) -> None:
-    pipeline, line = AutoPipeline(Redis.from_url(_url(redis))), "autopipe"
+def test_calls_made_while_a_round_trip_is_out_go_together_in_the_next(private_redis: RedisServer) -> None:
+    # A Redis of this test's own: its script calls are counted server-wide, and the session's Redis
+    # also serves the workers other tests leave running (a heartbeat's script once spoiled the count).
+    redis = Redis.from_url(private_redis.url)
+    pipeline, line = AutoPipeline(Redis.from_url(private_redis.url)), "autopipe"
     assert pipeline.run("counts", [], [line]) == [0, 0, 0]  # alone; and the script is loaded
     before = evalsha_calls(redis)
     with redis_paused(redis):
