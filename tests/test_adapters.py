@@ -6,7 +6,9 @@ from __future__ import annotations
 import io
 import shutil
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -223,67 +225,80 @@ def half_worker(settings: Settings, lora_dir: Path, monkeypatch: pytest.MonkeyPa
     pipeline._current = before
 
 
-def test_an_image_that_comes_out_nan_fails_the_job_with_nan_output_not_a_black_image(
-        half_worker: Settings, lora_dir: Path) -> None:
-    """``ink`` at scale 2 overflows the tiny SD model in float16 (its weights are large on purpose):
-    every latent is NaN from the first step, which diffusers turns into a black image."""
+@contextmanager
+def calls_of(settings: Settings, vae_nan: bool = False) -> Iterator[list[str]]:
+    """Each UNet call ("unet") and decoding ("vae") of the worker's pipeline meanwhile; with
+    ``vae_nan``, each decoding's output is NaN, as a VAE that overflows float16 makes it."""
+    from worker import pipeline
+
+    pipe, calls = pipeline.current_pipeline().pipe, []
+    hook = pipe.unet.register_forward_hook(lambda *_: calls.append("unet"))
+    decode = pipe.vae.decode  # the pipeline decodes through vae.decode, not the VAE's forward
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append("vae")
+        made = decode(*args, **kwargs)
+        if vae_nan:
+            made[0].fill_(float("nan"))  # the sample, whether a tuple or diffusers' DecoderOutput
+        return made
+
+    pipe.vae.decode = counted
+    try:
+        yield calls
+    finally:
+        hook.remove()
+        del pipe.vae.decode
+
+
+def rendered(settings: Settings, scale: float, steps: int) -> Any:
+    """One 64x64 job with ``ink`` at ``scale``, admitted by the API and run by ``tasks.render``."""
     from rq.job import Job
     from rq.serializers import JSONSerializer
 
-    from shared.contract.errors import JobFailedError
     from worker import tasks
 
-    outcomes = {}
-    for client in app_client(half_worker):
-        for scale in (2.0, 0.5):
-            response = post_job(client, width=64, height=64, steps=3, seed=11, loras=names(ink=scale))
-            assert response.status_code == 202, response.get_json()
-            job = Job.fetch(response.get_json()["id"], connection=Redis.from_url(half_worker.redis_url),
-                            serializer=JSONSerializer)
-            (outcomes[scale],) = tasks.render([job])
+    for client in app_client(settings):
+        response = post_job(client, width=64, height=64, steps=steps, seed=11, loras=names(ink=scale))
+        assert response.status_code == 202, response.get_json()
+        job = Job.fetch(response.get_json()["id"], connection=Redis.from_url(settings.redis_url),
+                        serializer=JSONSerializer)
+        (outcome,) = tasks.render([job])
+    return outcome
+
+
+def test_an_image_that_comes_out_nan_fails_the_job_with_nan_output_not_a_black_image(
+        half_worker: Settings) -> None:
+    """``ink`` at scale 2 overflows the tiny SD model in float16 (its weights are large on purpose):
+    every latent is NaN from the first step, which diffusers turns into a black image. A NaN latent
+    can only decode to a NaN image: the job ends once the latents are looked at (after the first
+    step), instead of holding the device for all its steps and the decoding."""
+    from shared.contract.errors import JobFailedError
+
+    outcomes, calls = {}, {}
+    for scale in (2.0, 0.5):
+        with calls_of(half_worker) as made:
+            outcomes[scale] = rendered(half_worker, scale, steps=40)
+        calls[scale] = made
     failed = outcomes[2.0]
     assert isinstance(failed, JobFailedError) and failed.code == "nan_output", failed
     assert "bfloat16" in str(failed)
+    assert calls[2.0] == ["unet"]  # one step, then no decoding
     passed = outcomes[0.5]  # the same model and adapter at half the scale stays finite: images
     assert not isinstance(passed, Exception), passed
     _, (image,) = passed
     assert np.asarray(image, dtype=np.float32).std() > 2.0
+    assert calls[0.5].count("unet") == 40 and "vae" in calls[0.5]  # finite latents run every step
 
 
-def test_a_job_whose_latents_turn_nan_ends_after_its_first_step_not_its_last(
-        half_worker: Settings, lora_dir: Path) -> None:
-    """A NaN latent can only decode to a NaN image: the job ends once the latents are looked at
-    (after the first step), instead of holding the device for all its steps and the decoding."""
-    from rq.job import Job
-    from rq.serializers import JSONSerializer
-
+def test_nan_that_only_the_vae_makes_is_found_after_the_decoding(half_worker: Settings) -> None:
+    """Finite latents whose decoding overflows (some checkpoints' VAEs in float16): every step
+    runs, and the images' own check ends the job ``nan_output``, not a black image."""
     from shared.contract.errors import JobFailedError
-    from worker import pipeline, tasks
 
-    pipe = pipeline.current_pipeline().pipe
-    calls: list[str] = []
-    hook = pipe.unet.register_forward_hook(lambda *_: calls.append("unet"))
-    decode = pipe.vae.decode  # the pipeline decodes through vae.decode, not the VAE's forward
-    pipe.vae.decode = lambda *args, **kwargs: calls.append("vae") or decode(*args, **kwargs)
-    outcomes = {}
-    try:
-        for client in app_client(half_worker):
-            for scale in (2.0, 0.5):
-                calls.clear()
-                response = post_job(client, width=64, height=64, steps=40, seed=11, loras=names(ink=scale))
-                assert response.status_code == 202, response.get_json()
-                job = Job.fetch(response.get_json()["id"], connection=Redis.from_url(half_worker.redis_url),
-                                serializer=JSONSerializer)
-                (outcomes[scale],) = tasks.render([job])
-                outcomes[scale, "calls"] = list(calls)
-    finally:
-        hook.remove()
-        del pipe.vae.decode
-    failed = outcomes[2.0]
+    with calls_of(half_worker, vae_nan=True) as made:
+        failed = rendered(half_worker, 0.5, steps=3)
     assert isinstance(failed, JobFailedError) and failed.code == "nan_output", failed
-    assert outcomes[2.0, "calls"] == ["unet"]  # one step, then no decoding
-    assert not isinstance(outcomes[0.5], Exception), outcomes[0.5]  # finite latents run every step
-    assert outcomes[0.5, "calls"].count("unet") == 40 and "vae" in outcomes[0.5, "calls"]
+    assert made == ["unet"] * 3 + ["vae"]
 
 
 def test_an_execution_ends_each_member_whose_rows_turn_nan_and_stops_once_none_is_left() -> None:
