@@ -10,8 +10,9 @@ What a GPU host should check once, since CI has no GPU. It starts its own ``redi
   images that decode, have the asked size and are not flat (a NaN in half precision paints black);
   a LoRA (``ink`` at 0.5) changes the image and the same job without it gives the first image
   back; at scale 2 the job either makes an image or fails ``nan_output`` (half precision can
-  overflow), never a black image called a success; how far float16 and bfloat16 land from
-  float32's image of the same seed is printed;
+  overflow), never a black image called a success; how far each SD case's image lands from the
+  earlier cases' of the same seed is printed (on a GPU host the SD cases begin with the same
+  model in float32 on the CPU: does a seed give the same image on either device, in each dtype?);
 - **a cancel mid-run** (SD, float16): a long job is canceled once it reports a step; it ends
   ``canceled`` before its last step and the worker runs the next job;
 - **a real out-of-memory**: the device memory that a small and a large job (``--big-side``, four
@@ -64,11 +65,14 @@ class Case:
     model: str
     dtype: str
     family: str
+    device: str | None = None  # None: the smoke's --device
 
 
 CASES = (Case("sd-fp32", "tiny", "float32", "sd"), Case("sd-fp16", "tiny", "float16", "sd"),
          Case("sd-bf16", "tiny", "bfloat16", "sd"), Case("xl-fp16", "tiny-sdxl", "float16", "sdxl"),
          Case("flux-bf16", "tiny-flux", "bfloat16", "flux"))
+# On a GPU host, first the same SD job on the CPU: how far each dtype on the device lands from it.
+CPU_REFERENCE = Case("sd-cpu-fp32", "tiny", "float32", "sd", device="cpu")
 MAIN = "sd-fp16"  # the case that also runs the cancel, and whose memory sizes the capped worker
 
 
@@ -113,6 +117,7 @@ def worker(settings: Settings, case: Case, scratch: Path, memory_cap: int | None
     """One ``slotq worker`` for this case, registered; stopped on the way out."""
     port = free_port()
     settings = settings.model_copy(update={"model": case.model, "model_name": case.name, "dtype": case.dtype,
+                                           "device": case.device or settings.device,
                                            "worker_metrics_port": port, "worker_name": f"smoke-{case.name}"})
     command = ([sys.executable, "-m", "bench.gpu_smoke", "--capped-worker", str(memory_cap)] if memory_cap
                else [sys.executable, "-m", "slotq.cli", "worker"])
@@ -176,10 +181,12 @@ def run_case(checks: Checks, port: int, settings: Settings, case: Case, side: in
             view, images = run_job(port, job(case.name, size))
             if image_check(checks, f"{case.name} {size}x{size}", view, images, size) and size == side:
                 references[case.name] = images[0]
-        if case.model == "tiny" and case.name != "sd-fp32" and {case.name, "sd-fp32"} <= set(references):
-            difference = float(np.abs(references[case.name] - references["sd-fp32"]).mean())
-            checks.say(f"   against float32's image of the same seed: mean |difference| {difference:.2f} "
-                       "of 255")
+        if case.model == "tiny" and case.name in references:
+            tiny_sd = {each.name for each in (CPU_REFERENCE, *CASES) if each.model == "tiny"}
+            for earlier in [name for name in references if name in tiny_sd and name != case.name]:
+                difference = float(np.abs(references[case.name] - references[earlier]).mean())
+                checks.say(f"   against {earlier}'s image of the same seed: mean |difference| "
+                           f"{difference:.2f} of 255")
         lora_check(checks, port, case, side, references.get(case.name))
         if case.name == MAIN:
             memory_figures(checks, port, case, running)  # before the cancel's large job
@@ -282,11 +289,11 @@ def wait_for_api(port: int, process: subprocess.Popen[bytes], log: Path) -> None
         time.sleep(0.1)
 
 
-def lora_folder(cache_dir: Path, into: Path) -> Path:
+def lora_folder(cache_dir: Path, into: Path, cases: tuple[Case, ...]) -> Path:
     """Each case's adapters in a subfolder named after it, as SLOTQ_LORA_DIR serves them."""
     from worker.tiny_loras import ensure_tiny_loras
 
-    for case in CASES:
+    for case in cases:
         shutil.copytree(ensure_tiny_loras(cache_dir, case.model), into / case.name, dirs_exist_ok=True)
     return into
 
@@ -301,10 +308,11 @@ def smoke(device: str, side: int, big_side: int, logs: Path | None = None) -> Ch
             running_redis(Path(folder) / "redis") as url:
         scratch = Path(folder)
         models = scratch / "models"
-        names = ",".join(f"{case.name}={case.family}" for case in CASES)
+        cases = ((CPU_REFERENCE,) if checks.figures["cuda"] else ()) + CASES
+        names = ",".join(f"{case.name}={case.family}" for case in cases)
+        loras = lora_folder(models, scratch / "loras", cases)
         settings = Settings(redis_url=url, cache_dir=models, device=device, log_level="INFO", drain_s=0,
-                            model_names=names.split(","), lora_dir=lora_folder(models, scratch / "loras"),
-                            max_steps=CANCEL_STEPS)
+                            model_names=names.split(","), lora_dir=loras, max_steps=CANCEL_STEPS)
         api_port = free_port()
         with (scratch / "api.log").open("wb") as out:
             api = subprocess.Popen([sys.executable, "-m", "slotq.cli", "api", "--port", str(api_port)],
@@ -312,7 +320,7 @@ def smoke(device: str, side: int, big_side: int, logs: Path | None = None) -> Ch
         try:
             wait_for_api(api_port, api, scratch / "api.log")
             references: dict[str, np.ndarray] = {}
-            for case in CASES:
+            for case in cases:
                 try:
                     run_case(checks, api_port, settings, case, side, scratch, references)
                 except (RuntimeError, TimeoutError, OSError) as error:
