@@ -73,6 +73,7 @@ CASES = (Case("sd-fp32", "tiny", "float32", "sd"), Case("sd-fp16", "tiny", "floa
          Case("flux-bf16", "tiny-flux", "bfloat16", "flux"))
 # On a GPU host, first the same SD job on the CPU: how far each dtype on the device lands from it.
 CPU_REFERENCE = Case("sd-cpu-fp32", "tiny", "float32", "sd", device="cpu")
+TINY_SD = frozenset(case.name for case in (CPU_REFERENCE, *CASES) if case.model == "tiny")  # compared
 MAIN = "sd-fp16"  # the case that also runs the cancel, and whose memory sizes the capped worker
 
 
@@ -181,9 +182,8 @@ def run_case(checks: Checks, port: int, settings: Settings, case: Case, side: in
             view, images = run_job(port, job(case.name, size))
             if image_check(checks, f"{case.name} {size}x{size}", view, images, size) and size == side:
                 references[case.name] = images[0]
-        if case.model == "tiny" and case.name in references:
-            tiny_sd = {each.name for each in (CPU_REFERENCE, *CASES) if each.model == "tiny"}
-            for earlier in [name for name in references if name in tiny_sd and name != case.name]:
+        if case.name in TINY_SD and case.name in references:
+            for earlier in [name for name in references if name in TINY_SD and name != case.name]:
                 difference = float(np.abs(references[case.name] - references[earlier]).mean())
                 checks.say(f"   against {earlier}'s image of the same seed: mean |difference| "
                            f"{difference:.2f} of 255")
