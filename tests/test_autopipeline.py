@@ -137,6 +137,38 @@ def test_a_connection_error_reaches_every_call_of_its_round_trip() -> None:
     assert pipeline._out is False  # nobody is left holding the lead
 
 
+@pytest.mark.parametrize("retries", [0, 1])
+def test_a_round_trip_cut_off_is_sent_again_as_the_client_s_retry_says(redis: Redis, retries: int) -> None:
+    # The connection dies while the call is out (a Redis restart, a failover): with a retry the call
+    # reconnects and goes again, as redis-py's own commands do; without one the caller hears of it.
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    client = Redis.from_url(_url(redis), retry=Retry(NoBackoff(), retries))
+    pipeline = AutoPipeline(client)
+    assert pipeline.run("counts", [], ["autopipe"]) == [0, 0, 0]
+    first = client.client_id()  # the pool's one connection: the next call's
+    with redis_paused(redis):
+        threads, answers = in_threads([lambda: pipeline.run("counts", [], ["autopipe"])])
+        wait_for(lambda: any(entry["id"] == str(first) and entry["cmd"] == "evalsha"
+                             for entry in redis.client_list()), what="the call held by the paused Redis")
+        assert redis.client_kill_filter(_id=first) == 1
+    threads[0].join(30)
+    if retries:
+        assert answers == {0: [0, 0, 0]} and client.client_id() != first
+    else:
+        assert isinstance(answers[0], RedisConnectionError), answers
+    assert pipeline.run("counts", [], ["autopipe"]) == [0, 0, 0]  # and the next call goes as usual
+
+
+def test_an_argument_redis_cannot_take_is_refused_as_redis_py_refuses_it(redis: Redis) -> None:
+    from redis.exceptions import DataError
+
+    pipeline = AutoPipeline(Redis.from_url(_url(redis)))
+    with pytest.raises(DataError, match="bool"):
+        pipeline.run("counts", [], [True])
+    assert pipeline.run("counts", [], ["autopipe"]) == [0, 0, 0]
+
+
 def test_a_caller_gone_before_its_call_was_sent_passes_its_lead_on(redis: Redis) -> None:
     # A waiting greenlet can be killed (gunicorn's graceful timeout): its call must not be sent,
     # and a lead handed to it must pass on, or every later call of the process would wait forever.

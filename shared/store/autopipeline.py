@@ -14,6 +14,10 @@ own, in arrival order; a pipeline only shares the socket. A call's error is its 
 refusal, NOSCRIPT); a connection error reaches every call of that round trip, as it would have
 reached each alone. A caller gone before its call was sent (a greenlet killed while it waits) is
 left out, and a lead handed to it passes on.
+
+A round trip packs its calls with hiredis in one C call each, on a connection of the client's pool,
+with the client's retry policy: redis-py's pipeline encoded each of an admission's 50-odd arguments
+in Python and added its own bookkeeping, 70–80 µs of the client's CPU a call where this takes 25.
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import hiredis
 from redis import Redis
-from redis.exceptions import NoScriptError
+from redis.connection import AbstractConnection
+from redis.exceptions import NoScriptError, ResponseError
 
 from shared.store import scripts
 
@@ -131,13 +137,42 @@ class AutoPipeline:
                 call.end(result=answer)
 
     def _pipelined(self, batch: list[_Call]) -> list[Any]:
-        if len(batch) == 1:  # alone: the plain call (its Script loads itself on NOSCRIPT)
-            (call,) = batch
-            return [scripts.run(self._client, call.name, call.keys, call.args)]
-        with self._client.pipeline(transaction=False) as pipe:
-            for call in batch:
-                pipe.evalsha(scripts.sha(call.name), len(call.keys), *call.keys, *call.args)
-            return pipe.execute(raise_on_error=False)
+        """Each call's answer, or its error (a ``ResponseError``), in order: one round trip."""
+        commands = [("EVALSHA", scripts.sha(call.name), len(call.keys), *call.keys, *call.args)
+                    for call in batch]
+        pool = self._client.connection_pool
+        connection = pool.get_connection()
+        try:
+            packed = [_packed(connection, command) for command in commands]
+            # As redis-py's pipeline does: on a dropped connection, reconnect and send it all again
+            # (the admission script tells a call sent twice by its answer).
+            return connection.retry.call_with_retry(lambda: _round_trip(connection, packed, len(commands)),
+                                                    lambda error: connection.disconnect())
+        except BaseException:
+            connection.disconnect()  # replies may be left unread: nobody may borrow it in that state
+            raise
+        finally:
+            pool.release(connection)
+
+
+def _packed(connection: AbstractConnection, command: tuple[Any, ...]) -> bytes:
+    """One command in Redis's protocol: hiredis's packing, or (an argument it does not take, such as
+    a bool) redis-py's, which raises its ``DataError`` for what Redis cannot take either."""
+    try:
+        return hiredis.pack_command(command)
+    except TypeError:
+        return b"".join(connection.pack_command(*command))
+
+
+def _round_trip(connection: AbstractConnection, packed: list[bytes], count: int) -> list[Any]:
+    connection.send_packed_command(packed)
+    answers: list[Any] = []
+    for _ in range(count):  # every reply is read, an error among them or not: the socket stays in step
+        try:
+            answers.append(connection.read_response())
+        except ResponseError as error:
+            answers.append(error)
+    return answers
 
 
 _pipelines: weakref.WeakKeyDictionary[Redis, AutoPipeline] = weakref.WeakKeyDictionary()
