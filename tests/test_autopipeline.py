@@ -151,7 +151,7 @@ def test_a_round_trip_cut_off_is_sent_again_as_the_client_s_retry_says(redis: Re
         threads, answers = in_threads([lambda: pipeline.run("counts", [], ["autopipe"])])
         wait_for(lambda: any(entry["id"] == str(first) and entry["cmd"] == "evalsha"
                              for entry in redis.client_list()), what="the call held by the paused Redis")
-        assert redis.client_kill_filter(_id=first) == 1
+        assert redis.client_kill_filter(_id=str(first)) == 1
     threads[0].join(30)
     if retries:
         assert answers == {0: [0, 0, 0]} and client.client_id() != first
