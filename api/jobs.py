@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rq import Queue
+from rq.job import Job
 
 from api import longpoll
 from api.longpoll import Waits
@@ -56,9 +57,12 @@ class Jobs:
         admitted = admission.enqueue_job(self.queue, self.settings, submission.request,
                                          ticket.idempotency_key, ticket.tenant, ticket.request_id,
                                          submission.inputs)
-        if wait and self.waits.hold(records.fetch_job(self.queue, admitted.job_id, ticket.tenant), wait,
-                                    longpoll.finished):
-            view = self.read(admitted.job_id, ticket.tenant)
+        def fetch() -> Job:
+            return records.fetch_job(self.queue, admitted.job_id, ticket.tenant)
+
+        held = self.waits.hold(admitted.job_id, fetch, wait, longpoll.finished) if wait else None
+        if held is not None:
+            view = records.current_view(self.queue, self.settings, held, ticket.tenant)
         elif admitted.prior is not None:
             view = records.standing_view(self.queue, admitted.prior)
         else:
@@ -71,9 +75,10 @@ class Jobs:
 
     def read(self, job_id: str, tenant: Tenant | None = None, wait: float | None = None) -> JobView:
         """A job's view; with ``wait``, once its status changes or ``wait`` seconds pass."""
-        job = records.fetch_job(self.queue, job_id, tenant)
-        if wait and self.waits.hold(job, wait, longpoll.changed_from(records.job_status(job))):
-            job = records.fetch_job(self.queue, job_id, tenant)
+        def fetch() -> Job:
+            return records.fetch_job(self.queue, job_id, tenant)
+
+        job = (self.waits.hold(job_id, fetch, wait, longpoll.changed) if wait else None) or fetch()
         return records.current_view(self.queue, self.settings, job, tenant)
 
     def image(self, job_id: str, index: int, tenant: Tenant | None = None) -> bytes | str:

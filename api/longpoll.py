@@ -3,11 +3,13 @@
 A waiting request holds one gunicorn thread and sleeps on a ``threading.Event`` of its own. One
 listener thread per process subscribes to the queue's events channel (``shared/store/events.py``) and
 sets the events of the requests waiting on each announced job id, which then read the job again.
-Delivery over pub/sub is at most once, so a waiter also reads the status on its own every
-``RECHECK_S``: an announcement only makes it answer sooner. The listener starts on the first
-wait (gunicorn forks its workers after import, and a thread does not survive a fork), ends after
-``LINGER_S`` with nobody waiting or once the process drains, and is a daemon thread, so it never
-keeps a process from exiting.
+A request counts as waiting before its first read of the job, so that read needs no second look
+once the listener is subscribed, and the read after a wake is the one the answer is made of: two
+round trips a held request, not four. Delivery over pub/sub is at most once, so a waiter also reads
+the status on its own every ``RECHECK_S``: an announcement only makes it answer sooner. The listener
+starts on the first wait (gunicorn forks its workers after import, and a thread does not survive a
+fork), ends after ``LINGER_S`` with nobody waiting or once the process drains, and is a daemon
+thread, so it never keeps a process from exiting.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ BACKOFF_S, MAX_BACKOFF_S = 0.5, 5.0
 # A plain decimal number ("2", "0.5", "1e1"); float() alone would also take "nan", "inf" and "1_0".
 NUMBER = re.compile(r"(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
 DIGITS = re.compile(r"[0-9]+")
-Done = Callable[[JobStatus], bool]
+Done = Callable[[JobStatus, JobStatus], bool]  # (the status first read, the status now)
 
 
 def wait_query(value: str | None) -> float | None:
@@ -72,14 +74,14 @@ def preferred_wait(headers: list[str]) -> int | None:
     return None
 
 
-def changed_from(status: JobStatus) -> Done:
-    """Done once the job's status is no longer ``status``; at once when that status is final."""
-    return lambda now: now is not status or now.is_terminal
+def changed(first: JobStatus, now: JobStatus) -> bool:
+    """Done once the job's status is no longer the one first read; at once when that one is final."""
+    return now is not first or now.is_terminal
 
 
-def finished(status: JobStatus) -> bool:
+def finished(first: JobStatus, now: JobStatus) -> bool:
     """Done once the job has ended."""
-    return status.is_terminal
+    return now.is_terminal
 
 
 class Waits:
@@ -108,22 +110,33 @@ class Waits:
         with self._lock:
             return sum(len(events) for events in self._waiters.values())
 
-    def hold(self, job: Job, seconds: float, done: Done) -> bool:
-        """Hold the request until ``done(status)``, ``seconds`` pass or the process drains; False if not."""
-        # Not held: ``done`` already, the process draining, or every waiting slot taken.
-        if done(records.job_status(job)) or self._draining.is_set():
-            return False
+    def hold(self, job_id: str, read: Callable[[], Job], seconds: float, done: Done) -> Job | None:
+        """The job as ``read`` gives it once ``done``, ``seconds`` pass or the process drains (at once
+        where it is done already); None when not held: the process drains, or every waiting slot is
+        taken."""
+        if self._draining.is_set():
+            return None
         if not self._slots.acquire(blocking=False):
-            log.info("too many requests waiting; job %s answered at once", job.id)
-            return False
+            log.info("too many requests waiting; job %s answered at once", job_id)
+            return None
         wake = threading.Event()
         try:
-            self._enter(job.id, wake)
-            self._watch(job, time.monotonic() + seconds, done, wake)
+            # Waiting before the first read: whatever is announced after that read wakes this one.
+            self._enter(job_id, wake)
+            subscribed = self._subscribed.is_set()
+            job = read()
+            first = records.job_status(job)
+            if done(first, first):
+                return job
+            until = time.monotonic() + seconds
+            if not subscribed:
+                # Announcements count from the subscription on: read again once it is in place.
+                self._subscribed.wait(max(0.0, min(READY_S, until - time.monotonic())))
+                job = read()
+            return self._watch(job, first, until, done, wake, read)
         finally:
-            self._leave(job.id, wake)
+            self._leave(job_id, wake)
             self._slots.release()
-        return True
 
     @contextmanager
     def watching(self, *names: str) -> Iterator[threading.Event]:
@@ -144,27 +157,31 @@ class Waits:
         """Whether the process is shutting down: whoever waits answers now."""
         return self._draining.is_set()
 
-    def _watch(self, job: Job, until: float, done: Done, wake: threading.Event) -> None:
-        # Announcements count from the subscription on: read the status only once it is in place.
-        self._subscribed.wait(max(0.0, min(READY_S, until - time.monotonic())))
+    def _watch(self, job: Job, first: JobStatus, until: float, done: Done, wake: threading.Event,
+               read: Callable[[], Job]) -> Job:
         deadline = job.meta.get("deadline_at")  # seconds since the epoch, on Redis's clock
         while not self._draining.is_set():
-            status = self._status(job)
-            if status is None or done(status):
-                return
+            status = records.job_status(job)
+            if done(first, status):
+                return job
             remaining = until - time.monotonic()
             if status is JobStatus.QUEUED and deadline is not None:
                 # Nothing announces a deadline passing until something expires the job: answer
                 # then, and the view expires it.
                 remaining = min(remaining, deadline - time.time())
             if remaining <= 0:
-                return
-            wake.wait(min(remaining, RECHECK_S))
-            wake.clear()  # the next read sees whatever an announcement meant
+                return job
+            # Announced: read the job again. Not: look at its status alone (one field), in case an
+            # announcement was lost, and read the job only where that moved.
+            if wake.wait(min(remaining, RECHECK_S)) or self._moved(job, status):
+                wake.clear()  # before the read: the next wait sees whatever is announced after it
+                job = read()
+        return job
 
-    def _status(self, job: Job) -> JobStatus | None:
-        """The job's status as Redis has it now; None when its record is gone."""
-        return records.stored_status(self._connection, job.id)
+    def _moved(self, job: Job, status: JobStatus) -> bool:
+        """Whether the job's status in Redis is no longer ``status`` (or its record is gone)."""
+        stored = records.stored_status(self._connection, job.id)
+        return stored is not status and not (stored is JobStatus.CANCELED and status is JobStatus.EXPIRED)
 
     def _enter(self, job_id: str, wake: threading.Event) -> None:
         with self._lock:

@@ -189,6 +189,52 @@ def test_the_listener_ends_when_nobody_waits_and_a_new_wait_starts_it(
     assert response.get_json()["status"] == "canceled" and answered_at - canceled_at < PROMPT_S
 
 
+def listening(client: FlaskClient, redis: Redis, settings: Settings) -> None:
+    """Until the app's listener is subscribed (a short wait starts it; it lingers after)."""
+    assert client.get(f"/v1/jobs/{post_job(client).get_json()['id']}?wait=0.1").status_code == 200
+    wait_for(subscribed(redis, settings), timeout=5, what="the listener")
+
+
+@pytest.mark.usefixtures("announcements_only")
+def test_a_change_announced_right_after_the_waiter_s_first_read_wakes_it(
+        client: FlaskClient, redis: Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The waiter reads the job once before it waits: a change announced between that read and the
+    # wait must not be missed (the next look would be RECHECK_S later: 30 s here).
+    from shared.store import events, records
+
+    listening(client, redis, settings)
+    job_id = post_job(client).get_json()["id"]
+    fetch, reads = records.fetch_job, []
+
+    def read_then_change(*args: Any, **kwargs: Any) -> Job:
+        job = fetch(*args, **kwargs)
+        if not reads:  # the held request's first read: the job is canceled and announced just after
+            reads.append(job.get_status(refresh=False))
+            redis.hset(Job.key_for(job_id), "status", "canceled")
+            events.announce(redis, settings.queue_name, job_id)
+        return job
+
+    monkeypatch.setattr(records, "fetch_job", read_then_change)
+    started = time.monotonic()
+    response = client.get(f"/v1/jobs/{job_id}?wait=20")
+    assert reads == ["queued"]
+    assert response.get_json()["status"] == "canceled" and time.monotonic() - started < PROMPT_S
+
+
+def test_a_change_whose_announcement_was_lost_is_seen_at_the_next_look(
+        client: FlaskClient, redis: Redis, settings: Settings, pool: ThreadPoolExecutor,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(longpoll, "RECHECK_S", 0.2)
+    listening(client, redis, settings)
+    job_id = post_job(client).get_json()["id"]
+    future = wait_in_background(pool, client.application, f"/v1/jobs/{job_id}?wait=20")
+    changed_at = time.monotonic()
+    redis.hset(Job.key_for(job_id), "status", "canceled")  # and nothing announced
+    response, answered_at = future.result(timeout=10)
+    assert response.get_json()["status"] == "canceled"
+    assert answered_at - changed_at < 5 * longpoll.RECHECK_S
+
+
 @pytest.mark.slow  # restarts a redis-server of its own
 @pytest.mark.usefixtures("announcements_only")
 def test_the_listener_subscribes_again_after_redis_restarts(settings: Settings, private_redis: RedisServer,
