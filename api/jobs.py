@@ -78,8 +78,8 @@ class Jobs:
         def fetch() -> Job:
             return records.fetch_job(self.queue, job_id, tenant)
 
-        job = (self.waits.hold(job_id, fetch, wait, longpoll.changed) if wait else None) or fetch()
-        return records.current_view(self.queue, self.settings, job, tenant)
+        job = self.waits.hold(job_id, fetch, wait, longpoll.changed) if wait else None
+        return records.current_view(self.queue, self.settings, job if job is not None else fetch(), tenant)
 
     def image(self, job_id: str, index: int, tenant: Tenant | None = None) -> bytes | str:
         """One finished image of a job, as PNG, or a short-lived URL of it in the store."""

@@ -170,13 +170,13 @@ class Waits:
                 # then, and the view expires it.
                 remaining = min(remaining, deadline - time.time())
             if remaining <= 0:
-                return job
+                return read()  # as a request without ``wait`` would read it now
             # Announced: read the job again. Not: look at its status alone (one field), in case an
             # announcement was lost, and read the job only where that moved.
             if wake.wait(min(remaining, RECHECK_S)) or self._moved(job, status):
                 wake.clear()  # before the read: the next wait sees whatever is announced after it
                 job = read()
-        return job
+        return read()  # the process drains: the job as it stands now
 
     def _moved(self, job: Job, status: JobStatus) -> bool:
         """Whether the job's status in Redis is no longer ``status`` (or its record is gone)."""
