@@ -6,10 +6,10 @@ from __future__ import annotations
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from rq import Queue
-from rq.job import Job
 
 from api import longpoll
 from api.longpoll import Waits
@@ -57,9 +57,7 @@ class Jobs:
         admitted = admission.enqueue_job(self.queue, self.settings, submission.request,
                                          ticket.idempotency_key, ticket.tenant, ticket.request_id,
                                          submission.inputs)
-        def fetch() -> Job:
-            return records.fetch_job(self.queue, admitted.job_id, ticket.tenant)
-
+        fetch = partial(records.fetch_job, self.queue, admitted.job_id, ticket.tenant)
         held = self.waits.hold(admitted.job_id, fetch, wait, longpoll.finished) if wait else None
         if held is not None:
             view = records.current_view(self.queue, self.settings, held, ticket.tenant)
@@ -75,9 +73,7 @@ class Jobs:
 
     def read(self, job_id: str, tenant: Tenant | None = None, wait: float | None = None) -> JobView:
         """A job's view; with ``wait``, once its status changes or ``wait`` seconds pass."""
-        def fetch() -> Job:
-            return records.fetch_job(self.queue, job_id, tenant)
-
+        fetch = partial(records.fetch_job, self.queue, job_id, tenant)
         job = self.waits.hold(job_id, fetch, wait, longpoll.changed) if wait else None
         return records.current_view(self.queue, self.settings, job if job is not None else fetch(), tenant)
 

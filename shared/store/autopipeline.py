@@ -165,6 +165,7 @@ def _packed(connection: AbstractConnection, command: tuple[Any, ...]) -> bytes:
 
 
 def _round_trip(connection: AbstractConnection, packed: list[bytes], count: int) -> list[Any]:
+    """Send the packed calls at once, then read their ``count`` replies, an error one as its error."""
     connection.send_packed_command(packed)
     answers: list[Any] = []
     for _ in range(count):  # every reply is read, an error among them or not: the socket stays in step
