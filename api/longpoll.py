@@ -6,7 +6,9 @@ sets the events of the requests waiting on each announced job id, which then rea
 A request counts as waiting before its first read of the job, so that read needs no second look
 once the listener is subscribed, and the read after a wake is the one the answer is made of: two
 round trips a held request, not four. Delivery over pub/sub is at most once, so a waiter also reads
-the status on its own every ``RECHECK_S``: an announcement only makes it answer sooner. The listener
+the status on its own every ``RECHECK_S``: an announcement only makes it answer sooner. A line's
+changes (each claim) come on a channel of their own, which the listener joins only while an event
+stream watches a line (and ``LINGER_S`` after), so that no other process wakes for them. The listener
 starts on the first wait (gunicorn forks its workers after import, and a thread does not survive a
 fork), ends after ``LINGER_S`` with nobody waiting or once the process drains, and is a daemon
 thread, so it never keeps a process from exiting.
@@ -27,6 +29,7 @@ from redis.client import PubSub
 from redis.exceptions import RedisError
 from rq.job import Job
 
+from shared.contract import keys
 from shared.contract.errors import InvalidRequestError
 from shared.contract.jobs import JobStatus
 from shared.contract.settings import Settings
@@ -44,6 +47,7 @@ BACKOFF_S, MAX_BACKOFF_S = 0.5, 5.0
 NUMBER = re.compile(r"(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
 DIGITS = re.compile(r"[0-9]+")
 Done = Callable[[JobStatus, JobStatus], bool]  # (the status first read, the status now)
+LINE = keys.line_changed("")  # how the names of lines' changes begin (a job id never does)
 
 
 def wait_query(value: str | None) -> float | None:
@@ -98,6 +102,9 @@ class Waits:
         self._listener: threading.Thread | None = None
         self._subscribed = threading.Event()
         self._last_wait = time.monotonic()  # when a request last began or stopped waiting
+        self._lines_channel = keys.lines_channel(queue_name)
+        self._lines = threading.Event()  # subscribed to the lines channel too
+        self._line_waits, self._last_line_wait = 0, -LINGER_S  # those watching a line; when one last did
 
     @classmethod
     def for_settings(cls, connection: Redis, settings: Settings, draining: threading.Event) -> Waits:
@@ -146,6 +153,9 @@ class Waits:
         for name in names:
             self._enter(name, wake)
         try:
+            if any(name.startswith(LINE) for name in names) and not self._lines.is_set():
+                self._nudge()
+                self._lines.wait(READY_S)
             self._subscribed.wait(READY_S)
             yield wake
         finally:
@@ -183,10 +193,20 @@ class Waits:
         stored = records.stored_status(self._connection, job.id)
         return stored is not status and not (stored is JobStatus.CANCELED and status is JobStatus.EXPIRED)
 
+    def _nudge(self) -> None:
+        """Have the listener look at its channels now (an empty announcement), not at its next tick."""
+        try:
+            events.announce(self._connection, self._queue_name, "")
+        except RedisError:
+            pass  # the listener looks within TICK_S anyway
+
     def _enter(self, job_id: str, wake: threading.Event) -> None:
         with self._lock:
             self._waiters.setdefault(job_id, set()).add(wake)
             self._last_wait = time.monotonic()
+            if job_id.startswith(LINE):
+                self._line_waits += 1
+                self._last_line_wait = self._last_wait
             if self._listener is None or not self._listener.is_alive():
                 self._subscribed.clear()
                 self._listener = threading.Thread(target=self._listen, name="slotq-longpoll", daemon=True)
@@ -199,6 +219,9 @@ class Waits:
             if not events:
                 self._waiters.pop(job_id, None)
             self._last_wait = time.monotonic()
+            if job_id.startswith(LINE):
+                self._line_waits -= 1
+                self._last_line_wait = self._last_wait
 
     def _wake(self, job_id: str | None = None) -> None:
         """Wake the requests waiting on this job, or all of them."""
@@ -226,6 +249,7 @@ class Waits:
                 if pubsub is not None:
                     pubsub.close()
             self._subscribed.clear()
+            self._lines.clear()
             self._wake()  # announcements may have been lost meanwhile: let every waiter read again
             if self._draining.wait(backoff) or self._retire_if_idle():
                 break  # with nobody waiting, a Redis that is down is not worth retrying
@@ -234,8 +258,22 @@ class Waits:
 
     def _relay(self, pubsub: PubSub) -> None:
         """Wake the waiters of each announced job until the process drains or nobody waited for a while."""
+        lines = False  # whether this subscription asked for the lines channel
         while not self._draining.is_set() and not self._retire_if_idle():
+            lines = self._follow_lines(pubsub, lines)
             self._receive(pubsub.get_message(timeout=TICK_S))
+
+    def _follow_lines(self, pubsub: PubSub, asked: bool) -> bool:
+        """Join the lines channel while a stream watches a line or did within LINGER_S, leave it
+        after; whether it is asked for now."""
+        with self._lock:
+            wanted = self._line_waits > 0 or time.monotonic() - self._last_line_wait < LINGER_S
+        if wanted and not asked:
+            pubsub.subscribe(self._lines_channel)
+        elif asked and not wanted:
+            pubsub.unsubscribe(self._lines_channel)
+            self._lines.clear()
+        return wanted
 
     def _retire_if_idle(self) -> bool:
         """End this listener once nobody has waited for LINGER_S; the next waiter starts another."""
@@ -244,6 +282,7 @@ class Waits:
                 return False
             self._listener = None
             self._subscribed.clear()
+            self._lines.clear()
             return True
 
     def _receive(self, message: dict[str, Any] | None) -> None:
@@ -252,7 +291,8 @@ class Waits:
         if message["type"] == "subscribe":
             # Subscribed, perhaps again after redis-py reconnected on its own: what was announced
             # before may be lost, so every waiter reads again.
-            self._subscribed.set()
+            lines = message["channel"].decode() == self._lines_channel
+            (self._lines if lines else self._subscribed).set()
             self._wake()
-        elif message["type"] == "message":
-            self._wake(message["data"].decode())
+        elif message["type"] == "message" and (name := message["data"].decode()):
+            self._wake(name)  # (an empty one only nudged the listener)

@@ -153,6 +153,38 @@ def test_positions_count_down_as_the_line_moves(client: FlaskClient, redis: Redi
     reader.close()
 
 
+def test_only_a_process_whose_stream_watches_a_line_hears_of_its_claims(
+        client: FlaskClient, redis: Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each claim changes the line: a process with no stream open must not wake for it (on a small
+    # machine each wake-up of an idle process costs about a third of a millisecond).
+    from api import longpoll
+    from tests.conftest import wait_for
+
+    monkeypatch.setattr(longpoll, "LINGER_S", 0.5)
+    lines, jobs = keys.lines_channel(settings.queue_name), keys.events_channel(settings.queue_name)
+
+    def listeners(channel: str) -> int:
+        return int(redis.pubsub_numsub(channel)[0][1])
+
+    wait_for(lambda: listeners(lines) == 0, timeout=5, what="an earlier test's stream's linger to pass")
+    ids = [submit(client) for _ in range(2)]
+    held = submit(client)  # a request waits on it all along: the listener runs
+    waiter = threading.Thread(target=lambda: client.application.test_client().get(f"/v1/jobs/{held}?wait=20"))
+    waiter.start()
+    wait_for(lambda: listeners(jobs) == 1, timeout=5, what="the listener")
+    assert listeners(lines) == 0
+    reader = open_stream(client, ids[1])
+    assert reader.next()[2]["position"] == 1
+    assert listeners(lines) == 1  # joined before the stream's first read
+    assert waiting.claim(redis, settings.line, keys.claims_key("stream-test")) is not None
+    assert reader.next()[2]["position"] == 0
+    reader.close()
+    wait_for(lambda: listeners(lines) == 0, timeout=5, what="the lines channel left after LINGER_S")
+    assert listeners(jobs) == 1 and waiter.is_alive()  # the jobs' channel stays while a request waits
+    assert client.delete(f"/v1/jobs/{held}").status_code == 200
+    waiter.join(10)
+
+
 def test_a_job_that_ends_while_its_log_is_read_streams_what_it_logged_before_its_end(
         client: FlaskClient, redis: Redis) -> None:
     # The end lands between the stream's read of the log and its read of the record (a race seen in

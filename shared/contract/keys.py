@@ -51,7 +51,7 @@ def queue_of(line: str) -> str:
 
 
 def line_changed(line: str) -> str:
-    """What the events channel carries, beside job ids, when a line's order changed (a claim, a cancel)."""
+    """What the lines channel carries when a line's order changed (a claim, a cancel, an expiry)."""
     return f"line{QUEUE_SEPARATOR}{line}"
 
 
@@ -88,6 +88,15 @@ def line_key(line: str) -> str:
 def events_channel(queue: str) -> str:
     """Pub/sub channel on which a job's id is published whenever its status changes."""
     return f"{PREFIX}:events:{queue}"
+
+
+LINES_SUFFIX = ":lines"
+
+
+def lines_channel(queue: str) -> str:
+    """Pub/sub channel on which a line's :func:`line_changed` name is published when its order
+    changed: apart from the jobs' channel, so that only a process watching a line hears of each claim."""
+    return events_channel(queue) + LINES_SUFFIX
 
 
 def listed_key(queue: str, tenant: str) -> str:

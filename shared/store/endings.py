@@ -74,7 +74,7 @@ def cancel(queue: Queue, settings: Settings, job: Job) -> bool:
     with connection.pipeline() as pipe:
         end_job(job, queue, settings, pipe, RQStatus.CANCELED)
         pipe.zrem(keys.deadlines_key(waiting.line_of(job)), job.id)
-        events.announce(pipe, queue.name, keys.line_changed(waiting.line_of(job)))  # the others moved up
+        events.announce_line(pipe, waiting.line_of(job))  # the others moved up
         pipe.execute()
     return True
 

@@ -22,6 +22,11 @@ def announce(client: Redis | Pipeline, queue_name: str, job_id: str) -> None:
     client.publish(keys.events_channel(queue_name), job_id)
 
 
+def announce_line(client: Redis | Pipeline, line: str) -> None:
+    """Publish that the order of this line changed (in a pipeline: when it executes)."""
+    client.publish(keys.lines_channel(keys.queue_of(line)), keys.line_changed(line))
+
+
 def log(client: Redis | Pipeline, job_id: str, event: str, data: Any = None) -> None:
     """Append an event to the job's log (in a pipeline: when it executes); announce it separately."""
     fields: dict[Any, Any] = {"event": event, **({"data": json.dumps(data)} if data is not None else {})}

@@ -75,7 +75,7 @@ def claim(connection: Redis, line: str, claims_key: str, affinity: Affinity | No
     affinity, token = affinity or Affinity(), fencing.new_token() if fence_ttl_s else ""
     claimed = scripts.run(connection, "claim", [claims_key],
                           [line, Job.redis_job_namespace_prefix, affinity.max_skip,
-                           keys.events_channel(keys.queue_of(line)), affinity.last, token, fence_ttl_s,
+                           keys.lines_channel(keys.queue_of(line)), affinity.last, token, fence_ttl_s,
                            *affinity.resident])
     if not claimed:
         return None

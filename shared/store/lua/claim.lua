@@ -4,7 +4,7 @@
 -- With affinity, a job of the adapters the worker holds may go first, within its bound (line.lua).
 -- The claim starts an attempt at the job (shared/store/fencing.py): its fence key gets the token.
 -- KEYS: the worker's claims list; ARGV: the line's name, RQ's job key prefix, the most times a job
--- may be passed over (0: no affinity), the events channel (told that the line moved up), the
+-- may be passed over (0: no affinity), the lines channel (told that the line moved up), the
 -- adapters key the worker ran last, the attempt's fence token ('' for none) and the fence's TTL in
 -- seconds, then the worker's resident adapters.
 local resident = {}
