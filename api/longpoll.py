@@ -153,6 +153,7 @@ class Waits:
         for name in names:
             self._enter(name, wake)
         try:
+            # After entering: the listener leaves the channel only under the lock, clearing the flag.
             if any(name.startswith(LINE) for name in names) and not self._lines.is_set():
                 self._nudge()
                 self._lines.wait(READY_S)
@@ -268,11 +269,14 @@ class Waits:
         after; whether it is asked for now."""
         with self._lock:
             wanted = self._line_waits > 0 or time.monotonic() - self._last_line_wait < LINGER_S
+            if asked and not wanted:
+                # Under the lock: a stream that begins to watch now finds it cleared, and waits for
+                # the next subscription rather than trusting this one.
+                self._lines.clear()
         if wanted and not asked:
             pubsub.subscribe(self._lines_channel)
         elif asked and not wanted:
             pubsub.unsubscribe(self._lines_channel)
-            self._lines.clear()
         return wanted
 
     def _retire_if_idle(self) -> bool:
