@@ -190,9 +190,9 @@ class Waits:
         return read()  # the process drains: the job as it stands now
 
     def _moved(self, job: Job, status: JobStatus) -> bool:
-        """Whether the job's status in Redis is no longer ``status`` (or its record is gone)."""
-        stored = records.stored_status(self._connection, job.id)
-        return stored is not status and not (stored is JobStatus.CANCELED and status is JobStatus.EXPIRED)
+        """Whether the job's status in Redis is no longer ``status`` (or its record is gone). Only
+        asked of a job not yet done, so never of an expired one (which its hash calls canceled)."""
+        return records.stored_status(self._connection, job.id) is not status
 
     def _nudge(self) -> None:
         """Have the listener look at its channels now (an empty announcement), not at its next tick."""
