@@ -22,11 +22,14 @@ def index() -> Response:
     return send_from_directory(STATIC, "index.html", max_age=0)
 
 
+SECURITY_HEADERS = (("Content-Security-Policy", CSP), ("X-Content-Type-Options", "nosniff"))
+
+
 @page.after_app_request
 def secure_headers(response: Response) -> Response:
     """On every answer: nothing from another origin runs, and no MIME sniffing."""
-    # App-wide rather than on this blueprint alone: for the JSON API they cost nothing and keep a
-    # browser from ever rendering an answer as a page.
-    response.headers.setdefault("Content-Security-Policy", CSP)
-    response.headers.setdefault("X-Content-Type-Options", "nosniff")
+    # App-wide rather than on this blueprint alone: they keep a browser from ever rendering a JSON
+    # answer as a page. Added, not set: no answer sets them itself, and a lookup of each first
+    # (setdefault) was a fifth of an admission's request hooks.
+    response.headers.extend(SECURITY_HEADERS)
     return response

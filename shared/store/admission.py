@@ -23,7 +23,7 @@ from rq import Queue
 from rq.job import Job
 from rq.job import JobStatus as RQStatus
 from rq.serializers import JSONSerializer
-from rq.utils import get_call_string, utcformat
+from rq.utils import get_call_string
 
 from shared.contract import keys, logs, webhooks
 from shared.contract.errors import (
@@ -120,8 +120,7 @@ def enqueue_job(queue: Queue, settings: Settings, request: JobRequest,
     # A file store or a bucket gets the inputs before the script admits the job (Redis, inside it).
     store.save_inputs(record.id, {str(name): data for name, data in inputs.items()})
     in_script = inputs if store.in_redis else {}
-    params = _parameters(line, settings, record.id, request, tenant, cost, digest, len(fields),
-                         list(in_script))
+    params = _parameters(line, settings, record, request, tenant, cost, digest, len(fields), list(in_script))
     try:
         # Shares its round trip with the admissions that other requests of this process make now.
         answer = autopipeline.of(queue.connection).run("admit", script_keys,
@@ -193,39 +192,41 @@ def _compressed(data: bytes) -> bytes:
     return compressor.compress(data) + compressor.flush()
 
 
-def _parameters(line: str, settings: Settings, job_id: str, request: JobRequest, tenant: Tenant | None,
+def _parameters(line: str, settings: Settings, record: Record, request: JobRequest, tenant: Tenant | None,
                 cost: float, digest: str | None, fields: int, inputs: list[InputName]) -> str:
-    """The admission script's parameters, as JSON."""
+    """The admission script's parameters, as JSON: the line's and class's, written once, then the job's."""
     params = {
-        **_line_parameters(settings, line, request.priority),
-        "id": job_id, "tenant": tenant.name if tenant else "", "cost": cost,
-        "deadline_s": request.deadline_s, "ended_at": utcformat(datetime.now(UTC)),
+        "id": record.id, "tenant": tenant.name if tenant else "", "cost": cost,
+        # What a job that expires in this call's sweep is stamped with: the admission's time.
+        "deadline_s": request.deadline_s, "ended_at": record.fields["created_at"],
         "digest": digest, "fields": fields, "inputs": inputs or None,
     }
     if tenant:
         params |= {"rate": tenant.rate, "burst": tenant.burst, "max_queued": tenant.max_queued}
     # cjson reads JSON null as a truthy value: leave unset parameters out instead.
-    return json.dumps({key: value for key, value in params.items() if value is not None})
+    job = json.dumps({key: value for key, value in params.items() if value is not None})
+    return f"{{{_line_parameters(settings, line, request.priority)}, {job[1:]}"
 
 
 # The parameters every admission to a line and class shares, per settings (kept with them, so an id
-# is never reused while its entry stands; see results.of).
-_shared: dict[tuple[int, str, str], tuple[Settings, dict[str, Any]]] = {}
+# is never reused while its entry stands; see results.of): the members of a JSON object, without
+# its braces.
+_shared: dict[tuple[int, str, str], tuple[Settings, str]] = {}
 
 
-def _line_parameters(settings: Settings, line: str, priority: Priority) -> dict[str, Any]:
-    """The parameters every admission to this line and class shares, worked out once."""
+def _line_parameters(settings: Settings, line: str, priority: Priority) -> str:
+    """The parameters every admission to this line and class shares, written once."""
     made = _shared.get((id(settings), line, priority))
     if made is None or made[0] is not settings:
         queue = settings.queue_name
-        made = _shared[id(settings), line, priority] = (settings, {
+        made = _shared[id(settings), line, priority] = (settings, json.dumps({
             "queue": line, "job_prefix": Job.redis_job_namespace_prefix, "priority": priority,
             "limit": settings.waiting_limit(priority), "idempotency_ttl": IDEMPOTENCY_TTL_S,
             "record_ttl": settings.record_ttl_s, "issued_ttl": settings.issued_ttl_s,
             "listed_ttl": max(settings.record_ttl_s, settings.failure_ttl_s),
             "channel": keys.events_channel(queue), "outbox": keys.webhooks_key(queue),
             "ended": keys.ended_key(queue), "inputs_ttl": settings.result_ttl_s,
-        })
+        })[1:-1])
     return made[1]
 
 
