@@ -5,8 +5,11 @@ listener thread per process subscribes to the queue's events channel (``shared/s
 sets the events of the requests waiting on each announced job id, which then read the job again.
 A request counts as waiting before its first read of the job, so that read needs no second look
 once the listener is subscribed, and the read after a wake is the one the answer is made of: two
-round trips a held request, not four. Delivery over pub/sub is at most once, so a waiter also reads
-the status on its own every ``RECHECK_S``: an announcement only makes it answer sooner. A line's
+round trips a held request, not four. Delivery over pub/sub is at most once, so every ``RECHECK_S``
+the listener also reads the status of each job waited on, all in one round trip, and wakes the
+requests whose job moved from what they last read: an announcement only makes them answer sooner.
+(Each request reading its job's status itself was a round trip, and a wake-up of the process, per
+request a second.) A line's
 changes (each claim) come on a channel of their own, which the listener joins only while an event
 stream watches a line (and ``LINGER_S`` after), so that no other process wakes for them. The listener
 starts on the first wait (gunicorn forks its workers after import, and a thread does not survive a
@@ -38,7 +41,7 @@ from shared.store import events, records
 log = logging.getLogger(__name__)
 
 MAX_WAIT_S = 60
-RECHECK_S = 1.0  # a waiter reads the status itself this often, in case an announcement was lost
+RECHECK_S = 1.0  # the listener reads the waited jobs' statuses this often, in case an announcement was lost
 TICK_S = 0.25  # the listener looks at the drain flag and its waiters at least this often
 LINGER_S = 10.0  # the listener unsubscribes and ends after this long with nobody waiting
 READY_S = 1.0  # the longest a first waiter waits for the subscription before relying on re-reads
@@ -99,6 +102,8 @@ class Waits:
         self._slots = threading.BoundedSemaphore(capacity)
         self._lock = threading.Lock()
         self._waiters: dict[str, set[threading.Event]] = {}
+        self._seen: dict[threading.Event, tuple[str, JobStatus]] = {}  # each held request's job, as last read
+        self._looked = time.monotonic()  # when the listener last read the statuses of the jobs waited on
         self._listener: threading.Thread | None = None
         self._subscribed = threading.Event()
         self._last_wait = time.monotonic()  # when a request last began or stopped waiting
@@ -182,17 +187,13 @@ class Waits:
                 remaining = min(remaining, deadline - time.time())
             if remaining <= 0:
                 return read()  # as a request without ``wait`` would read it now
-            # Announced: read the job again. Not: look at its status alone (one field), in case an
-            # announcement was lost, and read the job only where that moved.
-            if wake.wait(min(remaining, RECHECK_S)) or self._moved(job, status):
+            with self._lock:
+                self._seen[wake] = (job.id, status)  # for the listener's look (_look_if_due)
+            # Announced, or the listener's look saw the job move: read it again.
+            if wake.wait(remaining):
                 wake.clear()  # before the read: the next wait sees whatever is announced after it
                 job = read()
         return read()  # the process drains: the job as it stands now
-
-    def _moved(self, job: Job, status: JobStatus) -> bool:
-        """Whether the job's status in Redis is no longer ``status`` (or its record is gone). Only
-        asked of a job not yet done, so never of an expired one (which its hash calls canceled)."""
-        return records.stored_status(self._connection, job.id) is not status
 
     def _nudge(self) -> None:
         """Have the listener look at its channels now (an empty announcement), not at its next tick."""
@@ -215,6 +216,7 @@ class Waits:
 
     def _leave(self, job_id: str, wake: threading.Event) -> None:
         with self._lock:
+            self._seen.pop(wake, None)
             events = self._waiters.get(job_id, set())
             events.discard(wake)
             if not events:
@@ -263,6 +265,7 @@ class Waits:
         while not self._draining.is_set() and not self._retire_if_idle():
             lines = self._follow_lines(pubsub, lines)
             self._receive(pubsub.get_message(timeout=TICK_S))
+            self._look_if_due()
 
     def _follow_lines(self, pubsub: PubSub, asked: bool) -> bool:
         """Join the lines channel while a stream watches a line or did within LINGER_S, leave it
@@ -288,6 +291,24 @@ class Waits:
             self._subscribed.clear()
             self._lines.clear()
             return True
+
+    def _look_if_due(self) -> None:
+        """Every RECHECK_S, read the status of each job a request waits on (one round trip for all)
+        and wake the requests whose job is no longer as they last read it. Only jobs not yet done
+        for their waits are looked at, so never an expired one (which its hash calls canceled)."""
+        now = time.monotonic()
+        if now - self._looked < RECHECK_S:
+            return
+        self._looked = now
+        with self._lock:
+            seen = list(self._seen.items())
+        if not seen:
+            return
+        ids = list({job_id for _, (job_id, _) in seen})
+        stored = dict(zip(ids, records.stored_statuses(self._connection, ids), strict=True))
+        for wake, (job_id, status) in seen:
+            if stored[job_id] is not status:
+                wake.set()
 
     def _receive(self, message: dict[str, Any] | None) -> None:
         if message is None:

@@ -19,6 +19,7 @@ from flask import Flask
 from flask.testing import FlaskClient
 from redis import Redis
 from redis.client import PubSub
+from redis.connection import Connection
 from rq.job import Job
 
 from api import longpoll
@@ -31,6 +32,8 @@ from tests.conftest import Process, RedisServer, http_post_job, post_job, wait_f
 
 # An announcement wakes a waiter within milliseconds; the fallback re-read would take up to RECHECK_S.
 PROMPT_S = 0.5
+# Where the fallback look is counted: requests held at once (4: the test line holds 5), and how long.
+WAITERS, HELD_S = 4, 1.5
 
 
 @pytest.fixture
@@ -233,6 +236,31 @@ def test_a_change_whose_announcement_was_lost_is_seen_at_the_next_look(
     response, answered_at = future.result(timeout=10)
     assert response.get_json()["status"] == "canceled"
     assert answered_at - changed_at < 5 * longpoll.RECHECK_S
+
+
+def test_the_process_looks_at_every_waited_job_in_one_round_trip(
+        client: FlaskClient, redis: Redis, settings: Settings, pool: ThreadPoolExecutor,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fallback look is the process's, not each request's: one round trip reads them all."""
+    monkeypatch.setattr(longpoll, "RECHECK_S", 0.2)
+    listening(client, redis, settings)
+    ids = [post_job(client).get_json()["id"] for _ in range(WAITERS)]
+    looks: list[int] = []  # the status reads (HGET) of each round trip that made any
+    send = Connection.send_packed_command
+
+    def counted(self: Connection, command: Any, check_health: bool = True) -> None:
+        packed = b"".join(command) if isinstance(command, list) else command
+        if (reads := packed.count(b"\r\nHGET\r\n")):
+            looks.append(reads)
+        send(self, command, check_health)
+
+    monkeypatch.setattr(Connection, "send_packed_command", counted)
+    futures = [wait_in_background(pool, client.application, f"/v1/jobs/{job_id}?wait={HELD_S}", index + 1)
+               for index, job_id in enumerate(ids)]
+    for future in futures:  # nothing changed: each answers at the end of its wait
+        assert future.result(timeout=10)[0].get_json()["status"] == "queued"
+    assert max(looks) == WAITERS, looks  # every job waited on, in one round trip
+    assert len(looks) <= HELD_S / longpoll.RECHECK_S + 2, looks  # one a look, not one a request
 
 
 @pytest.mark.slow  # restarts a redis-server of its own

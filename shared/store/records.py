@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -49,11 +50,14 @@ def job_status(job: Job) -> JobStatus:
     return status
 
 
-def stored_status(connection: Redis, job_id: str) -> JobStatus | None:
-    """A job's status as its hash holds it now, in one read (an expired job reads canceled); None
-    when its record is gone."""
-    raw = connection.hget(Job.key_for(job_id), "status")
-    return None if raw is None else STATUS_BY_NAME.get(text(raw), JobStatus.QUEUED)
+def stored_statuses(connection: Redis, job_ids: Sequence[str]) -> list[JobStatus | None]:
+    """These jobs' statuses as their hashes hold them now, in one round trip (an expired job reads
+    canceled); None for a job whose record is gone."""
+    with connection.pipeline(transaction=False) as pipe:
+        for job_id in job_ids:
+            pipe.hget(Job.key_for(job_id), "status")
+        raws = pipe.execute()
+    return [None if raw is None else STATUS_BY_NAME.get(text(raw), JobStatus.QUEUED) for raw in raws]
 
 
 def attempts_used(job: Job) -> int:
