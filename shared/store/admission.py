@@ -46,6 +46,7 @@ from shared.store.records import fetch_job
 log = logging.getLogger(__name__)
 IDEMPOTENCY_TTL_S = 24 * 3600
 RQ_DESCRIPTION_LENGTH = 75  # Job.get_call_string's: longer argument reprs are cut
+TASK = keys.TASK.encode()
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,9 @@ def new_record(queue: Queue, settings: Settings, request: JobRequest, meta: dict
     at = now.replace(tzinfo=None).isoformat(timespec="microseconds") + "Z"  # utcformat's, without strftime
     fields = {
         "created_at": at,
-        "data": _compressed(JSONSerializer.dumps((keys.TASK, None, (), kwargs))),
+        # The call as RQ's JSONSerializer reads it back; pydantic writes the request (json.dumps of
+        # its dump took 18 of an admission's 620 µs in-process).
+        "data": _compressed(b'["%s",null,[],{"request":%s}]' % (TASK, seeded.model_dump_json().encode())),
         "success_callback_name": "", "failure_callback_name": "", "stopped_callback_name": "",
         "started_at": "", "ended_at": "", "last_heartbeat": "", "worker_name": "", "group_id": "",
         "origin": queue.name,
