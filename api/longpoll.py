@@ -142,8 +142,11 @@ class Waits:
                 return job
             until = time.monotonic() + seconds
             if not subscribed:
-                # Announcements count from the subscription on: read again once it is in place.
-                self._subscribed.wait(max(0.0, min(READY_S, until - time.monotonic())))
+                # Announcements count from the subscription on: read again once it is in place. The
+                # listener wakes every waiter when it subscribes, and when the process drains (a
+                # wait on the subscription alone held a drained request for READY_S).
+                wake.wait(max(0.0, min(READY_S, until - time.monotonic())))
+                wake.clear()  # before the read: the next wait sees whatever is announced after it
                 job = read()
             return self._watch(job, first, until, done, wake, read)
         finally:
