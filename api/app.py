@@ -13,7 +13,7 @@ from api import observability
 from api.jobs import Jobs
 from api.longpoll import Waits
 from api.metrics import ApiMetrics
-from api.page import page
+from api.page import page, secured
 from api.routes import bp
 from api.streams import Streams
 from shared.contract.errors import (
@@ -55,6 +55,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     observability.install(app, ApiMetrics(settings, queue))
     app.register_blueprint(bp)
     app.register_blueprint(page)
+    app.wsgi_app = secured(app.wsgi_app)  # type: ignore[method-assign,assignment]
     app.register_error_handler(ServiceError, error_response)
     app.register_error_handler(redis.ConnectionError, redis_unavailable)
     app.register_error_handler(redis.TimeoutError, redis_unavailable)

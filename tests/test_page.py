@@ -164,6 +164,10 @@ def test_page_is_served_with_a_strict_policy(client: FlaskClient) -> None:
         with client.get(path) as asset:
             assert (asset.status_code, asset.mimetype) == (200, mimetype), path
             assert asset.headers["X-Content-Type-Options"] == "nosniff"
+    for path in ("/healthz", "/no-such-page"):  # JSON answers too, an error's included: never a page
+        answer = client.get(path)
+        assert answer.headers["Content-Security-Policy"] == policy, path
+        assert answer.headers["X-Content-Type-Options"] == "nosniff", path
 
 
 # --- In the browser ---------------------------------------------------------------------------------
