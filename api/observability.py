@@ -4,41 +4,61 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from flask import Flask, Response, current_app, g, request
 
 from api.metrics import ApiMetrics
 from shared.contract import logs
 
+if TYPE_CHECKING:
+    from _typeshed.wsgi import StartResponse, WSGIApplication, WSGIEnvironment
+
 log = logging.getLogger("slotq.requests")
 SUBMIT_ENDPOINT = "slotq.submit_job"
 QUIET_ROUTES = frozenset({"/healthz", "/readyz", "/metrics"})  # probes and scrapes: debug level only
+BEGAN = "slotq.began"  # the environ key of when the request came in (time.perf_counter)
 
 
 def install(app: Flask, metrics: ApiMetrics) -> None:
-    """Register the hooks on this app."""
+    """Wrap this app: each request gets its id first, and its log line and metrics last."""
     app.extensions["slotq.metrics"] = metrics
-    app.before_request(begin_request)
+    app.wsgi_app = traced(app.wsgi_app)  # type: ignore[method-assign,assignment]
     app.after_request(end_request)
 
 
-def begin_request() -> None:
-    """Take the caller's request id (or mint one) and start the clock."""
-    g.request_id = logs.accept_request_id(request.headers.get("X-Request-ID"))
-    g.request_id_token = logs.request_id.set(g.request_id)
-    g.began = time.perf_counter()
+def traced(wsgi_app: WSGIApplication) -> WSGIApplication:
+    """``wsgi_app`` under the request's id: the caller's X-Request-ID (or a new one) is the id of
+    every log line written meanwhile (``logs.request_id``) and comes back on the answer."""
+    # A WSGI middleware rather than a before-request hook: the id and the clock are in place before
+    # Flask's own work, and the header joins the answer's list without werkzeug's Headers checks.
+    def app(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        environ[BEGAN] = time.perf_counter()
+        request_id = logs.accept_request_id(environ.get("HTTP_X_REQUEST_ID"))
+        token = logs.request_id.set(request_id)
+
+        def start(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+            headers.append(("X-Request-ID", request_id))
+            return start_response(status, headers, exc_info)
+
+        try:
+            return wsgi_app(environ, start)
+        finally:
+            logs.request_id.reset(token)
+
+    return app
 
 
 def end_request(response: Response) -> Response:
-    """Return the request id, and count and log the answer."""
-    seconds = time.perf_counter() - g.get("began", time.perf_counter())
-    context = g._get_current_object()  # one proxy lookup, not eight
-    asked = request._get_current_object()  # type: ignore[attr-defined]
-    response.headers["X-Request-ID"] = context.get("request_id", "")
+    """Count and log the answer."""
+    asked = request._get_current_object()  # type: ignore[attr-defined]  # one proxy lookup, not six
+    seconds = time.perf_counter() - asked.environ[BEGAN]
     metrics: ApiMetrics = current_app.extensions["slotq.metrics"]
     route = asked.url_rule.rule if asked.url_rule else "unmatched"  # never the raw path: ids
     method, status = asked.method, response.status_code
     metrics.observe(method, route, status, seconds)
+    context = g._get_current_object()
     if asked.endpoint == SUBMIT_ENDPOINT:
         metrics.admission(context.get("error_code") or context.get("admission") or "admitted")
     level = logging.DEBUG if route in QUIET_ROUTES else logging.INFO
@@ -48,6 +68,4 @@ def end_request(response: Response) -> Response:
         log.log(level, "%s%s %s %d %.1f ms", f"{about}; " if about else "", method, asked.path, status,
                 1000 * seconds, extra={"method": method, "route": route, "status": status,
                                        "duration_ms": round(1000 * seconds, 2)})
-    if (token := context.pop("request_id_token", None)) is not None:
-        logs.request_id.reset(token)
     return response

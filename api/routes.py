@@ -14,7 +14,7 @@ from rq import Queue
 
 from api import longpoll
 from api.jobs import Jobs, Ticket
-from shared.contract import tenants
+from shared.contract import logs, tenants
 from shared.contract.adapters import available_adapters
 from shared.contract.errors import (
     DrainingError,
@@ -62,7 +62,8 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
     """Admit a job (202), replay an earlier submit with the same Idempotency-Key (200), or refuse."""
     # With ``Prefer: wait=N``, a job that ends within N seconds answers 200 with its final view.
     submission, wait = _submission(), longpoll.preferred_wait(request.headers.getlist("Prefer"))
-    submitted = _jobs().submit(submission, Ticket(_idempotency_key(), _tenant(), g.get("request_id")), wait)
+    ticket = Ticket(_idempotency_key(), _tenant(), logs.request_id.get())  # api/observability.py set it
+    submitted = _jobs().submit(submission, ticket, wait)
     g.admission = "replayed" if submitted.replayed else "admitted"
     g.about = submitted.about  # the request's log line says it (api/observability.py)
     headers = {"Location": f"/v1/jobs/{submitted.view.id}"}
