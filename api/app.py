@@ -14,7 +14,7 @@ from api.jobs import Jobs
 from api.longpoll import Waits
 from api.metrics import ApiMetrics
 from api.page import page, secured
-from api.routes import bp
+from api.routes import authenticate, bp
 from api.streams import Streams
 from shared.contract.errors import (
     MethodNotAllowedError,
@@ -52,6 +52,8 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.extensions["slotq.jobs"] = Jobs(queue, settings, waits)
     app.extensions["slotq.streams"] = Streams(queue, waits, settings.max_streams)
     app.extensions["slotq.keys"] = policies(settings)
+    if app.extensions["slotq.keys"]:  # an open service reads no key, and sets no tenant
+        app.before_request(authenticate)
     observability.install(app, ApiMetrics(settings, queue))
     app.register_blueprint(bp)
     app.register_blueprint(page)

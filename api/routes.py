@@ -49,11 +49,11 @@ def _tenant() -> Tenant | None:
     return g.get("tenant")
 
 
-@bp.before_request
 def authenticate() -> None:
-    """With SLOTQ_API_KEYS set, every /v1 call needs a valid bearer key; it names the tenant."""
-    keys = current_app.extensions["slotq.keys"]
-    if keys and request.path.startswith("/v1/"):  # an open service has no tenants: nothing to read
+    """With SLOTQ_API_KEYS set, every /v1 call needs a valid bearer key; it names the tenant. (An
+    open service has no tenants: ``api/app.py`` registers this hook only where there are keys.)"""
+    if request.path.startswith("/v1/"):
+        keys = current_app.extensions["slotq.keys"]
         g.tenant = tenants.authenticate(keys, _settings(), request.headers.get("Authorization"))
 
 

@@ -35,7 +35,9 @@ def test_without_a_valid_key_every_v1_call_is_401(keyed: FlaskClient, authorizat
     headers = {"Authorization": authorization} if authorization else {}
     for response in (keyed.post("/v1/jobs", data='{"prompt": "a"}', content_type="application/json",
                                 headers=headers),
-                     keyed.get("/v1/jobs/abc", headers=headers), keyed.get("/v1/queue", headers=headers)):
+                     keyed.get("/v1/jobs/abc", headers=headers), keyed.get("/v1/queue", headers=headers),
+                     # Nor does an unknown route or method tell a caller without a key what exists.
+                     keyed.get("/v1/no-such-route", headers=headers), keyed.put("/v1/jobs", headers=headers)):
         assert response.status_code == 401
         assert response.get_json()["error"]["code"] == "unauthorized"
         assert response.headers["WWW-Authenticate"].startswith("Bearer")
