@@ -296,9 +296,10 @@ class Waits:
             return True
 
     def _look_if_due(self) -> None:
-        """Every RECHECK_S, read the status of each job a request waits on (one round trip for all)
-        and wake the requests whose job is no longer as they last read it. Only jobs not yet done
-        for their waits are looked at, so never an expired one (which its hash calls canceled)."""
+        """Every RECHECK_S, read the status in the hash of each job a request waits on (one round
+        trip for all) and wake the requests whose job's status differs from the one they last read.
+        The hash and a view differ only for an expired job (the hash says canceled), and a request
+        whose job has ended has answered: what it last read is never a final status."""
         now = time.monotonic()
         if now - self._looked < RECHECK_S:
             return
