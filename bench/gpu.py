@@ -229,7 +229,7 @@ def duty_cycle(settings: Settings, batch: list[JobRequest], scratch: Path, round
         from worker.main import claims_ahead
         from worker.pipeline import resolve_device
 
-        flipped = not claims_ahead(settings, resolve_device(settings.device))
+        flipped = claims_ahead(settings, resolve_device(settings.device)) != "thread"  # the thread's way
         ways[f"{CLAIM_AHEAD}{'on' if flipped else 'off'}"] = lambda: through_worker(
             "slotq", settings.model_copy(update={"claim_ahead": flipped}), batch, scratch)
     measured: dict[str, list[Figures]] = {name: [] for name in ways}

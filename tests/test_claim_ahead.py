@@ -3,12 +3,15 @@ decodes, in-process with the tiny model and a real Redis."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
 import torch
 from flask.testing import FlaskClient
 from redis import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
@@ -22,11 +25,11 @@ from worker.main import SlotWorker, claims_ahead
 from worker.pipeline import current_pipeline, load_pipeline, set_current_pipeline
 
 
-@pytest.fixture
-def slot_worker(settings: Settings) -> Iterator[SlotWorker]:
-    """A worker of the test queue in this process, its model loaded, not serving, claiming ahead
-    (which ``auto`` does only on a GPU)."""
-    on = settings.model_copy(update={"claim_ahead": True})
+@pytest.fixture(params=[True, "auto"], ids=["thread", "sent"])
+def slot_worker(settings: Settings, request: pytest.FixtureRequest) -> Iterator[SlotWorker]:
+    """A worker of the test queue in this process, its model loaded, not serving, claiming ahead in
+    each of the two ways (``auto`` sends the claim on the CPU; true claims on the claiming thread)."""
+    on = settings.model_copy(update={"claim_ahead": request.param})
     set_current_pipeline(load_pipeline(on.model_copy(update={"device": "cpu"})))
     worker = SlotWorker(job_queue(connect_worker(on), on), on)
     yield worker
@@ -41,6 +44,14 @@ def submitted(client: FlaskClient, count: int, steps: int = 2) -> list[str]:
         assert response.status_code == 202, response.get_json()
         ids.append(response.get_json()["id"])
     return ids
+
+
+def claimed_by(redis: Redis, settings: Settings, left: list[str], within_s: float = 5.0) -> None:
+    """Wait until the claim made ahead has left these jobs waiting (a claim in flight ends soon)."""
+    deadline = time.monotonic() + within_s
+    while waiting_ids(redis, settings) != left and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert waiting_ids(redis, settings) == left
 
 
 def test_the_claim_is_made_at_the_last_step_before_the_decoding(
@@ -81,11 +92,9 @@ def test_a_claim_ahead_takes_the_next_jobs_with_their_fences(
     assert slot_worker._taken_ahead() is None  # taken once
 
 
-@pytest.mark.parametrize("claim_ahead", [False, "auto"])  # auto: the default, off on the CPU
 def test_without_claim_ahead_nothing_is_claimed_early(
-        client: FlaskClient, redis: Redis, settings: Settings, claim_ahead: bool | str) -> None:
-    off = settings.model_copy(update={"claim_ahead": claim_ahead})
-    assert Settings.model_fields["claim_ahead"].default == "auto"
+        client: FlaskClient, redis: Redis, settings: Settings) -> None:
+    off = settings.model_copy(update={"claim_ahead": False})
     set_current_pipeline(load_pipeline(off.model_copy(update={"device": "cpu"})))
     worker = SlotWorker(job_queue(connect_worker(off), off), off)
     try:
@@ -98,20 +107,20 @@ def test_without_claim_ahead_nothing_is_claimed_early(
         worker.connection.close()
 
 
-@pytest.mark.parametrize(("setting", "device", "claims"), [
-    ("auto", "cuda", True), ("auto", "cuda:1", True), ("auto", "cpu", False), ("auto", "mps", False),
-    (True, "cpu", True), (False, "cuda", False)])
-def test_auto_claims_ahead_on_a_gpu_only(setting: bool | str, device: str, claims: bool) -> None:
-    assert claims_ahead(Settings(claim_ahead=setting), torch.device(device)) is claims
-    assert claims_ahead(Settings(claim_ahead=setting), device) is claims  # as bench.gpu's null pipeline
+@pytest.mark.parametrize(("setting", "device", "way"), [
+    ("auto", "cuda", "thread"), ("auto", "cuda:1", "thread"), ("auto", "cpu", "sent"),
+    ("auto", "mps", "sent"), (True, "cpu", "thread"), (False, "cuda", "off"), (False, "cpu", "off")])
+def test_auto_claims_ahead_on_the_claiming_thread_on_a_gpu_only(setting: bool | str, device: str,
+                                                                 way: str) -> None:
+    assert claims_ahead(Settings(claim_ahead=setting), torch.device(device)) == way
+    assert claims_ahead(Settings(claim_ahead=setting), device) == way  # as bench.gpu's null pipeline
 
 
 def test_a_job_claimed_ahead_goes_back_to_the_head_of_the_line_when_the_worker_stops(
         slot_worker: SlotWorker, client: FlaskClient, redis: Redis, settings: Settings) -> None:
     first, second, third = submitted(client, 3)
     slot_worker._claim_ahead()
-    slot_worker._ahead.result()  # type: ignore[union-attr]  # the claim is made
-    assert waiting_ids(redis, settings) == [second, third]
+    claimed_by(redis, settings, [second, third])  # the claim is made
     slot_worker._put_back_ahead()  # as the worker stops
     assert waiting_ids(redis, settings) == [first, second, third]  # at the head, where it was
     assert redis.llen(keys.claims_key(slot_worker.name)) == 0
@@ -150,10 +159,76 @@ def test_a_start_is_timed_from_the_claim_with_batchings_wait_in_it(
 
 def test_a_failed_claim_ahead_does_not_stop_the_worker_from_stopping(
         slot_worker: SlotWorker, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    def failing(timeout: float | None) -> None:
-        raise RuntimeError("the claiming thread failed")
+    def failing(claimed: object, at: float) -> None:
+        raise RuntimeError("the restore failed")
 
-    monkeypatch.setattr(slot_worker, "_take", failing)
+    monkeypatch.setattr(slot_worker, "_taken", failing)
     slot_worker._claim_ahead()
     slot_worker._put_back_ahead()  # as the worker stops: logged, not raised
-    assert "could not claim ahead (the claiming thread failed)" in caplog.text
+    assert "could not claim ahead (the restore failed)" in caplog.text
+
+
+def test_auto_on_the_cpu_sends_the_claim_at_the_last_step_and_reads_it_after(
+        client: FlaskClient, redis: Redis, settings: Settings) -> None:
+    """Redis runs the claim while the main thread goes on (the decode), and no claiming thread
+    starts; what it took is read, and restored, when the worker asks for it."""
+    assert Settings.model_fields["claim_ahead"].default == "auto"
+    set_current_pipeline(load_pipeline(settings.model_copy(update={"device": "cpu"})))
+    worker = SlotWorker(job_queue(connect_worker(settings), settings), settings)
+    try:
+        first, second = submitted(client, 2)
+        worker._claim_ahead()
+        claimed_by(redis, settings, [second])  # claimed before its answer was read
+        assert redis.lrange(keys.claims_key(worker.name), 0, -1) == [first.encode()]
+        assert not [thread for thread in threading.enumerate() if thread.name.startswith("claim-ahead")]
+        taken = worker._taken_ahead()
+        assert taken is not None and [job.id for job, _ in taken.startable] == [first]
+        assert redis.get(keys.fence_key(first)) == taken.startable[0][1].token.encode()
+        assert worker._taken_ahead() is None  # taken once
+    finally:
+        worker._claimer.shutdown()
+        worker.connection.close()
+
+
+def test_a_sent_claim_that_redis_had_no_script_for_runs_again(
+        client: FlaskClient, redis: Redis, settings: Settings) -> None:
+    """After a restart or a SCRIPT FLUSH, Redis answers NOSCRIPT and claims nothing: the claim is
+    made again, loading the script, and nothing is claimed twice."""
+    set_current_pipeline(load_pipeline(settings.model_copy(update={"device": "cpu"})))
+    worker = SlotWorker(job_queue(connect_worker(settings), settings), settings)
+    try:
+        first, second = submitted(client, 2)
+        redis.script_flush()
+        worker._claim_ahead()
+        taken = worker._taken_ahead()
+        assert taken is not None and [job.id for job, _ in taken.startable] == [first]
+        assert redis.lrange(keys.claims_key(worker.name), 0, -1) == [first.encode()]
+        assert waiting_ids(redis, settings) == [second]
+    finally:
+        worker._claimer.shutdown()
+        worker.connection.close()
+
+
+def test_a_claim_that_cannot_be_sent_is_made_after_the_decode(
+        client: FlaskClient, redis: Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A Redis error while sending at the last step must not fail the job that is decoding."""
+    set_current_pipeline(load_pipeline(settings.model_copy(update={"device": "cpu"})))
+    worker = SlotWorker(job_queue(connect_worker(settings), settings), settings)
+    try:
+        [job_id] = submitted(client, 1)
+
+        def unreachable(holding: object) -> None:
+            raise RedisConnectionError("Redis went away")
+
+        monkeypatch.setattr(worker.claims, "send_claim", unreachable)
+        worker._claim_ahead()  # raises nothing
+        assert "could not send the next claim (Redis went away)" in caplog.text
+        assert worker._taken_ahead() is None
+        assert waiting_ids(redis, settings) == [job_id]
+        monkeypatch.undo()
+        taken = worker._take(None)  # as the loop does next
+        assert taken is not None and [job.id for job, _ in taken.startable] == [job_id]
+    finally:
+        worker._claimer.shutdown()
+        worker.connection.close()

@@ -5,9 +5,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC
+from typing import Literal
 
 import torch
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -40,6 +42,7 @@ log = logging.getLogger(__name__)
 CLAIM_TIMEOUT_S = 1.0
 MAX_BACKOFF_S = 15.0
 EXIT_FATAL = 3
+ClaimAhead = Literal["thread", "sent", "off"]
 
 
 @dataclass(frozen=True)
@@ -72,9 +75,9 @@ class SlotWorker(Outcomes):
         super().__init__(queue, settings, settings.worker_name)
         self.claims = Claims(queue, settings, self.name)
         self.metrics = WorkerMetrics(current_pipeline(), settings, self.name)
-        # The next execution's claim, made while the current one decodes (SLOTQ_CLAIM_AHEAD).
+        # The next execution's claim, started while the current one decodes (SLOTQ_CLAIM_AHEAD).
         self.claims_ahead = claims_ahead(settings, current_pipeline().device)
-        self._ahead: Future[Taken | None] | None = None
+        self._ahead: Callable[[], Taken | None] | None = None
         self._claimer = ThreadPoolExecutor(1, thread_name_prefix="claim-ahead")
 
     def serve(self, burst: bool = False) -> int:
@@ -141,11 +144,14 @@ class SlotWorker(Outcomes):
         """Claim the next execution's jobs (waiting up to ``timeout`` for one) and restore those
         that may start; None when none waits."""
         holding = current_pipeline().adapters.holding  # for the claim's affinity
-        claimed = self.claims.claim(timeout, holding)
+        return self._taken(self.claims.claim(timeout, holding), time.monotonic())
+
+    def _taken(self, claimed: Claimed | None, claimed_at: float) -> Taken | None:
+        """The execution a claim starts: its companions gathered (batching), those that may start
+        restored; None when the claim took nothing. ``claimed_at``: when, on this process's clock."""
         if claimed is None:
             return None
-        claimed_at = time.monotonic()  # with claimed.at: batching's gather is part of the wait
-        batch = [claimed]
+        batch = [claimed]  # with claimed.at: batching's gather is part of the wait
         try:
             batch += batching.gather(self.claims, self.settings, claimed)
             return Taken(batch, self._fenced(batch), claimed.at, claimed_at)
@@ -155,17 +161,33 @@ class SlotWorker(Outcomes):
             raise
 
     def _claim_ahead(self) -> None:
-        """On the main thread at an execution's last denoising step: claim the next one's jobs on
-        the claiming thread while this one decodes, so that the claim's round trip and the restore
-        are off the path between two GPU sections. Taken this late, a job leaves the line at most
-        one decode before it would have (SLOTQ_CLAIM_AHEAD)."""
-        if self.claims_ahead and self._ahead is None and not lifecycle.stopping.is_set():
-            self._ahead = self._claimer.submit(self._take, None)
+        """On the main thread at an execution's last denoising step: start the next one's claim
+        while this one decodes (SLOTQ_CLAIM_AHEAD), so that its round trip is off the path between
+        two GPU sections. Taken this late, a job leaves the line at most one decode before it would
+        have."""
+        if self._ahead is not None or lifecycle.stopping.is_set():
+            return
+        if self.claims_ahead == "thread":  # the claim and the restore, on the claiming thread
+            self._ahead = self._claimer.submit(self._take, None).result
+        elif self.claims_ahead == "sent":
+            self._ahead = self._send_claim()
+
+    def _send_claim(self) -> Callable[[], Taken | None] | None:
+        """The claim's script sent now, for Redis to run during the decode; what it took is read,
+        and restored, after it. None when Redis could not be reached: the claim is made after the
+        decode, as without claiming ahead."""
+        try:
+            sent = self.claims.send_claim(current_pipeline().adapters.holding)
+        except RedisError as exc:
+            log.warning("could not send the next claim (%s): it is made after this execution", exc)
+            return None
+        at = time.monotonic()
+        return lambda: self._taken(self.claims.received(sent), at)
 
     def _taken_ahead(self) -> Taken | None:
         """The jobs claimed ahead, once the claim is done; None when none was made or none waited."""
         ahead, self._ahead = self._ahead, None
-        return ahead.result() if ahead is not None else None
+        return ahead() if ahead is not None else None
 
     def _put_back_ahead(self) -> None:
         """Stopping: jobs claimed ahead go back to the head of the line (their claims, left behind by
@@ -342,14 +364,19 @@ class SlotWorker(Outcomes):
             log.warning("could not unregister: %s", exc)
 
 
-def claims_ahead(settings: Settings, device: torch.device | str) -> bool:
-    """Whether to claim the next execution's jobs while the current one decodes: SLOTQ_CLAIM_AHEAD,
-    where ``auto`` is on a GPU only. There the main thread waits on the device as it decodes, and the
-    claiming thread takes nothing from it; on the CPU the main thread computes, and the claiming
-    thread's Python slowed its decode by more than the claim's round trip (docs/benchmarks.md)."""
-    if settings.claim_ahead == "auto":
-        return str(device).startswith("cuda")  # a benchmark's stand-in pipeline names no torch device
-    return settings.claim_ahead
+def claims_ahead(settings: Settings, device: torch.device | str) -> ClaimAhead:
+    """How the next execution's jobs are claimed while the current one decodes (SLOTQ_CLAIM_AHEAD).
+
+    - ``thread``, on the claiming thread, the restore included (true; ``auto`` on a GPU, where the
+      main thread waits on the device as it decodes and the thread takes nothing from it);
+    - ``sent``, the claim's script sent at the last step and its answer read after the decode, on
+      the main thread (``auto`` elsewhere: on the CPU the main thread computes, and the claiming
+      thread's Python slowed its decode by more than the claim's round trip; docs/benchmarks.md);
+    - ``off``, after the decode (false).
+    """
+    if settings.claim_ahead == "auto":  # a benchmark's stand-in pipeline names no torch device
+        return "thread" if str(device).startswith("cuda") else "sent"
+    return "thread" if settings.claim_ahead else "off"
 
 
 def run_worker(settings: Settings | None = None, *, burst: bool = False) -> int:

@@ -71,6 +71,18 @@ class Claims:
             self._held.add(claimed.job_id)
         return claimed
 
+    def send_claim(self, holding: tuple[str, tuple[str, ...]] = ("", ())) -> waiting.SentClaim:
+        """:meth:`claim` sent now, waiting for nothing: :meth:`received` reads what it took."""
+        affinity = waiting.Affinity(self.settings.affinity_max_skip, *holding)
+        return waiting.send_claim(self.connection, self.line, self.key, affinity, self.fence_ttl_s)
+
+    def received(self, sent: waiting.SentClaim) -> waiting.Claimed | None:
+        """What a claim sent earlier took; None when nothing waited."""
+        claimed = sent.claimed()
+        if claimed is not None:
+            self._held.add(claimed.job_id)
+        return claimed
+
     def claim_compatible(self, like: waiting.Claimed, count: int, window: int) -> list[waiting.Claimed]:
         """Claim up to ``count`` more waiting jobs that may share a batch with ``like``."""
         claimed = waiting.claim_compatible(self.connection, self.line, self.key, like, count, window,

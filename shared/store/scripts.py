@@ -19,6 +19,7 @@ from typing import Any
 from redis import Redis
 from redis.client import Pipeline
 from redis.commands.core import Script
+from redis.exceptions import NoScriptError, ResponseError
 
 from shared.contract import keys
 
@@ -79,3 +80,40 @@ def run(client: Redis | Pipeline, name: str, keys: Sequence[str] = (), args: Seq
     if script is None:
         script = _SCRIPTS[name] = client.register_script(source(name))
     return script(keys=list(keys), args=list(args), client=client)
+
+
+class Sent:
+    """A script call sent now and answered later: Redis runs it while this thread goes on with other
+    work, and :meth:`reply` reads its answer (the worker's claim sent at an execution's last step,
+    read after the decode). The call holds a connection of the pool of its own until then."""
+
+    def __init__(self, client: Redis, name: str, keys: Sequence[str] = (), args: Sequence[Any] = ()) -> None:
+        self._client, self._call = client, (name, list(keys), list(args))
+        self._pool = client.connection_pool
+        self._connection = self._pool.get_connection()
+        try:
+            self._connection.send_command("EVALSHA", sha(name), len(keys), *keys, *args)
+        except BaseException:
+            self._let_go(broken=True)
+            raise
+
+    def reply(self) -> Any:
+        """The script's answer; a call Redis did not know the script for runs again, loading it."""
+        try:
+            answer = self._connection.read_response()
+        except NoScriptError:  # nothing ran: the server restarted or its scripts were flushed
+            self._let_go(broken=False)
+            return run(self._client, *self._call)
+        except ResponseError:  # the script's own error: the connection is sound
+            self._let_go(broken=False)
+            raise
+        except BaseException:
+            self._let_go(broken=True)  # the answer may still be on its way: the connection goes
+            raise
+        self._let_go(broken=False)
+        return answer
+
+    def _let_go(self, broken: bool) -> None:
+        if broken:
+            self._connection.disconnect()
+        self._pool.release(self._connection)

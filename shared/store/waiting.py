@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 from redis import Redis
 from redis.client import Pipeline
@@ -72,14 +73,42 @@ def claim(connection: Redis, line: str, claims_key: str, affinity: Affinity | No
     ``affinity``, a job of the adapters the worker holds may go first, within its bound. With a
     ``fence_ttl_s``, the claim also starts an attempt at the job: its fence holds the claim's token
     (shared/store/fencing.py), in the same script."""
+    token, args = _claim_arguments(line, affinity, fence_ttl_s)
+    return _claimed(scripts.run(connection, "claim", [claims_key], args), token)
+
+
+def send_claim(connection: Redis, line: str, claims_key: str, affinity: Affinity | None = None,
+               fence_ttl_s: int = 0) -> SentClaim:
+    """:func:`claim`, sent now and answered by :meth:`SentClaim.claimed` later: Redis moves the job
+    while the caller goes on."""
+    token, args = _claim_arguments(line, affinity, fence_ttl_s)
+    return SentClaim(scripts.Sent(connection, "claim", [claims_key], args), token)
+
+
+@dataclass(frozen=True)
+class SentClaim:
+    """A claim in flight (:func:`send_claim`)."""
+
+    call: scripts.Sent
+    token: str
+
+    def claimed(self) -> Claimed | None:
+        """The job claimed, as :func:`claim` answers."""
+        return _claimed(self.call.reply(), self.token)
+
+
+def _claim_arguments(line: str, affinity: Affinity | None, fence_ttl_s: int) -> tuple[str, list[Any]]:
+    """The claim's fence token and its script's arguments."""
     affinity, token = affinity or Affinity(), fencing.new_token() if fence_ttl_s else ""
-    claimed = scripts.run(connection, "claim", [claims_key],
-                          [line, Job.redis_job_namespace_prefix, affinity.max_skip,
-                           keys.lines_channel(keys.queue_of(line)), affinity.last, token, fence_ttl_s,
-                           *affinity.resident])
-    if not claimed:
+    return token, [line, Job.redis_job_namespace_prefix, affinity.max_skip,
+                   keys.lines_channel(keys.queue_of(line)), affinity.last, token, fence_ttl_s,
+                   *affinity.resident]
+
+
+def _claimed(answer: Any, token: str) -> Claimed | None:
+    if not answer:
         return None
-    job_id, flat, at = claimed
+    job_id, flat, at = answer
     return Claimed(job_id.decode(), dict(zip(flat[::2], flat[1::2], strict=True)), float(at), token)
 
 
