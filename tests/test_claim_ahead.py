@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -25,16 +26,33 @@ from worker.main import SlotWorker, claims_ahead
 from worker.pipeline import current_pipeline, load_pipeline, set_current_pipeline
 
 
-@pytest.fixture(params=[True, "auto"], ids=["thread", "sent"])
-def slot_worker(settings: Settings, request: pytest.FixtureRequest) -> Iterator[SlotWorker]:
-    """A worker of the test queue in this process, its model loaded, not serving, claiming ahead in
-    each of the two ways (``auto`` sends the claim on the CPU; true claims on the claiming thread)."""
-    on = settings.model_copy(update={"claim_ahead": request.param})
+@contextmanager
+def worker_claiming(settings: Settings, claim_ahead: bool | str) -> Iterator[SlotWorker]:
+    """A worker of the test queue in this process, its model loaded on the CPU, not serving."""
+    on = settings.model_copy(update={"claim_ahead": claim_ahead})
     set_current_pipeline(load_pipeline(on.model_copy(update={"device": "cpu"})))
     worker = SlotWorker(job_queue(connect_worker(on), on), on)
-    yield worker
-    worker._claimer.shutdown()
-    worker.connection.close()
+    try:
+        yield worker
+    finally:
+        worker._claimer.shutdown()
+        worker.connection.close()
+
+
+@pytest.fixture(params=[True, "auto"], ids=["thread", "sent"])
+def slot_worker(settings: Settings, request: pytest.FixtureRequest) -> Iterator[SlotWorker]:
+    """A worker claiming ahead in each of the two ways (``auto`` sends the claim on the CPU; true
+    claims on the claiming thread)."""
+    with worker_claiming(settings, request.param) as worker:
+        yield worker
+
+
+@pytest.fixture
+def sending_worker(settings: Settings) -> Iterator[SlotWorker]:
+    """A worker as the default makes it on the CPU: it sends the claim at the last step."""
+    assert Settings.model_fields["claim_ahead"].default == "auto"
+    with worker_claiming(settings, "auto") as worker:
+        yield worker
 
 
 def submitted(client: FlaskClient, count: int, steps: int = 2) -> list[str]:
@@ -94,17 +112,11 @@ def test_a_claim_ahead_takes_the_next_jobs_with_their_fences(
 
 def test_without_claim_ahead_nothing_is_claimed_early(
         client: FlaskClient, redis: Redis, settings: Settings) -> None:
-    off = settings.model_copy(update={"claim_ahead": False})
-    set_current_pipeline(load_pipeline(off.model_copy(update={"device": "cpu"})))
-    worker = SlotWorker(job_queue(connect_worker(off), off), off)
-    try:
+    with worker_claiming(settings, False) as worker:
         [job_id] = submitted(client, 1)
         worker._claim_ahead()
         assert worker._taken_ahead() is None
         assert waiting_ids(redis, settings) == [job_id]
-    finally:
-        worker._claimer.shutdown()
-        worker.connection.close()
 
 
 @pytest.mark.parametrize(("setting", "device", "way"), [
@@ -169,66 +181,47 @@ def test_a_failed_claim_ahead_does_not_stop_the_worker_from_stopping(
 
 
 def test_auto_on_the_cpu_sends_the_claim_at_the_last_step_and_reads_it_after(
-        client: FlaskClient, redis: Redis, settings: Settings) -> None:
+        sending_worker: SlotWorker, client: FlaskClient, redis: Redis, settings: Settings) -> None:
     """Redis runs the claim while the main thread goes on (the decode), and no claiming thread
     starts; what it took is read, and restored, when the worker asks for it."""
-    assert Settings.model_fields["claim_ahead"].default == "auto"
-    set_current_pipeline(load_pipeline(settings.model_copy(update={"device": "cpu"})))
-    worker = SlotWorker(job_queue(connect_worker(settings), settings), settings)
-    try:
-        first, second = submitted(client, 2)
-        worker._claim_ahead()
-        claimed_by(redis, settings, [second])  # claimed before its answer was read
-        assert redis.lrange(keys.claims_key(worker.name), 0, -1) == [first.encode()]
-        assert not [thread for thread in threading.enumerate() if thread.name.startswith("claim-ahead")]
-        taken = worker._taken_ahead()
-        assert taken is not None and [job.id for job, _ in taken.startable] == [first]
-        assert redis.get(keys.fence_key(first)) == taken.startable[0][1].token.encode()
-        assert worker._taken_ahead() is None  # taken once
-    finally:
-        worker._claimer.shutdown()
-        worker.connection.close()
+    first, second = submitted(client, 2)
+    sending_worker._claim_ahead()
+    claimed_by(redis, settings, [second])  # claimed before its answer was read
+    assert redis.lrange(keys.claims_key(sending_worker.name), 0, -1) == [first.encode()]
+    assert not [thread for thread in threading.enumerate() if thread.name.startswith("claim-ahead")]
+    taken = sending_worker._taken_ahead()
+    assert taken is not None and [job.id for job, _ in taken.startable] == [first]
+    assert redis.get(keys.fence_key(first)) == taken.startable[0][1].token.encode()
+    assert sending_worker._taken_ahead() is None  # taken once
 
 
 def test_a_sent_claim_that_redis_had_no_script_for_runs_again(
-        client: FlaskClient, redis: Redis, settings: Settings) -> None:
+        sending_worker: SlotWorker, client: FlaskClient, redis: Redis, settings: Settings) -> None:
     """After a restart or a SCRIPT FLUSH, Redis answers NOSCRIPT and claims nothing: the claim is
     made again, loading the script, and nothing is claimed twice."""
-    set_current_pipeline(load_pipeline(settings.model_copy(update={"device": "cpu"})))
-    worker = SlotWorker(job_queue(connect_worker(settings), settings), settings)
-    try:
-        first, second = submitted(client, 2)
-        redis.script_flush()
-        worker._claim_ahead()
-        taken = worker._taken_ahead()
-        assert taken is not None and [job.id for job, _ in taken.startable] == [first]
-        assert redis.lrange(keys.claims_key(worker.name), 0, -1) == [first.encode()]
-        assert waiting_ids(redis, settings) == [second]
-    finally:
-        worker._claimer.shutdown()
-        worker.connection.close()
+    first, second = submitted(client, 2)
+    redis.script_flush()
+    sending_worker._claim_ahead()
+    taken = sending_worker._taken_ahead()
+    assert taken is not None and [job.id for job, _ in taken.startable] == [first]
+    assert redis.lrange(keys.claims_key(sending_worker.name), 0, -1) == [first.encode()]
+    assert waiting_ids(redis, settings) == [second]
 
 
 def test_a_claim_that_cannot_be_sent_is_made_after_the_decode(
-        client: FlaskClient, redis: Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch,
-        caplog: pytest.LogCaptureFixture) -> None:
+        sending_worker: SlotWorker, client: FlaskClient, redis: Redis, settings: Settings,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """A Redis error while sending at the last step must not fail the job that is decoding."""
-    set_current_pipeline(load_pipeline(settings.model_copy(update={"device": "cpu"})))
-    worker = SlotWorker(job_queue(connect_worker(settings), settings), settings)
-    try:
-        [job_id] = submitted(client, 1)
+    [job_id] = submitted(client, 1)
 
-        def unreachable(holding: object) -> None:
-            raise RedisConnectionError("Redis went away")
+    def unreachable(holding: object) -> None:
+        raise RedisConnectionError("Redis went away")
 
-        monkeypatch.setattr(worker.claims, "send_claim", unreachable)
-        worker._claim_ahead()  # raises nothing
-        assert "could not send the next claim (Redis went away)" in caplog.text
-        assert worker._taken_ahead() is None
-        assert waiting_ids(redis, settings) == [job_id]
-        monkeypatch.undo()
-        taken = worker._take(None)  # as the loop does next
-        assert taken is not None and [job.id for job, _ in taken.startable] == [job_id]
-    finally:
-        worker._claimer.shutdown()
-        worker.connection.close()
+    monkeypatch.setattr(sending_worker.claims, "send_claim", unreachable)
+    sending_worker._claim_ahead()  # raises nothing
+    assert "could not send the next claim (Redis went away)" in caplog.text
+    assert sending_worker._taken_ahead() is None
+    assert waiting_ids(redis, settings) == [job_id]
+    monkeypatch.undo()
+    taken = sending_worker._take(None)  # as the loop does next
+    assert taken is not None and [job.id for job, _ in taken.startable] == [job_id]
