@@ -62,7 +62,7 @@ class Claims:
         fence token is the claim's); None when there is none.
         ``holding``: the adapters key this worker ran last and its resident adapters, for affinity
         (SLOTQ_AFFINITY_MAX_SKIP)."""
-        affinity = waiting.Affinity(self.settings.affinity_max_skip, *holding)
+        affinity = self._affinity(holding)
         claimed = waiting.claim(self.connection, self.line, self.key, affinity, self.fence_ttl_s)
         if claimed is None and timeout is not None:
             waiting.wait_for_work(self.connection, self.line, timeout)
@@ -73,8 +73,8 @@ class Claims:
 
     def send_claim(self, holding: tuple[str, tuple[str, ...]] = ("", ())) -> waiting.SentClaim:
         """:meth:`claim` sent now, waiting for nothing: :meth:`received` reads what it took."""
-        affinity = waiting.Affinity(self.settings.affinity_max_skip, *holding)
-        return waiting.send_claim(self.connection, self.line, self.key, affinity, self.fence_ttl_s)
+        return waiting.send_claim(self.connection, self.line, self.key, self._affinity(holding),
+                                  self.fence_ttl_s)
 
     def received(self, sent: waiting.SentClaim) -> waiting.Claimed | None:
         """What a claim sent earlier took; None when nothing waited."""
@@ -89,6 +89,11 @@ class Claims:
                                            self.fence_ttl_s)
         self._held.update(member.job_id for member in claimed)
         return claimed
+
+    def _affinity(self, holding: tuple[str, tuple[str, ...]]) -> waiting.Affinity:
+        """What a claim prefers: the adapters this worker ran last and those resident, within
+        SLOTQ_AFFINITY_MAX_SKIP."""
+        return waiting.Affinity(self.settings.affinity_max_skip, *holding)
 
     @property
     def fence_ttl_s(self) -> int:

@@ -101,11 +101,10 @@ class Sent:
         """The script's answer; a call Redis did not know the script for runs again, loading it."""
         try:
             answer = self._connection.read_response()
-        except NoScriptError:  # nothing ran: the server restarted or its scripts were flushed
+        except ResponseError as exc:  # an answer all the same: the connection is sound
             self._let_go(broken=False)
-            return run(self._client, *self._call)
-        except ResponseError:  # the script's own error: the connection is sound
-            self._let_go(broken=False)
+            if isinstance(exc, NoScriptError):  # nothing ran: Redis restarted or flushed its scripts
+                return run(self._client, *self._call)
             raise
         except BaseException:
             self._let_go(broken=True)  # the answer may still be on its way: the connection goes
