@@ -67,9 +67,7 @@ class Claims:
         if claimed is None and timeout is not None:
             waiting.wait_for_work(self.connection, self.line, timeout)
             claimed = waiting.claim(self.connection, self.line, self.key, affinity, self.fence_ttl_s)
-        if claimed is not None:
-            self._held.add(claimed.job_id)
-        return claimed
+        return self._noted(claimed)
 
     def send_claim(self, holding: tuple[str, tuple[str, ...]] = ("", ())) -> waiting.SentClaim:
         """:meth:`claim` sent now, waiting for nothing: :meth:`received` reads what it took."""
@@ -78,16 +76,19 @@ class Claims:
 
     def received(self, sent: waiting.SentClaim) -> waiting.Claimed | None:
         """What a claim sent earlier took; None when nothing waited."""
-        claimed = sent.claimed()
-        if claimed is not None:
-            self._held.add(claimed.job_id)
-        return claimed
+        return self._noted(sent.claimed())
 
     def claim_compatible(self, like: waiting.Claimed, count: int, window: int) -> list[waiting.Claimed]:
         """Claim up to ``count`` more waiting jobs that may share a batch with ``like``."""
         claimed = waiting.claim_compatible(self.connection, self.line, self.key, like, count, window,
                                            self.fence_ttl_s)
         self._held.update(member.job_id for member in claimed)
+        return claimed
+
+    def _noted(self, claimed: waiting.Claimed | None) -> waiting.Claimed | None:
+        """The claimed job, noted as held by this worker (until its end or release)."""
+        if claimed is not None:
+            self._held.add(claimed.job_id)
         return claimed
 
     def _affinity(self, holding: tuple[str, tuple[str, ...]]) -> waiting.Affinity:
