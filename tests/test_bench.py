@@ -51,13 +51,15 @@ def has_row(text: str, name: str) -> bool:
     return re.search(rf"^{re.escape(name)}[^\n]*?\s+[-+]?\d+\.\d+", text, re.MULTILINE) is not None
 
 
-@pytest.mark.timeout(480)
+# A guard against a hang, not a speed limit: on two of the project's 2-core machines the run took 252 s
+# and 342 s (2026-12-05), most of it starting workers (importing torch and diffusers takes about 10 s).
+@pytest.mark.timeout(960)
 def test_quick_report_has_every_section_with_its_baseline() -> None:
     # A torch with several OpenMP threads slows down by two orders of magnitude when other processes
     # (the API's, the clients', a CI runner's) take its cores; one thread keeps the smoke run short.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-m", "bench", "--quick"], capture_output=True, text=True,
-                          timeout=450, env=env)
+                          timeout=900, env=env)
     assert done.returncode == 0, done.stdout + done.stderr[-5000:]
     header, *parts = re.split(r"^== (.+) ==$", done.stdout, flags=re.MULTILINE)
     sections = dict(zip(parts[::2], parts[1::2], strict=True))
