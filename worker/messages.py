@@ -29,7 +29,7 @@ def encode_png(image: Image.Image, request: JobRequest, level: int) -> bytes:
     info = PngInfo()
     info.add_text("parameters", json.dumps(request.model_dump(mode="json"), sort_keys=True))
     buffer = io.BytesIO()
-    strategy = zlib.Z_RLE if level == 1 else -1  # -1: zlib's default strategy
+    strategy = zlib.Z_RLE if level == 1 else -1  # -1: Pillow's own choice for PNG rows (Z_FILTERED)
     image.save(buffer, format="PNG", pnginfo=info, compress_level=level, compress_type=strategy)
     return buffer.getvalue()
 
