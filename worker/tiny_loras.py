@@ -76,7 +76,7 @@ class _Recipe:
     save: Callable[[Path, Layers, str], None]
 
 
-# Gains measured on 64-256 px images (tests/test_tiny_loras.py): at scale 1 each adapter moves the
+# Gains measured on 64-256 px images (tests/worker/test_tiny_loras.py): at scale 1 each adapter moves the
 # pixels (in [0, 1]) by 0.05-0.15 on average, and scale 0.5 gives an image of its own. Much larger
 # gains saturate the attention (Flux's past about 1.0, SDXL's past about 2), so that half a scale
 # looks like a whole one; SD keeps the 3.0 its adapters were first built with.

@@ -14,7 +14,7 @@ from shared.contract import keys
 from shared.contract.settings import Settings
 from tests.conftest import Process, app_client, post_job, wait_for
 from tests.scenarios.netns import Host, Lab, require_network, start_redis, start_worker, wait_workers
-from tests.test_fencing import assert_only_the_new_attempt_counts, await_old_attempt, holder
+from tests.store.test_fencing import assert_only_the_new_attempt_counts, await_old_attempt, holder
 
 pytestmark = pytest.mark.slow
 LONG = {"width": 512, "height": 512, "steps": 60}  # several seconds a run on a small CPU

@@ -16,7 +16,7 @@ from pydantic import TypeAdapter
 
 from shared.contract.settings import KeyTable, Settings
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 KUSTOMIZATION = DEPLOY / "kustomization.yaml"
 COMPONENT = DEPLOY / "prometheus" / "kustomization.yaml"

@@ -28,7 +28,7 @@ def test_the_installed_rq_is_in_the_range_pyproject_names() -> None:
     import tomllib
     from pathlib import Path
 
-    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
     (wanted,) = [Requirement(line) for line in project["dependencies"] if line.startswith("rq")]
     installed = Version(version("rq"))
     assert installed in wanted.specifier, f"RQ {installed} is outside pyproject's {wanted}"

@@ -15,7 +15,7 @@ import yaml
 
 from shared.contract.settings import Settings
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 NGINX_CONF = ROOT / "docker" / "nginx.conf"
 API_DOCKERFILE = ROOT / "docker" / "api.Dockerfile"

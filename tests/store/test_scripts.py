@@ -11,7 +11,7 @@ from redis import Redis
 
 from shared.store import scripts
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 SCRIPTS = sorted(path.stem for path in scripts.LUA.glob("*.lua"))
 
 

@@ -1,5 +1,5 @@
 """Image inputs at the door (shared/contract/images.py, the API's checks and routes): in-process, on a
-real Redis, no worker. What the worker makes of them is tests/test_worker.py's and test_families.py's."""
+real Redis, no worker. What the worker makes of them is tests/worker/test_main.py's and test_families.py's."""
 
 from __future__ import annotations
 

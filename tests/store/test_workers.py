@@ -20,7 +20,7 @@ from shared.store import workers
 from shared.store.workers import WorkerIdentity
 from tests.conftest import Process, app_client, post_job, start_worker, wait_for, wait_for_status
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GPUS_FILE = ROOT / "docker-compose.gpus.yml"
 LONG = {"width": 1024, "height": 1024, "steps": 60}  # the session worker's most steps: seconds on a CPU
 

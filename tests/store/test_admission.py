@@ -28,7 +28,7 @@ from tests.conftest import (
     wait_for_status,
     waiting_ids,
 )
-from tests.test_autopipeline import gathered, in_threads, redis_paused
+from tests.store.test_autopipeline import gathered, in_threads, redis_paused
 
 
 def post_keyed(client: FlaskClient, key: str, **body: Any) -> Any:
