@@ -1,20 +1,19 @@
 """Long polling: requests that wait for a job's status to change, and the one thread that wakes them.
 
 A waiting request holds one gunicorn thread and sleeps on a ``threading.Event`` of its own. One
-listener thread per process subscribes to the queue's events channel (``shared/store/events.py``) and
-sets the events of the requests waiting on each announced job id, which then read the job again.
-A request counts as waiting before its first read of the job, so that read needs no second look
-once the listener is subscribed, and the read after a wake is the one the answer is made of: two
-round trips a held request, not four. Delivery over pub/sub is at most once, so every ``RECHECK_S``
-the listener also reads the status of each job waited on, all in one round trip, and wakes the
-requests whose job moved from what they last read: an announcement only makes them answer sooner.
-(Each request reading its job's status itself was a round trip, and a wake-up of the process, per
-request a second.) A line's
-changes (each claim) come on a channel of their own, which the listener joins only while an event
-stream watches a line (and ``LINGER_S`` after), so that no other process wakes for them. The listener
-starts on the first wait (gunicorn forks its workers after import, and a thread does not survive a
-fork), ends after ``LINGER_S`` with nobody waiting or once the process drains, and is a daemon
-thread, so it never keeps a process from exiting.
+listener thread per process subscribes to the queue's events channel (``shared/store/events.py``)
+and sets the events of the requests waiting on each announced job id, which then read the job again.
+A request counts as waiting before its first read of the job, so that read needs no second look once
+the listener is subscribed, and the read after a wake is the one the answer is made of: a held
+request reads Redis twice, before the hold and after the wake. Delivery over pub/sub is at most
+once, so every ``RECHECK_S`` the listener also reads the status of each job waited on, all in one
+round trip, and wakes the requests whose job moved from what they last read: an announcement only
+makes them answer sooner. (One read for all of them, rather than a round trip and a wake-up of the
+process per request each second.) A line's changes (each claim) come on a channel of their own,
+which the listener joins only while an event stream watches a line (and ``LINGER_S`` after), so that
+no other process wakes for them. The listener starts on the first wait (gunicorn forks its workers
+after import, and a thread does not survive a fork), ends after ``LINGER_S`` with nobody waiting or
+once the process drains, and is a daemon thread, so it never keeps a process from exiting.
 """
 
 from __future__ import annotations

@@ -35,8 +35,7 @@ def secured(wsgi_app: WSGIApplication) -> WSGIApplication:
     and no MIME sniffing."""
     # App-wide rather than on the page alone: they keep a browser from ever rendering a JSON answer
     # as a page. Added to the WSGI answer's header list, as a middleware: no answer sets them itself,
-    # and werkzeug's Headers checked each value again on every answer (a fiftieth of an admission's
-    # instructions).
+    # and werkzeug's Headers would check each value again on every answer, a cost on the hot path.
     def app(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         def start(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
             return start_response(status, headers + SECURITY_HEADERS, exc_info)

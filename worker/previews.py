@@ -140,7 +140,7 @@ class Previewer:
         else:
             # NumPy, not torch: torch's ops here would start its intra-op threads beside the
             # pipeline's, and on a small machine their spinning costs the GPU section more than
-            # the arithmetic (measured: about 10 % of jobs/s at 256x256). On a GPU the copy to host
+            # the arithmetic does. On a GPU the copy to host
             # memory waits for the device here, on this thread.
             latents = tensor.detach().to("cpu", torch.float32).numpy()
             if latents.ndim == 3:  # Flux packs 2x2 patches of the latent image into its tokens

@@ -4,7 +4,7 @@ RQ's ``perform_job`` runs a job and records its end in one go; the slotq worker 
 (the GPU section here, the end in its finishing process), so it calls the halves RQ keeps private:
 ``_finalize_success``, ``_finalize_failure``, ``_stopped_job_id``, and for a batch's ends in one
 transaction ``Job._handle_success`` and ``Job._result``. Every such use is below, and
-:func:`check_rq` (run at start-up and by tests/test_rq.py) fails with a plain message when an RQ
+:func:`check_rq` (run at start-up and by tests/worker/test_rq.py) fails with a plain message when an RQ
 release outside ``pyproject.toml``'s range (``rq>=3.0,<4``) no longer has them. The rest of RQ that
 slotq uses is public: ``Job``, ``Queue``, registries, ``Execution``, death penalties; ``RQWorker.start``
 writes what RQ's ``prepare_execution`` and ``prepare_job_execution`` do, and ``RQWorker.succeed`` what

@@ -99,7 +99,7 @@ class Settings(BaseSettings):
     preview_interval_ms: int = Field(500, ge=50, le=60_000)
     preview_decoder: Path | None = None
     # zlib's level for the result PNGs: lossless at every level; at 1 zlib matches runs only, which
-    # encodes a 1024x1024 photograph about 4x faster than Pillow's default 6, as small (docs/settings.md).
+    # encodes a photograph much faster than Pillow's default 6, about as small (docs/settings.md).
     png_compress_level: int = Field(1, ge=0, le=9)
     max_attempts: int = Field(2, ge=1, le=10)
     heartbeat_ttl_s: float = Field(6.0, ge=1, le=300)
@@ -131,7 +131,7 @@ class Settings(BaseSettings):
     api_workers: int = Field(2, ge=1, le=64)
     api_threads: int = Field(16, ge=1, le=256)
     # gthread: a thread per request in progress, open streams and long-polls included; gevent: a
-    # greenlet each, so open streams hold no thread (docs/scaling.md measures both).
+    # greenlet each, so open streams hold no thread (bench/streams.py measures both).
     api_worker_class: Literal["gthread", "gevent"] = "gevent"
     max_streams: int = Field(200, ge=1, le=10_000)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"

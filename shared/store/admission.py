@@ -161,16 +161,16 @@ def _for_model(settings: Settings, request: JobRequest) -> JobRequest:
 
 def new_record(queue: Queue, settings: Settings, request: JobRequest, meta: dict[str, Any]) -> Record:
     """A new job's RQ hash, its seed drawn, built the way ``Job.create`` and ``Job.to_dict`` build it
-    (tests/test_rq.py checks the two agree) without their cost (with the smaller cuts beside it, a
-    fifth of an in-process admission's instructions: 4.12 M to 3.30 M)."""
+    (tests/worker/test_rq.py checks the two agree) without their cost: building and saving an ``rq.Job`` is a
+    large share of an admission's own work."""
     seeded = request.with_seed()
     kwargs = {"request": seeded.model_dump(mode="json")}
     now = datetime.now(UTC)
     at = now.replace(tzinfo=None).isoformat(timespec="microseconds") + "Z"  # utcformat's, without strftime
     fields = {
         "created_at": at,
-        # The call as RQ's JSONSerializer reads it back; pydantic writes the request (json.dumps of
-        # its dump took 18 of an admission's 620 µs in-process).
+        # The call as RQ's JSONSerializer reads it back; pydantic writes the request's JSON itself,
+        # quicker than json.dumps of its dump.
         "data": _compressed(b'["%s",null,[],{"request":%s}]' % (TASK, seeded.model_dump_json().encode())),
         "success_callback_name": "", "failure_callback_name": "", "stopped_callback_name": "",
         "started_at": "", "ended_at": "", "last_heartbeat": "", "worker_name": "", "group_id": "",
@@ -189,9 +189,8 @@ def new_record(queue: Queue, settings: Settings, request: JobRequest, meta: dict
 
 def _compressed(data: bytes) -> bytes:
     """A zlib stream, as RQ stores a job's data (it reads any back), of stored blocks: a job's data is
-    a few hundred bytes, and setting zlib up to compress them took 75 µs (an admission took 3–4 ms
-    in-process on that machine)."""
-    compressor = zlib.compressobj(0, zlib.DEFLATED, 9, 1)  # level 0, a 512-byte window: 3 µs
+    a few hundred bytes, and setting zlib up to compress them costs more than compressing saves."""
+    compressor = zlib.compressobj(0, zlib.DEFLATED, 9, 1)  # level 0, a 512-byte window: quick to set up
     return compressor.compress(data) + compressor.flush()
 
 

@@ -3,7 +3,7 @@ to Redis in one round trip.
 
 Under load an API process has several requests admitting at once, and each script call paid a
 round trip of its own: a pool checkout (with its readiness poll), a send that wakes Redis, a read.
-On a small machine that round trip was the largest single cost of an admission. Here the first
+On a small machine that round trip is the largest single cost of an admission. Here the first
 caller sends; whoever calls while its round trip is out waits for it to come back, and the first
 of them then sends all that gathered as one pipeline (``transaction=False``), then hands on. At
 low load every call goes alone, at once; no call waits on a timer. (ioredis's
@@ -16,8 +16,8 @@ reached each alone. A caller gone before its call was sent (a greenlet killed wh
 left out, and a lead handed to it passes on.
 
 A round trip packs its calls with hiredis in one C call each, on a connection of the client's pool,
-with the client's retry policy: redis-py's pipeline encoded each of an admission's 50-odd arguments
-in Python and added its own bookkeeping, 70–80 µs of the client's CPU a call where this takes 25.
+with the client's retry policy: redis-py's pipeline encodes each of an admission's many arguments
+in Python and adds its own bookkeeping, several times the client's CPU a call that this takes.
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ _SCRIPTS: dict[str, Script] = {}
 
 def run(client: Redis | Pipeline, name: str, keys: Sequence[str] = (), args: Sequence[Any] = ()) -> Any:
     """Run one script with EVALSHA (in a pipeline: queued, loaded first if Redis lacks it)."""
-    # One Script per name, for every client: it only hashes the text (14 KB for admission) once.
+    # One Script per name, for every client: it only hashes each script's text once.
     # redis-py's Script sends through the client it is called with and loads itself on NOSCRIPT.
     script = _SCRIPTS.get(name)
     if script is None:
