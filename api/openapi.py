@@ -13,7 +13,7 @@ from api.streams import EVENT_ID
 from shared.contract import errors
 from shared.contract.adapters import available_adapters
 from shared.contract.images import FORMATS, INPUT_NAMES
-from shared.contract.jobs import PRIORITIES, JobRequest, JobStatus, JobView
+from shared.contract.jobs import MIN_SIDE, PRIORITIES, JobRequest, JobStatus, JobView
 from shared.contract.models import ModelInfo, model_info
 from shared.contract.settings import Settings
 from shared.store.listing import CURSOR
@@ -21,7 +21,6 @@ from shared.store.workers import WorkerView
 
 REF = "#/components/schemas/{model}"
 JSON = "application/json"
-MIN_SIDE = 64
 RETRY_AFTER_STATUSES = (429, 503)
 # Printable characters, as the route checks them (str.isprintable) on a header that WSGI reads as
 # Latin-1; not starting with a space, as HTTP strips the spaces around a field value.

@@ -10,7 +10,6 @@ from typing import Any
 
 from flask import Blueprint, Response, current_app, g, jsonify, request
 from pydantic import BaseModel, ValidationError
-from rq import Queue
 
 from api import longpoll
 from api.jobs import Jobs, Ticket
@@ -31,10 +30,6 @@ from shared.contract.tenants import Tenant
 bp = Blueprint("slotq", __name__)
 MAX_IDEMPOTENCY_KEY = 255
 DEFAULT_LIMIT, MAX_LIMIT = 20, 100  # jobs a page of GET /v1/jobs lists
-
-
-def _queue() -> Queue:
-    return current_app.extensions["slotq.queue"]
 
 
 def _settings() -> Settings:

@@ -15,17 +15,22 @@ from typing import Any
 import pytest
 from flask.testing import FlaskClient
 from redis import Redis
+from rq.job import Job
+from rq.utils import utcparse
 from standardwebhooks import Webhook, WebhookVerificationError
 
 from shared.contract import keys
 from shared.contract.errors import WebhookRefusedError, WebhookSignatureError
 from shared.contract.settings import Settings
-from shared.contract.webhooks import allowance, signed_headers, signing_key, verify
-from shared.store.connection import connect, job_queue
+from shared.contract.webhooks import Entry, allowance, signed_headers, signing_key, verify
+from shared.store import endings, waiting
+from shared.store.connection import connect, job_queue, text
 from tests.conftest import (
     Process,
     app_client,
+    data_url,
     post_job,
+    start_image,
     start_worker,
     wait_for,
     wait_for_status,
@@ -264,6 +269,56 @@ def test_a_job_expired_in_the_line_completes_as_expired(
     assert delivery.payload["type"] == "job.completed"
     assert delivery.payload["data"]["id"] == job_id and delivery.payload["data"]["status"] == "expired"
     assert_signed(delivery, SECRET)
+
+
+def end_record(redis: Redis, settings: Settings, job_id: str) -> dict[str, Any]:
+    """What an end left of a job: its hash's status, meta fields and TTL (in minutes), its final
+    event and the TTLs of its log and inputs, and its outbox entry."""
+    job_key, log_key, inputs_key = Job.key_for(job_id), keys.log_key(job_id), keys.inputs_key(job_id)
+    meta = json.loads(redis.hget(job_key, "meta") or b"{}")
+    [entry] = [Entry.decode(raw) for raw in redis.zrange(keys.webhooks_key(settings.queue_name), 0, -1)
+               if Entry.decode(raw).job == job_id]
+    return {"status": redis.hget(job_key, "status"), "meta": sorted(meta), "expired": meta.get("expired"),
+            "ended_at": utcparse(text(redis.hget(job_key, "ended_at") or b"")).year,
+            "ttl": round(redis.ttl(job_key) / 60), "inputs_ttl": round(redis.ttl(inputs_key) / 60),
+            "log_ttl": round(redis.ttl(log_key) / 60), "last_event": redis.xrevrange(log_key, count=1)[0][1],
+            "webhook": (entry.event, entry.attempt, entry.id.startswith("msg_"), len(entry.id))}
+
+
+@pytest.fixture
+def ending_settings(hook_settings: Settings) -> Settings:
+    """Webhooks on, with record and image TTLs of their own."""
+    return hook_settings.model_copy(update={"record_ttl_s": 50_000, "result_ttl_s": 4_000})
+
+
+@pytest.fixture
+def ending_client(ending_settings: Settings) -> Iterator[FlaskClient]:
+    yield from app_client(ending_settings)
+
+
+def test_an_end_written_from_python_leaves_what_the_expiry_in_the_line_leaves(
+        ending_client: FlaskClient, ending_settings: Settings, receiver: Receiver, redis: Redis) -> None:
+    # One job expires at its claim (Python's end_job), the other in the line (lib/expiry.lua's
+    # script): both ends are lib/ending.lua's writes, so the two records read alike.
+    settings, claims = ending_settings, keys.claims_key("ending-test")
+    queue = job_queue(connect(settings), settings)
+    image = data_url(start_image(64, 64))
+    at_claim, in_line = [submit(ending_client, receiver.url, image=image, deadline_s=0.3) for _ in range(2)]
+    claimed = waiting.claim(redis, settings.line, claims)
+    assert claimed is not None and claimed.job_id == at_claim
+    wait_for(lambda: waiting.expire_due(queue, settings, settings.line)
+             and waiting.position(redis, settings.line, in_line) is None, what="the expiry in the line")
+    job = Job(at_claim, connection=queue.connection, serializer=queue.serializer)
+    job.restore(claimed.record)
+    endings.expire_claimed(job, queue, settings, claims)
+    python, lua = end_record(redis, settings, at_claim), end_record(redis, settings, in_line)
+    assert python == lua
+    assert lua["status"] == b"canceled" and lua["expired"] is True and lua["ended_at"] >= 2025
+    assert (lua["ttl"], lua["inputs_ttl"], lua["log_ttl"]) == (833, 67, 67)  # 50 000 s, 4 000 s
+    assert lua["last_event"] == {b"event": b"expired"} and lua["webhook"] == ("job.completed", 0, True, 36)
+    assert redis.hget(keys.ended_key(settings.queue_name), "expired") == b"2"
+    assert redis.llen(claims) == 0
+    queue.connection.close()
 
 
 def test_a_failing_receiver_is_retried_with_the_same_message_id(

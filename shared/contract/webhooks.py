@@ -58,10 +58,11 @@ class Entry:
             raise ValueError(f"not an outbox entry: {raw!r}") from exc
 
 
-def message_id(job_id: str, event: Event, attempt: int = 0) -> str:
-    """The delivery's ``webhook-id``: derived, not drawn, so that every path that records an event
-    names it alike and a receiver that dedupes on it sees a repeat as one message."""
-    name = f"{job_id} job.{event}" + (f" {attempt}" if attempt else "")
+def started_id(job_id: str, attempt: int) -> str:
+    """The ``webhook-id`` of a start's delivery: derived, not drawn, so that a receiver that dedupes
+    on it sees a repeat as one message. Each start of a job is an event of its own."""
+    # Starts only: every end is written by a script, which derives its id (lua/lib/outbox.lua).
+    name = f"{job_id} job.started" + (f" {attempt}" if attempt else "")
     return "msg_" + hashlib.sha1(name.encode(), usedforsecurity=False).hexdigest()[:32]
 
 

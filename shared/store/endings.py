@@ -5,7 +5,9 @@ then calls :func:`settle`; ``canceled`` while waiting (:func:`cancel`), ``expire
 (``lua/lib/expiry.lua``) or at its claim (:func:`expire_claimed`), and ``lost`` when its worker
 died (:func:`settle_abandoned`: run again, or failed ``worker_lost``). An interrupted or lost run
 goes back to the head of its class (:func:`requeue_at_front`). Each end is counted by status and
-sends its ``completed`` webhook in the same round trip as the status change.
+sends its ``completed`` webhook in the same round trip as the status change. The writes of an end
+are ``lua/lib/ending.lua``'s alone: the expiry calls it in its script, and :func:`end_job` and
+:func:`ended` queue ``lua/end.lua`` on the caller's pipeline.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from shared.contract import keys
 from shared.contract.errors import AlreadyFinishedError
 from shared.contract.jobs import JobStatus, Outcome
 from shared.contract.settings import Settings
-from shared.store import events, outbox, waiting
+from shared.store import events, outbox, scripts, waiting
 from shared.store.connection import text
 from shared.store.records import attempts_used, job_status, save_meta
 
@@ -34,25 +36,26 @@ def end_job(job: Job, queue: Queue, settings: Settings, pipe: Pipeline, status: 
     if error:
         job.meta["error"] = error
     job.ended_at = datetime.now(UTC)
-    job.set_status(status, pipeline=pipe)
-    pipe.hset(job.key, mapping={"ended_at": utcformat(job.ended_at),
-                                "meta": job.serializer.dumps(job.meta)})
+    job.set_status(status, pipeline=pipe)  # RQ's field, by RQ's call: the Job object follows
     _forget_executions(job, queue, pipe)
-    failed = status is RQStatus.FAILED
-    pipe.expire(job.key, settings.failure_ttl_s if failed else settings.record_ttl_s)
-    ended(pipe, queue.name, job, settings.result_ttl_s)
-    events.announce(pipe, queue.name, job.id)  # after the writes: a woken reader sees them
+    ttl = settings.failure_ttl_s if status is RQStatus.FAILED else settings.record_ttl_s
+    record = [utcformat(job.ended_at), job.serializer.dumps(job.meta), ttl, keys.events_channel(queue.name)]
+    scripts.run(pipe, "end", [*_end_keys(queue.name), job.key],
+                [*_end_args(job, settings.result_ttl_s), *record])
 
 
 def ended(pipe: Pipeline, queue_name: str, job: Job, inputs_ttl_s: int) -> None:
     """Queue what follows a job's final status: its count by status, its `completed` webhook, its
     final event, and the expiry of its input images and event log, kept as long as its images."""
-    status = job_status(job)
-    pipe.hincrby(keys.ended_key(queue_name), status.value, 1)
-    outbox.schedule(pipe, queue_name, job, "completed")
-    events.log(pipe, job.id, status.value)
-    pipe.expire(keys.inputs_key(job.id), inputs_ttl_s)
-    pipe.expire(keys.log_key(job.id), inputs_ttl_s)
+    scripts.run(pipe, "end", _end_keys(queue_name), _end_args(job, inputs_ttl_s))
+
+
+def _end_keys(queue_name: str) -> list[str]:
+    return [keys.ended_key(queue_name), keys.webhooks_key(queue_name)]
+
+
+def _end_args(job: Job, inputs_ttl_s: int) -> list[str | int]:
+    return [job.id, job_status(job).value, inputs_ttl_s, "1" if outbox.asks_for(job, "completed") else ""]
 
 
 def ended_counts(queue: Queue) -> dict[str, int]:
@@ -103,14 +106,20 @@ def settle_in(pipe: Pipeline, queue_name: str, claims_key: str, job: Job, fence_
               inputs_ttl_s: int) -> JobStatus:
     """Queue :func:`settle`'s writes, after those that record the run's end; the job's status."""
     status = job_status(job)
-    pipe.lrem(claims_key, 1, job.id)
     if status is JobStatus.SUCCEEDED:  # the last step, which the GPU section leaves to the end
         events.log(pipe, job.id, "progress", job.meta.get("progress"))
     if status.is_terminal:  # not an interrupted job, which runs again
         ended(pipe, queue_name, job, inputs_ttl_s)
-    events.announce(pipe, queue_name, job.id)
-    pipe.delete(fence_key)  # the attempt is over: the last write it makes
+    let_go(pipe, queue_name, claims_key, job.id, fence_key)
     return status
+
+
+def let_go(pipe: Pipeline, queue_name: str, claims_key: str, job_id: str, fence_key: str) -> None:
+    """Queue the writes that end an attempt whose job's end (or requeue) is already queued: drop the
+    claim, tell whoever waits on the job, and drop the fence, the last write the attempt makes."""
+    pipe.lrem(claims_key, 1, job_id)
+    events.announce(pipe, queue_name, job_id)
+    pipe.delete(fence_key)
 
 
 def settle_abandoned(job: Job, queue: Queue, settings: Settings, pipe: Pipeline) -> Outcome:

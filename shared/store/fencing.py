@@ -152,14 +152,15 @@ class FencedPipeline(Pipeline):
             raise  # the caller's own WATCH: it retries, and its next watch() checks the fence
 
     def _scriptable(self) -> bool:
-        return all(EMPTY_RESPONSE not in options and _words(args)[0].upper() not in UNSCRIPTABLE
+        return all(EMPTY_RESPONSE not in options and
+                   (_words(args)[0].upper() not in UNSCRIPTABLE or _ends_a_job(args))
                    for args, options in self.command_stack)
 
     def _execute_in_script(self, raise_on_error: bool) -> list[Any]:
         """Check the tokens and run the commands in one script call (fenced.lua): one round trip
         where WATCH, then MULTI … EXEC, take two; the replies parsed as EXEC's would be."""
         commands, fences = self.command_stack, self.fences
-        queued = [_words(args) for args, _ in commands]
+        queued = [_inlined(args) for args, _ in commands]
         words = [word for command in queued for word in (len(command), *command)]
         try:
             replies = self._send_once([fence.key for fence in fences],
@@ -208,6 +209,18 @@ def _script_callbacks() -> Any:
     client speaks (a RESP3 client's parsers expect maps, doubles and pairs where a script has
     flat arrays and strings). A client made for RESP2 (not connected) holds them."""
     return Redis(protocol=2).response_callbacks
+
+
+def _ends_a_job(args: tuple[Any, ...]) -> bool:
+    """Whether a queued command is end.lua's EVALSHA (shared/store/endings.py)."""
+    return str(args[0]).upper() == "EVALSHA" and args[1] == scripts.sha("end")
+
+
+def _inlined(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A queued command as fenced.lua runs it: a job's end by its own word, other commands as they are."""
+    if _ends_a_job(args):
+        return (scripts.CONSTANTS["END_COMMAND"], *args[2:])
+    return _words(args)
 
 
 def _words(args: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -1,33 +1,38 @@
 """The webhook outbox: a sorted set of pending deliveries by due time (``keys.webhooks_key``).
 
-Whoever changes a job's status queues its delivery here in the same round trip as the change;
-``lua/lib/outbox.lua`` does the same for a job that ends inside a script. A sender (worker/webhooks.py)
-takes one due entry at a time under a lease, then drops it or puts it back for a retry.
+Whoever changes a job's status queues its delivery here in the same round trip as the change: a
+start by :func:`schedule`, an end by the script that writes it (``lua/lib/ending.lua``). A sender
+(worker/webhooks.py) takes one due entry at a time under a lease, then drops it or puts it back for
+a retry.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import replace
+from typing import Literal
 
 from redis import Redis
 from redis.client import Pipeline
 from rq.job import Job
 
 from shared.contract import keys
-from shared.contract.webhooks import Entry, Event, message_id, wants
+from shared.contract.webhooks import Entry, Event, started_id, wants
 from shared.store import scripts
 
 
-def schedule(pipe: Pipeline, queue_name: str, job: Job, event: Event) -> None:
-    """Queue the outbox write for this event of the job, if its request asks for it."""
-    if not wants((job.kwargs or {}).get("request") or {}, event):
+def schedule(pipe: Pipeline, queue_name: str, job: Job, event: Literal["started"]) -> None:
+    """Queue the outbox write for this start of the job, if its request asks for it."""
+    if not asks_for(job, event):
         return
-    # Each start of a job is an event of its own (a requeued job starts again); its end is one.
-    attempt = int(job.meta.get("attempt", 0)) if event == "started" else 0
     now = time.time()
-    entry = Entry(message_id(job.id, event, attempt), job.id, f"job.{event}", now)
+    entry = Entry(started_id(job.id, int(job.meta.get("attempt", 0))), job.id, f"job.{event}", now)
     pipe.zadd(keys.webhooks_key(queue_name), {entry.encode(): now})
+
+
+def asks_for(job: Job, event: Event) -> bool:
+    """Whether the job's stored request asks for deliveries of this event."""
+    return wants((job.kwargs or {}).get("request") or {}, event)
 
 
 def take_due(connection: Redis, queue_name: str, lease_s: float) -> bytes | None:

@@ -36,6 +36,7 @@ CONSTANTS = {
     "RQ_QUEUES_KEY": keys.RQ_QUEUES_KEY,
     "DOORBELL_TOKENS": str(keys.DOORBELL_TOKENS),
     "LINES_SUFFIX": keys.LINES_SUFFIX,
+    "END_COMMAND": "SLOTQ.END",  # a job's end inside fenced.lua, where EVALSHA cannot run
 }
 
 

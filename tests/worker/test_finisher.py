@@ -80,10 +80,16 @@ def transactions(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def test_a_batch_ends_in_one_fenced_transaction(client: FlaskClient, finishing: Finishing, redis: Redis,
-                                                transactions: list[int]) -> None:
+                                                transactions: list[int],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     batch = started_batch(client, finishing, 3)
     transactions.clear()  # the start's
+    watched: list[tuple[Any, ...]] = []
+    watch = FencedPipeline.watch
+    monkeypatch.setattr(FencedPipeline, "watch",
+                        lambda self, *names: watched.append(names) or watch(self, *names))
     ended = finishing.finish(batch)
+    assert watched == []  # one round trip: fenced.lua runs the ends' writes too, no WATCH … EXEC
     assert [end.outcome for end in ended] == [Outcome.SUCCEEDED] * 3
     assert len(transactions) == 1 and transactions[0] > 3 * 10  # images, RQ's success, the settling
     for work in batch.works:

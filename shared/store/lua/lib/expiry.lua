@@ -1,10 +1,10 @@
--- uses: line estimates outbox
+-- uses: line ending
 -- Waiting jobs whose deadline has passed leave the line and end expired. Runs at the start of
 -- every admission, so an expired job never holds a place that a new one asks for. Each expired id
--- is published on `channel` (when one is given: the line's change on its lines channel), counted
--- in `ended` and gets its `completed` webhook in `outbox` when it asked for one. Its input images,
--- if any, are kept `inputs_ttl` more.
-local function expire_due(line, deadlines_key, job_prefix, ended_at, ttl, channel, outbox, ended, inputs_ttl)
+-- ends as lib/ending.lua writes any end (its `completed` webhook in `outbox` when admission marked
+-- its hash as asking for one: the script cannot read its compressed request), and is published
+-- with the line's change on `channel` when one is given.
+local function expire_due(line, deadlines_key, job_prefix, ended_at, ttl, channel, outbox, ended_key, inputs_ttl)
   local now = redis_now()
   for _, id in ipairs(redis.call('ZRANGEBYSCORE', deadlines_key, '-inf', now)) do
     redis.call('ZREM', deadlines_key, id)
@@ -12,17 +12,13 @@ local function expire_due(line, deadlines_key, job_prefix, ended_at, ttl, channe
     if line_remove(line, key, id) then
       local meta = cjson.decode(redis.call('HGET', key, 'meta') or '{}')
       meta['expired'] = true
-      redis.call('HSET', key, 'status', 'canceled', 'ended_at', ended_at, 'meta', cjson.encode(meta))
-      redis.call('EXPIRE', key, ttl)
-      redis.call('EXPIRE', '@INPUTS_PREFIX@' .. id, inputs_ttl)
-      redis.call('XADD', '@LOG_PREFIX@' .. id, 'MAXLEN', '~', @LOG_LENGTH@, '*', 'event', 'expired')
-      redis.call('EXPIRE', '@LOG_PREFIX@' .. id, inputs_ttl)
+      redis.call('HSET', key, 'status', 'canceled')
+      end_job({id = id, key = key, status = 'expired', ended_at = ended_at, meta = cjson.encode(meta), ttl = ttl,
+               ended = ended_key, outbox = outbox, webhook = outbox and redis.call('HGET', key, 'webhook'),
+               inputs_ttl = inputs_ttl, now = now, channel = channel})
       if channel then
-        redis.call('PUBLISH', channel, id)
         redis.call('PUBLISH', channel .. '@LINES_SUFFIX@', 'line@SEP@' .. line.queue)  -- the others moved up
       end
-      redis.call('HINCRBY', ended, 'expired', 1)
-      webhook_completed(outbox, key, id, now)
     end
   end
   return now
