@@ -303,8 +303,8 @@ class Finishing(RQWorker):
         with self.connection.pipeline() as pipe:
             outcome = endings.again_or_failed(job, self.queue, self.settings, pipe, "storage_unavailable",
                                               f"The result store could not be written ({why})")
+            endings.let_go(pipe, self.queue.name, keys.claims_key(self.name), job.id, work.fence.key)
             pipe.execute()
-        self.settle(job, work.fence)
         return Ended(job.id, outcome, run_seconds(job))
 
 

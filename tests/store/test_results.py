@@ -25,6 +25,7 @@ from redis import Redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
+from shared.contract import keys
 from shared.contract.settings import Settings
 from shared.store import results
 from shared.store.blobs import Blobs, Folder
@@ -243,6 +244,12 @@ def test_a_store_that_cannot_be_written_fails_the_job_after_its_attempts(
             job_id = post_job(client, width=64, height=64, steps=1).get_json()["id"]
             view = wait_for_status(client, job_id, "failed", timeout=90)
             assert view["error"]["code"] == "storage_unavailable" and view["attempt"] == 2, view
+            # Ended once: counted once, one final event.
+            connection = Redis.from_url(settings.redis_url)
+            counts = [connection.hget(key, "failed") for key in connection.scan_iter(keys.ended_key("*"))]
+            assert counts == [b"1"], counts
+            events = [entry[b"event"] for _, entry in connection.xrange(keys.log_key(job_id))]
+            assert events.count(b"failed") == 1, events
         with pytest.raises(urllib.error.HTTPError) as answer:
             urllib.request.urlopen(f"http://127.0.0.1:{settings.worker_metrics_port}/readyz", timeout=5)
         assert answer.value.code == 503

@@ -18,8 +18,8 @@ from rq.job import Job
 
 from shared.contract import keys
 from shared.store import records
-from tests.conftest import Process, post_job
 from tests.api.test_streams import open_stream
+from tests.conftest import Process, post_job
 from worker import previews
 from worker.previews import Cadence, Previewer, load_decoder
 
