@@ -29,9 +29,10 @@ from shared.contract.settings import Settings
 from worker.adapters import Adapters
 from worker.previews import Previewer, load_decoder
 from worker.samplers import Samplers
+from worker.threads import CALIBRATION_STEPS, ThreadChoice, work_of
+from worker.threads import TORCH_DEFAULT_THREADS as TORCH_DEFAULT_THREADS  # re-exported: bench reads it here
 from worker.tiny_model import ensure_tiny_model
 
-TORCH_DEFAULT_THREADS = torch.get_num_threads()  # before any load sets it: its cores or OMP_NUM_THREADS
 log = logging.getLogger(__name__)
 
 # After each denoising step: (step, total, latents), the latents as the sampler holds them (None
@@ -67,6 +68,7 @@ class ImagePipeline:
     adapters: Adapters
     previewer: Previewer
     variants: dict[JobKind, DiffusionPipeline] = field(default_factory=dict)
+    threads: ThreadChoice = field(default_factory=lambda: ThreadChoice(0, 0))  # torch's CPU threads
     # When each recent GPU section (denoising and decoding) began and ended, by time.perf_counter():
     # what the duty cycle is computed from.
     sections: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=10_000))
@@ -105,6 +107,7 @@ class ImagePipeline:
         if pipe.scheduler is not scheduler:  # setting a module rewrites the pipeline's config: 0.2 ms
             pipe.scheduler = scheduler
         self.adapters.use(self.pipe, first.loras)  # into the modules its twins share
+        self.threads.use(work_of(requests))
         arguments = self._arguments(pipe, requests, inputs)
         began = self.running_since = time.perf_counter()
         try:
@@ -188,10 +191,10 @@ def load_pipeline(settings: Settings) -> ImagePipeline:
     source: str | Path = settings.model
     if settings.model in TINY_MODELS:
         source = ensure_tiny_model(settings.cache_dir, settings.model)
-    threads = torch_threads(settings, device)
-    if threads:
-        torch.set_num_threads(threads)
-    log.info("loading %s on %s as %s, %d CPU threads", source, device, dtype, torch.get_num_threads())
+    threads = ThreadChoice.configured(settings.torch_threads, device)
+    if not threads.automatic:
+        threads.use(0)  # a fixed count, for the load too
+    log.info("loading %s on %s as %s", source, device, dtype)
     diffusers_logging.disable_progress_bar()  # a log file is no place for progress bars
     pipe = DiffusionPipeline.from_pretrained(source, dtype=dtype)
     pipe.to(device)
@@ -202,19 +205,26 @@ def load_pipeline(settings: Settings) -> ImagePipeline:
     loaded = ImagePipeline(pipe=pipe, device=device, samplers=Samplers(pipe.scheduler), info=info,
                            adapters=Adapters(lora_dir, settings.lora_cache),
                            previewer=Previewer(info.family, pipe.vae_scale_factor, decoder))
-    side = max(64, info.side_multiple * 4)
-    warm_up = JobRequest(prompt="warm-up", width=side, height=side, steps=1, seed=0)
-    loaded.generate(warm_up)
+    loaded.threads = _warm_up(loaded, threads)
+    log.info("loaded %s on %s as %s: %s", settings.model_name, device, dtype, loaded.threads)
     return loaded
 
 
-def torch_threads(settings: Settings, device: torch.device) -> int:
-    """The CPU threads to give torch (SLOTQ_TORCH_THREADS), or 0 to leave it its default: on the CPU
-    one fewer than that default, since every thread of an operator waits for the slowest, and one
-    the finishing process, Redis or the API took stalls them all."""
-    if settings.torch_threads:
-        return settings.torch_threads
-    return max(1, TORCH_DEFAULT_THREADS - 1) if device.type == "cpu" else 0
+def _warm_up(loaded: ImagePipeline, threads: ThreadChoice) -> ThreadChoice:
+    """Run a one-step image (a pipeline's first call is slow); the thread choice, its threshold
+    calibrated with a few more images where it is automatic."""
+    side = max(64, loaded.info.side_multiple * 4)
+    warm_up = JobRequest(prompt="warm-up", width=side, height=side, steps=1, seed=0)
+    loaded.generate(warm_up)
+    if not threads.automatic:
+        return threads
+
+    def run(size: int, count: int) -> None:
+        loaded.threads = ThreadChoice(count, count)  # switched as an execution switches it
+        loaded.generate(warm_up.model_copy(update={"width": size, "height": size,
+                                                   "steps": CALIBRATION_STEPS}))
+
+    return threads.calibrated(run, side, 4 * side)
 
 
 def family_of(pipe: DiffusionPipeline) -> Family:

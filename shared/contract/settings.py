@@ -76,8 +76,9 @@ class Settings(BaseSettings):
     model_family: Family | None = None
     device: str = "auto"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
-    # torch's CPU threads in the worker; 0: on the CPU one fewer than torch's default, so that the
-    # finishing process, Redis and the API keep a core; on a GPU torch's default.
+    # torch's CPU threads in the worker, every execution; 0: on the CPU 1 or torch's default by each
+    # execution's work (pixels x steps x images), from a threshold timed at warm-up (docs/settings.md);
+    # on a GPU torch's own count.
     torch_threads: int = Field(0, ge=0, le=1024)
     cache_dir: Path = Path.home() / ".cache" / "slotq"
     lora_dir: Path | None = None

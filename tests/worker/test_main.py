@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import io
+import math
+import re
 import subprocess
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import numpy
+import pytest
 from flask.testing import FlaskClient
 from PIL import Image
 from redis import Redis
 
+from shared.contract.jobs import JobRequest
 from shared.contract.models import UNET_SCHEDULERS
 from shared.contract.settings import Settings
 from tests.conftest import Process, post_job, wait_for, wait_for_status
@@ -243,16 +248,107 @@ def test_the_worker_answers_readyz_on_its_metrics_port(worker: Process, worker_s
         assert b"slotq_worker_jobs" in answer.read()
 
 
-def test_on_the_cpu_the_worker_leaves_torch_one_thread_fewer_than_its_default(
-        worker: Process, worker_settings: Settings) -> None:
-    # Every thread of a torch operator waits for the slowest: one the finishing process, Redis or
-    # the API takes a core from stalls them all, so the worker leaves them one (SLOTQ_TORCH_THREADS=0).
+def test_torch_threads_are_one_below_the_threshold_and_the_default_from_it_on_the_cpu() -> None:
+    # A small execution's operators gain little from more threads and lose the most when the
+    # finishing process, Redis or the API takes a core (every thread waits for the slowest); a
+    # large one's gain. A setting fixes the count; on a GPU the work is the device's.
     import torch
 
-    from worker.pipeline import TORCH_DEFAULT_THREADS, torch_threads
+    from worker.threads import TORCH_DEFAULT_THREADS, ThreadChoice, work_of
 
-    expected = max(1, TORCH_DEFAULT_THREADS - 1)
-    assert torch_threads(worker_settings, torch.device("cpu")) == expected
-    assert torch_threads(worker_settings, torch.device("cuda")) == 0  # torch's own on a GPU
-    assert torch_threads(worker_settings.model_copy(update={"torch_threads": 3}), torch.device("cpu")) == 3
-    assert f"as torch.float32, {expected} CPU threads" in worker.output()
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    automatic = ThreadChoice.configured(0, cpu)
+    assert (automatic.fewer, automatic.more) == (1, TORCH_DEFAULT_THREADS)
+    assert automatic.threads_for(10**9) == 1  # until calibrated
+    calibrated = replace(automatic, more=2, threshold=100_000)
+    small = work_of([JobRequest(prompt="a", width=64, height=64, steps=4, seed=0)])
+    large = work_of([JobRequest(prompt="a", width=256, height=256, steps=4, seed=0)])
+    batch = work_of([JobRequest(prompt="a", width=64, height=64, steps=4, num_images=2, seed=0)] * 4)
+    assert (small, large, batch) == (64 * 64 * 4, 256 * 256 * 4, 64 * 64 * 4 * 8)
+    works = (small, 99_999, 100_000, batch, large)
+    assert [calibrated.threads_for(work) for work in works] == [1, 1, 2, 2, 2]
+    fixed = replace(ThreadChoice.configured(3, cpu), threshold=0)
+    assert [fixed.threads_for(work) for work in (0, small, large)] == [3, 3, 3] and not fixed.automatic
+    assert [ThreadChoice.configured(0, cuda).threads_for(work) for work in (small, large)] == [0, 0]
+    assert ThreadChoice.configured(3, cuda).threads_for(small) == 3
+
+
+def test_the_threshold_is_where_more_threads_start_to_win_by_the_margin() -> None:
+    from worker.threads import MARGIN, Timing, crossover
+
+    assert MARGIN == 0.05
+    # Two threads 10 ms short of winning by 5 % at 10,000 pixel-steps, 10 ms past it at 110,000:
+    # the threshold is half way.
+    assert crossover(Timing(10_000, 0.100, 0.105), Timing(110_000, 0.500, 0.465)) == pytest.approx(60_000)
+    assert crossover(Timing(10_000, 0.100, 0.050), Timing(110_000, 0.500, 0.200)) == 0  # they win at both
+    assert crossover(Timing(10_000, 0.100, 0.100), Timing(110_000, 0.500, 0.490)) == math.inf  # by 2 %
+    # Another process took a core: more threads lost at both sizes, by less at the large one.
+    assert crossover(Timing(8_192, 0.029, 0.371), Timing(131_072, 0.090, 0.283)) == math.inf
+
+
+@pytest.mark.parametrize(("scale", "stall", "calls", "found"), [
+    (1, 1, 1 + 5 * 4, "between"),  # the tiny model: five rounds fit in a second
+    (100, 1, 1 + 3 * 4, "between"),  # a model 100 times slower: its budget grows with its first call
+    (1, 30, 1 + 4 + 2, "never"),  # more threads stall (a core taken): cut at 2 s, and they lose
+    (1, 120, 1 + 2, "never"),  # not one round in 2 s
+])
+def test_calibration_keeps_the_best_of_interleaved_rounds_within_its_budget(
+        monkeypatch: pytest.MonkeyPatch, scale: float, stall: float, calls: int, found: str) -> None:
+    from worker import threads
+
+    # A clock that only the calls move: each size's time at each count, more threads stalled by `stall`.
+    costs = {(64, 1): 0.017, (64, 2): 0.018 * stall, (256, 1): 0.045, (256, 2): 0.038 * stall}
+    now, made = [0.0], []
+
+    def run(side: int, count: int) -> None:
+        made.append((side, count))
+        now[0] += scale * costs[side, count]
+
+    monkeypatch.setattr(threads, "perf_counter", lambda: now[0])
+    choice = threads.ThreadChoice(1, 2).calibrated(run, 64, 256)
+    assert len(made) == calls and made[:3] == [(256, 1), (64, 1), (64, 2)]  # untimed first, then in turn
+    assert choice.calibration_s == pytest.approx(now[0])
+    if found == "never":
+        assert choice.threshold == math.inf
+    else:  # two threads lose at 64 (8,192 pixel-steps) and win by over 5 % at 256 (131,072)
+        expected = threads.crossover(threads.Timing(8_192, 0.017 * scale, 0.018 * scale),
+                                     threads.Timing(131_072, 0.045 * scale, 0.038 * scale))
+        assert choice.threshold == pytest.approx(expected) and 8_192 < expected < 131_072
+
+
+def test_on_the_cpu_each_execution_runs_at_the_threads_its_work_takes(model_cache: Path) -> None:
+    import torch
+
+    from worker.pipeline import load_pipeline
+    from worker.threads import TORCH_DEFAULT_THREADS, ThreadChoice
+
+    before = torch.get_num_threads()
+    try:
+        pipeline = load_pipeline(Settings(cache_dir=model_cache, device="cpu", torch_threads=0))
+        assert pipeline.threads.automatic == (TORCH_DEFAULT_THREADS > 1)
+        assert (pipeline.threads.calibration_s is not None) == pipeline.threads.automatic
+        # The threshold calibrated on a busy machine may be anywhere: set one between the two sizes.
+        pipeline.threads = ThreadChoice(1, 2, threshold=64 * 64 * 2 + 1)
+        seen: list[int] = []
+
+        def threads_in(side: int) -> int:
+            request = JobRequest(prompt="a", width=side, height=side, steps=2, seed=0)
+            pipeline.generate(request, lambda step, total, latents: seen.append(torch.get_num_threads()))
+            return seen[-1]
+
+        assert [threads_in(64), threads_in(128), threads_in(64)] == [1, 2, 1]
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_worker_logs_its_thread_choice_when_it_is_ready(worker: Process) -> None:
+    from worker.threads import TORCH_DEFAULT_THREADS
+
+    # One line says how the count is chosen: the threshold the warm-up found, or that more
+    # threads never won (on a busy machine), or the one count where torch has only one.
+    more = TORCH_DEFAULT_THREADS
+    choice = r"1 CPU thread\(s\)$"
+    if more > 1:
+        choice = (rf"1 CPU thread\(s\) (below [\d,]+ pixel-steps .*, {more} from there"
+                  rf"|at any work \({more} never won .*), calibrated in [\d.]+ s\)?$")
+    assert re.search(rf"loaded default on cpu as torch.float32: {choice}", worker.output(), re.MULTILINE)
