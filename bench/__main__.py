@@ -1,7 +1,9 @@
 """Every benchmark in turn, as one report: ``python -m bench [--quick]``.
 
 Each section prints its figures next to a baseline measured in the same run, so a noisy machine
-moves both. ``--quick`` runs tiny sizes, for CI's smoke test; its figures mean little.
+moves both. ``--quick`` proves each runs, for CI's smoke test: the least of each (one round, the
+fewest jobs and ways) and one service for every section that follows jobs through one; its
+figures mean little.
 """
 
 from __future__ import annotations
@@ -10,30 +12,50 @@ import argparse
 import os
 import platform
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 
 from bench import adapters, admission, batching, edges, end_to_end, gpu, images, memory, streams
+from slotq.harness import Service
+from slotq.localredis import free_port
 
 Section = tuple[str, Callable[[], list[str]]]
 
 
-def sections(quick: bool) -> list[Section]:
-    """The report's sections, with their sizes."""
-    if quick:
-        return [("Speed at the edges", lambda: edges.report(quick=True)),
-                ("GPU duty cycle and dispatch overhead",
-                 lambda: gpu.report(jobs=4, size=64, steps=1, large_jobs=0, dispatch_jobs=20, rounds=1)),
-                ("Dynamic batching", lambda: batching.batching_lines(rounds=1, sizes=(64,))),
-                ("Admission", lambda: admission.report(jobs=40, processes=2, clients=4)),
-                ("End to end", lambda: end_to_end.report(jobs=8, clients=4, size=64, steps=1)),
-                ("Memory", lambda: memory.report(jobs=40, first=10, clients=4)),
-                ("Image inputs", lambda: images.report(size=256, checks=20, posts=20, runs=2, steps=1)),
-                ("LoRA adapters",
-                 lambda: adapters.report(rounds=2, size=64, jobs=12, duty_jobs=3, duty_rounds=1)),
-                ("Event streams", lambda: streams.report(streams=4, threads=2, requests=5))]
+def quick_sections(shared: Service) -> list[Section]:
+    """The report's sections at their least, those that follow jobs through a service on ``shared``."""
+    return [("Speed at the edges", lambda: edges.report(quick=True, shared=shared)),
+            ("GPU duty cycle and dispatch overhead",
+             lambda: gpu.report(jobs=2, size=64, steps=1, large_jobs=0, dispatch_jobs=4, rounds=1,
+                                one_process=True)),
+            ("Dynamic batching", lambda: batching.batching_lines(rounds=1, sizes=(64,), settle_s=0)),
+            ("Admission", lambda: admission.report(jobs=40, processes=2, clients=4, settle_s=0)),
+            ("End to end", lambda: end_to_end.report(jobs=4, clients=2, size=64, steps=1, shared=shared)),
+            ("Memory", lambda: memory.report(jobs=4, first=2, clients=2, shared=shared)),
+            ("Image inputs",
+             lambda: images.report(size=64, checks=5, posts=5, runs=1, steps=1, shared=shared)),
+            ("LoRA adapters",
+             lambda: adapters.report(rounds=1, size=64, jobs=4, duty_jobs=2, duty_rounds=1,
+                                     duty_ways=(gpu.LOOP, "slotq worker"))),
+            # As many threads as streams and more: no call waits out its timeout.
+            ("Event streams", lambda: streams.report(streams=4, threads=8, requests=5))]
+
+
+@contextmanager
+def shared_service() -> Iterator[Service]:
+    """One service for the quick sections (each of its worker's starts imports torch and diffusers),
+    serving its worker's metrics, which bench.edges reads."""
+    with tempfile.TemporaryDirectory(prefix="slotq-bench-") as scratch, \
+            end_to_end.running(Path(scratch), 8, log_level="INFO", worker_metrics_port=free_port()) as shared:
+        yield shared
+
+
+def sections() -> list[Section]:
+    """The report's sections, at their full sizes."""
     return [("Speed at the edges", edges.report),
             ("GPU duty cycle and dispatch overhead", gpu.report),
             ("Dynamic batching", batching.batching_lines),
@@ -82,12 +104,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test; figures mean little)")
     args = parser.parse_args(argv)
     print("\n".join(machine() + (["--quick: tiny sizes, figures mean little"] if args.quick else [])))
-    for title, run in sections(args.quick):
+    if not args.quick:
+        run_all(sections())
+        return 0
+    began = time.monotonic()
+    with shared_service() as shared:
+        print(f"(one service for the sections, ready in {time.monotonic() - began:.0f} s)", flush=True)
+        run_all(quick_sections(shared))
+    return 0
+
+
+def run_all(parts: list[Section]) -> None:
+    """Each section under its title, with the time it took."""
+    for title, run in parts:
         print(f"\n== {title} ==", flush=True)
         began = time.monotonic()
         print("\n".join(run()))
         print(f"({time.monotonic() - began:.0f} s; load average {load_average()})", flush=True)
-    return 0
 
 
 if __name__ == "__main__":

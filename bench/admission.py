@@ -18,10 +18,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
-import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -35,8 +31,10 @@ from redis import Redis
 from redis.connection import Connection
 
 from api.app import create_app
+from bench.stats import median, percentile
 from shared.contract.settings import Settings
 from shared.store.connection import connect
+from slotq import harness
 from slotq.localredis import free_port, running_redis
 
 BODY = json.dumps({"prompt": "bench", "width": 256, "height": 256, "steps": 4})
@@ -64,14 +62,9 @@ class RoundTrips:
             Connection.send_packed_command = cls._send  # type: ignore[method-assign]
 
 
-def percentile(ordered: list[float], share: float) -> float:
-    return ordered[int(share * (len(ordered) - 1))]
-
-
 def row(name: str, times: list[float], wall: float, *extra: str) -> str:
-    ordered = sorted(times)
-    return (f"{name:36}{1000 * statistics.median(ordered):>9.3f}{1000 * percentile(ordered, 0.99):>9.3f}"
-            f"{len(ordered) / wall:>9.0f}" + "".join(f"{value:>11}" for value in extra))
+    return (f"{name:36}{1000 * median(times):>9.3f}{1000 * percentile(times, 0.99):>9.3f}"
+            f"{len(times) / wall:>9.0f}" + "".join(f"{value:>11}" for value in extra))
 
 
 def in_process(url: str, jobs: int, scratch: Path) -> list[str]:
@@ -116,6 +109,10 @@ def bare_app(settings: Settings) -> Flask:
     connection = connect(settings)
     app.extensions.update({"slotq.settings": settings, "slotq.draining": Event()})
 
+    @app.get("/healthz")
+    def healthz() -> tuple[object, int]:
+        return jsonify({"status": "ok"}), 200  # what the harness waits for, as with slotq's API
+
     @app.post("/v1/jobs")
     def push() -> tuple[object, int]:
         request.get_json()
@@ -126,41 +123,24 @@ def bare_app(settings: Settings) -> Flask:
 
 
 @contextmanager
-def served(settings: Settings, processes: int, bare: bool, scratch: Path,
-           log_level: str = "WARNING") -> Iterator[int]:
+def served(settings: Settings, processes: int, bare: bool, scratch: Path, log_level: str = "WARNING",
+           settle_s: float = SETTLE_S) -> Iterator[int]:
     """A bare or a slotq API under gunicorn on a free port, both configured alike; the port."""
+    settings = settings.model_copy(update={"api_workers": processes, "api_threads": 8, "log_level": log_level,
+                                           "drain_s": 0})
     port = free_port()
-    env = {key: value for key, value in os.environ.items() if not key.startswith("SLOTQ_")}
-    env |= {"SLOTQ_REDIS_URL": settings.redis_url, "SLOTQ_QUEUE_NAME": settings.queue_name,
-            "SLOTQ_QUEUE_CAPACITY": str(settings.queue_capacity), "SLOTQ_API_WORKERS": str(processes),
-            "SLOTQ_API_THREADS": "8", "SLOTQ_LOG_LEVEL": log_level, "SLOTQ_DRAIN_S": "0"}
-    command = [sys.executable, "-m", "bench.admission", "--serve-bare", str(port)] if bare else [
-        sys.executable, "-m", "slotq.cli", "api", "--port", str(port)]
-    with (scratch / f"api-{port}.log").open("wb") as log:
-        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    args, module = (["--serve-bare", str(port)], "bench.admission") if bare else (
+        ["api", "--port", str(port)], "slotq.cli")
+    process = harness.spawn(args, harness.slotq_env(settings), scratch / f"api-{port}.log", module=module)
+    process.url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while not _answers(port):
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start: {(scratch / f'api-{port}.log').read_text()}")
-            time.sleep(0.1)
+        harness.wait_api(process)
         # gunicorn's processes each load the app after forking, so the first to answer may be alone
-        # for a moment: keep-alive clients connecting then all land on it (seen: half the req/s).
-        time.sleep(SETTLE_S)
+        # for a moment: keep-alive clients connecting then all land on it.
+        time.sleep(settle_s)
         yield port
     finally:
-        process.terminate()
-        process.wait(30)
-
-
-def _answers(port: int) -> bool:
-    try:
-        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
-        connection.request("POST", "/v1/jobs/none", body="{}")
-        connection.getresponse().read()
-        return True
-    except OSError:
-        return False
+        process.stop(30)
 
 
 def load(port: int, requests: int, clients: int,
@@ -190,16 +170,18 @@ def load(port: int, requests: int, clients: int,
     return [seconds for seconds, _ in results], wall, statuses
 
 
-def over_http(url: str, jobs: int, processes: int, clients: int, scratch: Path) -> list[str]:
+def over_http(url: str, jobs: int, processes: int, clients: int, scratch: Path,
+              settle_s: float = SETTLE_S) -> list[str]:
     """Accepted and refused submits through real gunicorn processes, against a bare Flask LPUSH."""
     settings = Settings(redis_url=url, queue_name="http", queue_capacity=jobs, cache_dir=scratch)
-    with served(settings, processes, True, scratch) as port:
+    with served(settings, processes, True, scratch, settle_s=settle_s) as port:
         load(port, min(200, jobs), clients)  # warm up connections and code paths
         baseline = load(port, jobs, clients)
-    with served(settings, processes, False, scratch) as port:
+    with served(settings, processes, False, scratch, settle_s=settle_s) as port:
         admitted = load(port, jobs, clients)
         refused = load(port, jobs, clients)
-    lines = [f"over HTTP: gunicorn gthread, {processes} API processes x 8 threads, {clients} keep-alive "
+    lines = [f"over HTTP: gunicorn {settings.api_worker_class}, {processes} API processes x 8 threads, "
+             f"{clients} keep-alive "
              f"clients, {jobs} requests each (the load generator shares this machine's cores)",
              HEADER + f"{'statuses':>11}"]
     for name, (times, wall, statuses) in [("bare Flask + LPUSH (baseline)", baseline),
@@ -210,12 +192,12 @@ def over_http(url: str, jobs: int, processes: int, clients: int, scratch: Path) 
     return lines
 
 
-def report(jobs: int = 2000, processes: int = 2, clients: int = 16) -> list[str]:
+def report(jobs: int = 2000, processes: int = 2, clients: int = 16, settle_s: float = SETTLE_S) -> list[str]:
     """Both views on their own Redis; the tables."""
     with tempfile.TemporaryDirectory(prefix="slotq-bench-") as scratch, \
             running_redis(Path(scratch) / "redis") as url:
         return (in_process(url, jobs, Path(scratch)) + [""]
-                + over_http(url, jobs, processes, clients, Path(scratch)))
+                + over_http(url, jobs, processes, clients, Path(scratch), settle_s))
 
 
 def main() -> None:

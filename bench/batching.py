@@ -9,11 +9,11 @@ measured in this run) and as batches of 4 and 8 compatible jobs, each with its o
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
+from bench.stats import median, timed
 from shared.contract.jobs import JobRequest
 from shared.contract.settings import Settings
 
@@ -26,17 +26,11 @@ def images_per_second(pipeline: object, size: int, batch: int, rounds: int) -> f
     single calls on a shared machine now and then take ten times as long."""
     requests = [JobRequest(prompt=f"b{i}", width=size, height=size, steps=4, seed=i) for i in range(batch)]
     run = pipeline.generate_batch  # type: ignore[attr-defined]
-    for _ in range(2):  # the first calls of a shape are slower: warm up, untimed
-        run(requests)
-    times = []
-    for _ in range(rounds):
-        began = time.perf_counter()
-        run(requests)
-        times.append(time.perf_counter() - began)
-    return batch / statistics.median(times)
+    # The first calls of a shape are slower: two warm-ups, untimed.
+    return batch / median(timed(lambda: run(requests), rounds, warm_ups=2))
 
 
-def batching_lines(rounds: int = 7, sizes: tuple[int, ...] = SIZES) -> list[str]:
+def batching_lines(rounds: int = 7, sizes: tuple[int, ...] = SIZES, settle_s: float = 5.0) -> list[str]:
     """The table, one row per size: images/s by batch size, and the speed-up over batch 1."""
     from worker.pipeline import load_pipeline
 
@@ -44,7 +38,7 @@ def batching_lines(rounds: int = 7, sizes: tuple[int, ...] = SIZES) -> list[str]
         pipeline = load_pipeline(Settings(cache_dir=Path(scratch), device="cpu"))
     # A fresh process runs its first seconds of torch work several times slower: settle first.
     settle = [JobRequest(prompt="settle", width=64, height=64, steps=4, seed=0)]
-    until = time.perf_counter() + 5
+    until = time.perf_counter() + settle_s
     while time.perf_counter() < until:
         pipeline.generate_batch(settle)
     header = "".join(f"{f'batch {b} img/s':>16}" for b in BATCHES) + f"{'x at 8':>8}"

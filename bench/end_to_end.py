@@ -18,42 +18,23 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
-import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
-from redis import Redis
-from rq import Worker
-
 from bench.gpu import Sections, in_process_loop, requests
+from bench.stats import percentiles
 from shared.contract.jobs import JobStatus
 from shared.contract.settings import Settings
-from slotq.localredis import free_port, start_redis
+from slotq import harness
+from slotq.harness import Service
 
 PNG = b"\x89PNG\r\n\x1a\n"
 WAIT_S = 30
-START_TIMEOUT_S = 180.0
 Body = dict[str, Any]
-
-
-@dataclass(frozen=True)
-class Service:
-    """A running slotq: the API's port and the processes to sample."""
-
-    port: int
-    api: subprocess.Popen[bytes]
-    worker: subprocess.Popen[bytes]
-    scratch: Path
-    redis: subprocess.Popen[bytes]
 
 
 def bench_settings(scratch: Path, clients: int, redis_url: str = "redis://127.0.0.1:6379/0") -> Settings:
@@ -63,72 +44,15 @@ def bench_settings(scratch: Path, clients: int, redis_url: str = "redis://127.0.
                     api_threads=max(4, clients))
 
 
-def slotq_env(settings: Settings) -> dict[str, str]:
-    """The environment that gives a slotq process these settings, and nothing else of SLOTQ_*."""
-    env = {key: value for key, value in os.environ.items() if not key.startswith("SLOTQ_")}
-    env.update({f"SLOTQ_{name.upper()}": json.dumps(value) if isinstance(value, list | dict) else str(value)
-                for name, value in settings.model_dump(mode="json").items() if value is not None})
-    return env
+def running(scratch: Path, clients: int, **overrides: Any) -> AbstractContextManager[Service]:
+    """Redis, one ``slotq api`` and one ``slotq worker`` on :func:`bench_settings` with ``overrides``."""
+    return harness.service(bench_settings(scratch, clients).model_copy(update=overrides), scratch)
 
 
-def spawn(args: list[str], settings: Settings, log: Path) -> subprocess.Popen[bytes]:
-    """Start ``slotq ARGS`` with its output in ``log``."""
-    with log.open("wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "slotq.cli", *args], env=slotq_env(settings),
-                                stdout=out, stderr=subprocess.STDOUT)
-
-
-def stop(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM, then SIGKILL if it does not end within 30 s."""
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-@contextmanager
-def running(scratch: Path, clients: int, **overrides: Any) -> Iterator[Service]:
-    """Redis, one ``slotq api`` and one ``slotq worker``, ready; all stopped on the way out.
-    ``overrides`` replace settings of :func:`bench_settings` (``max_batch=8``, ``log_level="INFO"``)."""
-    with ExitStack() as stack:
-        redis_port = free_port()
-        redis = start_redis(redis_port, scratch / "redis")
-        stack.callback(stop, redis)
-        settings = bench_settings(scratch, clients, f"redis://127.0.0.1:{redis_port}/0")
-        settings = settings.model_copy(update=overrides)
-        port = free_port()
-        api = spawn(["api", "--port", str(port)], settings, scratch / "api.log")
-        stack.callback(stop, api)
-        worker = spawn(["worker"], settings, scratch / "worker.log")
-        stack.callback(stop, worker)  # stopped first: the callbacks run last in, first out
-        service = Service(port, api, worker, scratch, redis)
-        wait_ready(service, settings)
-        yield service
-
-
-def wait_ready(service: Service, settings: Settings) -> None:
-    """Until the API answers /readyz and the worker has registered (after loading the model)."""
-    deadline = time.monotonic() + START_TIMEOUT_S
-    with Redis.from_url(settings.redis_url) as connection:
-        while not (_ready(service.port) and
-                   any(w.pid == service.worker.pid for w in Worker.all(connection=connection))):
-            for name, process in (("api", service.api), ("worker", service.worker)):
-                if process.poll() is not None:
-                    log = (service.scratch / f"{name}.log").read_text(errors="replace")
-                    raise RuntimeError(f"slotq {name} exited during start-up:\n{log[-3000:]}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"slotq did not get ready within {START_TIMEOUT_S:.0f}s")
-            time.sleep(0.1)
-
-
-def _ready(port: int) -> bool:
-    try:
-        return call(port, "GET", "/readyz")[0] == 200
-    except OSError:
-        return False
+def serving(shared: Service | None, scratch: Path, clients: int, **overrides: Any
+            ) -> AbstractContextManager[Service]:
+    """``shared`` as it is (a service several benchmarks use, in ``--quick``), else :func:`running`."""
+    return nullcontext(shared) if shared is not None else running(scratch, clients, **overrides)
 
 
 def call(port: int, method: str, path: str, body: Body | None = None) -> tuple[int, bytes]:
@@ -208,14 +132,6 @@ def loop_latencies(sections: Sections, clients: int) -> tuple[list[float], float
     return [end - sent[index] for index, end in enumerate(done)], done[-1] - sections[0][0]
 
 
-def percentiles(values: list[float]) -> tuple[float, float, float]:
-    """p50, p95 and p99, interpolated."""
-    if len(values) < 2:
-        return values[0], values[0], values[0]
-    cuts = statistics.quantiles(values, n=100, method="inclusive")
-    return cuts[49], cuts[94], cuts[98]
-
-
 def table(title: str, runs: dict[str, tuple[list[float], float]]) -> list[str]:
     """One row per run: latency percentiles, images per second and its share of the first row's."""
     baseline, baseline_wall = next(iter(runs.values()))
@@ -228,12 +144,13 @@ def table(title: str, runs: dict[str, tuple[list[float], float]]) -> list[str]:
     return lines
 
 
-def report(jobs: int = 60, clients: int = 8, size: int = 256, steps: int = 4) -> list[str]:
-    """Run the loop, then the service, on this machine; the table."""
+def report(jobs: int = 60, clients: int = 8, size: int = 256, steps: int = 4,
+           shared: Service | None = None) -> list[str]:
+    """Run the loop, then the service (``shared``, or one of its own), on this machine; the table."""
     with tempfile.TemporaryDirectory(prefix="slotq-bench-") as scratch:
         loop = loop_latencies(in_process_loop(bench_settings(Path(scratch), clients),
                                               requests(jobs, size, steps)), clients)
-        with running(Path(scratch), clients) as service:
+        with serving(shared, Path(scratch), clients) as service:
             burst(service.port, bodies(clients, 64, 1, first_seed=10**6), clients)  # warm every path
             served = burst(service.port, bodies(jobs, size, steps), clients)
     per_image = {name: 1000 * wall / len(latencies) for name, (latencies, wall) in

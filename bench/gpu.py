@@ -32,17 +32,20 @@ import sys
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from PIL import Image
 
+from bench.stats import median, median_item, percentile, ratios
 from shared.contract.jobs import JobRequest
 from shared.contract.models import ModelInfo, model_info
 from shared.contract.settings import Settings
 from shared.store import admission
 from shared.store.connection import connect, job_queue
+from slotq.harness import slotq_env
 from slotq.localredis import running_redis
 from worker.adapters import Adapters
 from worker.previews import Previewer
@@ -98,8 +101,7 @@ class Figures:
         return self.jobs / self.wall
 
     def gap_ms(self, share: float) -> float:
-        ordered = sorted(self.gaps) or [0.0]
-        return 1000 * ordered[int(share * (len(ordered) - 1))]
+        return 1000 * percentile(self.gaps or [0.0], share)
 
 
 def requests(count: int, size: int, steps: int, previews: bool = False) -> list[JobRequest]:
@@ -120,9 +122,68 @@ def in_process_loop(settings: Settings, batch: list[JobRequest]) -> Sections:
     return list(pipeline.sections)
 
 
-def through_worker(kind: str, settings: Settings, batch: list[JobRequest], scratch: Path,
-                   null: bool = False) -> Sections:
-    """Admit the whole batch, then run a worker of this kind in burst mode; its GPU sections."""
+@dataclass(frozen=True)
+class WorkerRun:
+    """One burst worker's run: its kind (slotq or plain RQ), its settings and jobs, and whether its
+    pipeline does no work."""
+
+    kind: str
+    settings: Settings
+    batch: list[JobRequest]
+    null: bool = False
+
+    def plan(self, trace: Path) -> dict[str, Any]:
+        """The run as the worker process reads it, with where it writes its GPU sections."""
+        env = {key: value for key, value in slotq_env(self.settings).items() if key.startswith("SLOTQ_")}
+        return {"kind": self.kind, "null": self.null, "env": env, "trace": str(trace),
+                "batch": [request.model_dump(mode="json") for request in self.batch]}
+
+
+def through_workers(runs: Sequence[WorkerRun], scratch: Path) -> list[Sections]:
+    """The runs in turn in one worker process, each queuing its jobs, then running the line dry in
+    burst mode; each run's GPU sections."""
+    plan, log = scratch / "plan.json", scratch / "worker.log"
+    traces = [scratch / f"trace-{index}.json" for index in range(len(runs))]
+    plan.write_text(json.dumps([run.plan(trace) for run, trace in zip(runs, traces, strict=True)]))
+    with log.open("wb") as out:
+        done = subprocess.run([sys.executable, "-m", "bench.gpu", "--serve", str(plan)],
+                              env=slotq_env(runs[0].settings), stdout=out, stderr=out, timeout=1800)
+    if done.returncode != 0:
+        raise SystemExit(f"the worker failed:\n{log.read_text()}")
+    return [[tuple(pair) for pair in json.loads(trace.read_text())][-len(run.batch):]  # not a warm-up
+            for run, trace in zip(runs, traces, strict=True)]
+
+
+def each_through_workers(runs: Sequence[WorkerRun], scratch: Path, one_process: bool) -> list[Sections]:
+    """The runs in one worker process, or each in a fresh one of its own (as a worker starts)."""
+    if one_process:
+        return through_workers(runs, scratch)
+    return [through_workers([run], scratch)[0] for run in runs]
+
+
+def serve(plan: Path) -> None:
+    """In the worker subprocess: each run of the plan in turn, then its pipeline's GPU sections written."""
+    from shared.contract.settings import get_settings
+    from worker.pipeline import load_pipeline, set_current_pipeline
+
+    logging.basicConfig(level=logging.WARNING)
+    for run in json.loads(plan.read_text()):
+        # The worker's code reads its settings once, from the environment (its finishing process
+        # too): each run's are put there, and read again.
+        for key in [key for key in os.environ if key.startswith("SLOTQ_")]:
+            del os.environ[key]
+        os.environ.update(run["env"])
+        get_settings.cache_clear()
+        settings = get_settings()
+        queue_jobs(run["kind"], settings, [JobRequest.model_validate(request) for request in run["batch"]])
+        pipeline = NullPipeline() if run["null"] else load_pipeline(settings)
+        set_current_pipeline(pipeline)  # type: ignore[arg-type]
+        serve_burst(run["kind"], settings)
+        Path(run["trace"]).write_text(json.dumps(list(pipeline.sections)))
+
+
+def queue_jobs(kind: str, settings: Settings, batch: list[JobRequest]) -> None:
+    """The whole batch waiting, on an empty database, as each kind of worker takes it."""
     connection = connect(settings)
     connection.flushdb()
     queue = job_queue(connection, settings)
@@ -131,40 +192,29 @@ def through_worker(kind: str, settings: Settings, batch: list[JobRequest], scrat
             admission.enqueue_job(queue, settings, request)
         else:  # RQ's own list, as a user of plain RQ would enqueue it
             queue.enqueue("worker.tasks.generate", kwargs={"request": request.model_dump(mode="json")})
-    trace = scratch / f"{kind}-trace.json"
-    env = {key: value for key, value in os.environ.items() if not key.startswith("SLOTQ_")}
-    env |= {f"SLOTQ_{name.upper()}": json.dumps(value) if isinstance(value, list | dict) else str(value)
-            for name, value in settings.model_dump(mode="json").items() if value is not None}
-    command = [sys.executable, "-m", "bench.gpu", "--serve", kind, "--trace", str(trace)]
-    with (scratch / f"{kind}.log").open("wb") as log:
-        done = subprocess.run(command + (["--null"] if null else []), env=env, stdout=log, stderr=log,
-                              timeout=1800)
-    if done.returncode != 0:
-        raise SystemExit(f"the {kind} worker failed:\n{(scratch / f'{kind}.log').read_text()}")
-    sections = [tuple(pair) for pair in json.loads(trace.read_text())]
-    return sections[-len(batch):]  # the jobs, not the model's warm-up
 
 
-def serve(kind: str, trace: Path, null: bool) -> None:
-    """In the worker subprocess: run the queue dry, then write the pipeline's GPU sections."""
+def serve_burst(kind: str, settings: Settings) -> None:
+    """A worker of this kind in burst mode: until its line is dry."""
     from rq import Queue, SimpleWorker
     from rq.serializers import JSONSerializer
 
-    from shared.contract.settings import get_settings
     from worker.main import SlotWorker, connect_worker
-    from worker.pipeline import load_pipeline, set_current_pipeline
 
-    logging.basicConfig(level=logging.WARNING)
-    settings = get_settings()
-    pipeline = NullPipeline() if null else load_pipeline(settings)
-    set_current_pipeline(pipeline)  # type: ignore[arg-type]
     if kind == "slotq":
         SlotWorker(job_queue(connect_worker(settings), settings), settings).serve(burst=True)
-    else:
-        connection = connect(settings, blocking=True)
-        queue = Queue(settings.queue_name, connection=connection, serializer=JSONSerializer)
-        SimpleWorker([queue], connection=connection, serializer=JSONSerializer).work(burst=True)
-    trace.write_text(json.dumps(list(pipeline.sections)))
+        return
+    class BurstWorker(SimpleWorker):  # type: ignore[misc]
+        """Plain RQ's worker without its command channel, which a burst run never hears from."""
+
+        def subscribe(self) -> None:
+            # Unsubscribing stops the listening thread, and redis-py 8's stop() waits for it: up to
+            # RQ's 60 s poll once the channel is gone, a minute added to every run's end.
+            pass
+
+    connection = connect(settings, blocking=True)
+    queue = Queue(settings.queue_name, connection=connection, serializer=JSONSerializer)
+    BurstWorker([queue], connection=connection, serializer=JSONSerializer).work(burst=True)
 
 
 def bare_loop(settings: Settings, count: int) -> float:
@@ -182,74 +232,86 @@ def bare_loop(settings: Settings, count: int) -> float:
 def duty_table(title: str, measured: dict[str, list[Figures]]) -> list[str]:
     """Each way's median round, and its share of the loop: the median of its rounds' shares, each
     against the loop's run of the same round (a slow spell of the machine hits both)."""
-    loops = measured[LOOP]
+    def shares(name: str, base: str) -> list[float]:
+        return [100 * share for share in ratios(per_second(measured[name]), per_second(measured[base]))]
+
     lines = [title, f"{'':30}{'jobs/s':>8}{'% of loop':>11}{'duty':>8}{'gap p50 ms':>12}{'gap p99 ms':>12}"]
-    shares: dict[str, list[float]] = {}
     for name, rounds in measured.items():
-        shares[name] = sorted(100 * run.per_second / loop.per_second for run, loop in zip(rounds, loops,
-                                                                                         strict=True))
-        figures = median_round(rounds)
-        lines.append(f"{name:30}{figures.per_second:>8.2f}{shares[name][len(rounds) // 2]:>10.1f}%"
+        figures = median_item(rounds, lambda run: run.per_second)
+        lines.append(f"{name:30}{figures.per_second:>8.2f}{median(shares(name, LOOP)):>10.1f}%"
                      f"{100 * figures.busy / figures.wall:>7.1f}%{figures.gap_ms(0.5):>12.2f}"
                      f"{figures.gap_ms(0.99):>12.2f}")
     for name in list(measured)[1:]:
-        lines.append(f"% of loop by round, {name}: " + " ".join(f"{share:.1f}" for share in shares[name]))
+        by_round = " ".join(f"{share:.1f}" for share in shares(name, LOOP))
+        lines.append(f"% of loop by round, {name}: {by_round}")
     flipped = [(name, f"claiming ahead {name.removeprefix(CLAIM_AHEAD)}:") for name in measured
                if name.startswith(CLAIM_AHEAD)]
     for name, what in ((FILE_STORE, "the file store's"), (PREVIEWS, "previews'"), *flipped):
         if name in measured:  # against the same worker as it is by default, round by round
-            ratios = sorted(100 * run.per_second / plain.per_second
-                            for run, plain in zip(measured[name], measured["slotq worker"], strict=True))
-            lines.append(f"{what} jobs/s, % of the slotq worker's (median {ratios[len(ratios) // 2]:.1f}) "
-                         "by round: " + " ".join(f"{ratio:.1f}" for ratio in ratios))
+            against = shares(name, "slotq worker")
+            lines.append(f"{what} jobs/s, % of the slotq worker's (median {median(against):.1f}) "
+                         "by round: " + " ".join(f"{ratio:.1f}" for ratio in against))
     return lines
 
 
+def per_second(rounds: list[Figures]) -> list[float]:
+    return [run.per_second for run in rounds]
+
+
 def duty_cycle(settings: Settings, batch: list[JobRequest], scratch: Path, rounds: int = 5,
-               claim_ahead_ab: bool = False) -> list[str]:
-    """The ways, interleaved for ``rounds`` rounds: the loop, plain RQ, the slotq worker, and the
-    slotq worker with its results in a folder, (jobs of two steps or more) with live previews and
-    (``claim_ahead_ab``) with claiming ahead the other way from what ``auto`` picks on this device.
+               claim_ahead_ab: bool = False, only: Collection[str] = (), one_process: bool = False
+               ) -> list[str]:
+    """The loop and the :func:`worker_ways` (``only`` those that it names, where it names some),
+    interleaved for ``rounds`` rounds, the worker ways of a round in one process with ``one_process``.
 
     Interleaving spreads the machine's slow spells (other processes, thermal) over all the ways
     instead of letting one of them draw the bad minute; the median drops the odd round out.
     """
-    ways: dict[str, Callable[[], Sections]] = {
-        LOOP: lambda: in_process_loop(settings, batch),
-        "plain RQ SimpleWorker": lambda: through_worker("rq", settings, batch, scratch),
-        "slotq worker": lambda: through_worker("slotq", settings, batch, scratch)}
-    # The same worker writing its PNGs to a folder (SLOTQ_RESULT_STORE=file://) instead of Redis.
-    in_folder = settings.model_copy(update={"result_store": f"file://{scratch / 'results'}"})
-    ways[FILE_STORE] = lambda: through_worker("slotq", in_folder, batch, scratch)
+    ways = {name: run for name, run in worker_ways(settings, batch, scratch, claim_ahead_ab).items()
+            if name in only or not only}
+    measured: dict[str, list[Figures]] = {name: [] for name in [LOOP, *ways] if name in only or not only}
+    for _ in range(rounds):
+        if LOOP in measured:
+            measured[LOOP].append(Figures.of(in_process_loop(settings, batch)))
+        for name, sections in zip(ways, each_through_workers(list(ways.values()), scratch, one_process),
+                                  strict=True):
+            measured[name].append(Figures.of(sections))
     first = batch[0]
-    if first.steps > 1:  # a job of one step has no preview
-        previewing = [request.model_copy(update={"previews": True}) for request in batch]
-        ways[PREVIEWS] = lambda: through_worker("slotq", settings, previewing, scratch)
+    return duty_table(f"GPU duty cycle: tiny model, {first.width}x{first.height}, {first.steps} steps, "
+                      f"{len(batch)} jobs, saturated queue, {rounds} interleaved rounds", measured)
+
+
+def worker_ways(settings: Settings, batch: list[JobRequest], scratch: Path, claim_ahead_ab: bool
+                ) -> dict[str, WorkerRun]:
+    """Plain RQ, the slotq worker, and the slotq worker with its results in a folder, (jobs of two
+    steps or more) with live previews and (``claim_ahead_ab``) with claiming ahead the other way
+    from what ``auto`` picks on this device."""
+    ways = {"plain RQ SimpleWorker": WorkerRun("rq", settings, batch),
+            "slotq worker": WorkerRun("slotq", settings, batch),
+            FILE_STORE: WorkerRun("slotq", settings.model_copy(
+                update={"result_store": f"file://{scratch / 'results'}"}), batch)}
+    if batch[0].steps > 1:  # a job of one step has no preview
+        ways[PREVIEWS] = WorkerRun("slotq", settings, [request.model_copy(update={"previews": True})
+                                                       for request in batch])
     if claim_ahead_ab:
         from worker.main import claims_ahead
         from worker.pipeline import resolve_device
 
         flipped = claims_ahead(settings, resolve_device(settings.device)) != "thread"  # the thread's way
-        ways[f"{CLAIM_AHEAD}{'on' if flipped else 'off'}"] = lambda: through_worker(
-            "slotq", settings.model_copy(update={"claim_ahead": flipped}), batch, scratch)
-    measured: dict[str, list[Figures]] = {name: [] for name in ways}
-    for _ in range(rounds):
-        for name, run in ways.items():
-            measured[name].append(Figures.of(run()))
-    return duty_table(f"GPU duty cycle: tiny model, {first.width}x{first.height}, {first.steps} steps, "
-                      f"{len(batch)} jobs, saturated queue, {rounds} interleaved rounds", measured)
+        ways[f"{CLAIM_AHEAD}{'on' if flipped else 'off'}"] = WorkerRun(
+            "slotq", settings.model_copy(update={"claim_ahead": flipped}), batch)
+    return ways
 
 
-def median_round(rounds: list[Figures]) -> Figures:
-    """The round with the median throughput."""
-    return sorted(rounds, key=lambda figures: figures.per_second)[len(rounds) // 2]
-
-
-def dispatch(settings: Settings, count: int, scratch: Path) -> list[str]:
+def dispatch(settings: Settings, count: int, scratch: Path, one_process: bool = False) -> list[str]:
+    """Time per job with a pipeline that does no work, plain RQ and the slotq worker, against a bare loop."""
     batch = requests(count, 64, 1)
-    runs = {"bare BLMOVE/LREM loop": bare_loop(settings, count),
-            "plain RQ SimpleWorker": Figures.of(through_worker("rq", settings, batch, scratch, True)),
-            "slotq worker": Figures.of(through_worker("slotq", settings, batch, scratch, True))}
+    names = {"rq": "plain RQ SimpleWorker", "slotq": "slotq worker"}
+    runs: dict[str, float | Figures] = {"bare BLMOVE/LREM loop": bare_loop(settings, count)}
+    workers = [WorkerRun(kind, settings, batch, null=True) for kind in names]
+    for name, sections in zip(names.values(), each_through_workers(workers, scratch, one_process),
+                              strict=True):
+        runs[name] = Figures.of(sections)
     lines = [f"Dispatch overhead: a pipeline that does no work, {count} jobs", f"{'':30}{'ms/job':>8}"]
     for name, figures in runs.items():
         per_job = figures if isinstance(figures, float) else figures.wall / (figures.jobs - 1)
@@ -258,8 +320,10 @@ def dispatch(settings: Settings, count: int, scratch: Path) -> list[str]:
 
 
 def report(jobs: int = 60, size: int = 256, steps: int = 4, large_jobs: int = 12,
-           dispatch_jobs: int = 400, rounds: int = 5, claim_ahead_ab: bool = False) -> list[str]:
-    """Every table of this benchmark (a count of 0 skips its run), on a Redis of its own."""
+           dispatch_jobs: int = 400, rounds: int = 5, claim_ahead_ab: bool = False,
+           one_process: bool = False) -> list[str]:
+    """Every table of this benchmark (a count of 0 skips its run), on a Redis of its own; with
+    ``one_process``, the worker runs of a round in one process (fewer starts, for a smoke test)."""
     with tempfile.TemporaryDirectory(prefix="slotq-bench-") as scratch, \
             running_redis(Path(scratch) / "redis") as url:
         settings = Settings(redis_url=url, queue_name="bench", queue_capacity=100_000,
@@ -268,9 +332,10 @@ def report(jobs: int = 60, size: int = 256, steps: int = 4, large_jobs: int = 12
         for count, side, denoise in ((jobs, size, steps), (large_jobs, 1024, 1)):
             if count:
                 batch = requests(count, side, denoise)
-                lines += duty_cycle(settings, batch, Path(scratch), rounds, claim_ahead_ab) + [""]
+                lines += duty_cycle(settings, batch, Path(scratch), rounds, claim_ahead_ab,
+                                    one_process=one_process) + [""]
         if dispatch_jobs:
-            lines += dispatch(settings, dispatch_jobs, Path(scratch))
+            lines += dispatch(settings, dispatch_jobs, Path(scratch), one_process=one_process)
     return lines
 
 
@@ -284,12 +349,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the duty-cycle runs")
     parser.add_argument("--claim-ahead-ab", action="store_true",
                         help="also run the slotq worker with SLOTQ_CLAIM_AHEAD the other way from auto's")
-    parser.add_argument("--serve", choices=["slotq", "rq"], help=argparse.SUPPRESS)
-    parser.add_argument("--trace", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--null", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--serve", type=Path, metavar="PLAN", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        serve(args.serve, args.trace, args.null)
+        serve(args.serve)
         return
     print("\n".join(report(args.jobs, args.size, args.steps, args.large_jobs, args.dispatch_jobs,
                            args.rounds, args.claim_ahead_ab)))

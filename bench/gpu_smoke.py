@@ -30,8 +30,6 @@ import argparse
 import io
 import json
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -44,13 +42,12 @@ from typing import Any
 
 import numpy as np
 from PIL import Image
-from redis import Redis
-from rq import Worker
 
-from bench.end_to_end import Body, call, ended, slotq_env, stop, submit
+from bench.end_to_end import Body, call, ended, submit
 from shared.contract.jobs import JobStatus
 from shared.contract.settings import Settings
-from slotq.localredis import free_port, running_redis
+from slotq import harness
+from slotq.localredis import free_port
 
 START_TIMEOUT_S = 300.0
 JOB_TIMEOUT_S = 300.0
@@ -99,7 +96,7 @@ class Checks:
 class RunningWorker:
     """A started worker: its process, its metrics' port, the seconds it took to load and register."""
 
-    process: subprocess.Popen[bytes]
+    process: harness.Process
     metrics_port: int
     load_s: float
 
@@ -120,21 +117,17 @@ def worker(settings: Settings, case: Case, scratch: Path, memory_cap: int | None
     settings = settings.model_copy(update={"model": case.model, "model_name": case.name, "dtype": case.dtype,
                                            "device": case.device or settings.device,
                                            "worker_metrics_port": port, "worker_name": f"smoke-{case.name}"})
-    command = ([sys.executable, "-m", "bench.gpu_smoke", "--capped-worker", str(memory_cap)] if memory_cap
-               else [sys.executable, "-m", "slotq.cli", "worker"])
+    # The capped worker is this module, which caps the device's memory and then runs the worker.
+    args, module = (["--capped-worker", str(memory_cap)], "bench.gpu_smoke") if memory_cap else (
+        ["worker"], "slotq.cli")
     log = scratch / f"worker-{case.name}{'-capped' if memory_cap else ''}.log"
     began = time.monotonic()
-    with log.open("wb") as out:
-        process = subprocess.Popen(command, env=slotq_env(settings), stdout=out, stderr=subprocess.STDOUT)
+    process = harness.spawn(args, harness.slotq_env(settings), log, module=module)
     try:
-        with Redis.from_url(settings.redis_url) as connection:
-            while not any(w.pid == process.pid for w in Worker.all(connection=connection)):
-                if process.poll() is not None or time.monotonic() - began > START_TIMEOUT_S:
-                    raise RuntimeError(f"worker {case.name} did not start:\n{log.read_text()[-3000:]}")
-                time.sleep(0.1)
+        harness.wait_workers([process], settings.redis_url, START_TIMEOUT_S)
         yield RunningWorker(process, port, time.monotonic() - began)
     finally:
-        stop(process)
+        process.stop()
 
 
 def run_job(port: int, body: Body) -> tuple[Body, list[np.ndarray]]:
@@ -271,22 +264,8 @@ def oom_check(checks: Checks, port: int, settings: Settings, scratch: Path) -> N
         after, images = run_job(port, job(case.name, 64, seed=9))
         image_check(checks, "the same worker process then runs a small job", after, images, 64)
         checks.check("the capped worker is still the same live process",
-                     running.process.poll() is None and after.get("worker") == view.get("worker"),
+                     running.process.popen.poll() is None and after.get("worker") == view.get("worker"),
                      f"pid {running.process.pid}, worker {after.get('worker')}")
-
-
-def wait_for_api(port: int, process: subprocess.Popen[bytes], log: Path) -> None:
-    """Until the API answers ``/readyz``."""
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        try:
-            if call(port, "GET", "/readyz")[0] == 200:
-                return
-        except OSError:
-            pass
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"the API did not start:\n{log.read_text()[-3000:]}")
-        time.sleep(0.1)
 
 
 def lora_folder(cache_dir: Path, into: Path, cases: tuple[Case, ...]) -> Path:
@@ -299,46 +278,50 @@ def lora_folder(cache_dir: Path, into: Path, cases: tuple[Case, ...]) -> Path:
 
 
 def smoke(device: str, side: int, big_side: int, logs: Path | None = None) -> Checks:
+    """Every check, on a Redis and an API of the smoke's own (the workers come and go); the checks."""
     import torch
 
     checks = Checks(figures={"cuda": device.startswith("cuda"), "big_side": big_side})
     if checks.figures["cuda"]:
         checks.say(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
-    with tempfile.TemporaryDirectory(prefix="slotq-smoke-") as folder, \
-            running_redis(Path(folder) / "redis") as url:
+    cases = ((CPU_REFERENCE,) if checks.figures["cuda"] else ()) + CASES
+    with tempfile.TemporaryDirectory(prefix="slotq-smoke-") as folder:
         scratch = Path(folder)
-        models = scratch / "models"
-        cases = ((CPU_REFERENCE,) if checks.figures["cuda"] else ()) + CASES
-        names = ",".join(f"{case.name}={case.family}" for case in cases)
-        loras = lora_folder(models, scratch / "loras", cases)
-        settings = Settings(redis_url=url, cache_dir=models, device=device, log_level="INFO", drain_s=0,
-                            model_names=names.split(","), lora_dir=loras, max_steps=CANCEL_STEPS)
-        api_port = free_port()
-        with (scratch / "api.log").open("wb") as out:
-            api = subprocess.Popen([sys.executable, "-m", "slotq.cli", "api", "--port", str(api_port)],
-                                   env=slotq_env(settings), stdout=out, stderr=subprocess.STDOUT)
         try:
-            wait_for_api(api_port, api, scratch / "api.log")
-            references: dict[str, np.ndarray] = {}
-            for case in cases:
-                try:
-                    run_case(checks, api_port, settings, case, side, scratch, references)
-                except (RuntimeError, TimeoutError, OSError) as error:
-                    checks.check(f"{case.name}", False, str(error)[-1500:])
-            if checks.figures["cuda"]:
-                try:
-                    oom_check(checks, api_port, settings, scratch)
-                except (RuntimeError, TimeoutError, OSError) as error:
-                    checks.check("a real out-of-memory", False, str(error)[-1500:])
-            else:
-                checks.say("-- out-of-memory: skipped on the CPU")
+            with harness.service(smoke_settings(device, scratch, cases), scratch, workers=0) as service:
+                run_checks(checks, service, cases, side, scratch)
         finally:
-            stop(api)
             if logs:
                 logs.mkdir(parents=True, exist_ok=True)
                 for log in scratch.glob("*.log"):
                     shutil.copy(log, logs / log.name)
     return checks
+
+
+def smoke_settings(device: str, scratch: Path, cases: tuple[Case, ...]) -> Settings:
+    """Every case's name served by the API, each with its tiny adapters; jobs as long as the cancel's."""
+    models = scratch / "models"
+    names = [f"{case.name}={case.family}" for case in cases]
+    return Settings(cache_dir=models, device=device, log_level="INFO", drain_s=0, model_names=names,
+                    lora_dir=lora_folder(models, scratch / "loras", cases), max_steps=CANCEL_STEPS)
+
+
+def run_checks(checks: Checks, service: harness.Service, cases: tuple[Case, ...], side: int,
+               scratch: Path) -> None:
+    """Each case's checks, then the out-of-memory check on a GPU; an error fails only its own part."""
+    references: dict[str, np.ndarray] = {}
+    for case in cases:
+        try:
+            run_case(checks, service.port, service.settings, case, side, scratch, references)
+        except (RuntimeError, TimeoutError, OSError) as error:
+            checks.check(f"{case.name}", False, str(error)[-1500:])
+    if not checks.figures["cuda"]:
+        checks.say("-- out-of-memory: skipped on the CPU")
+        return
+    try:
+        oom_check(checks, service.port, service.settings, scratch)
+    except (RuntimeError, TimeoutError, OSError) as error:
+        checks.check("a real out-of-memory", False, str(error)[-1500:])
 
 
 def capped_worker(cap: int) -> int:

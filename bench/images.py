@@ -40,11 +40,13 @@ from PIL import Image, ImageDraw
 from redis import Redis
 
 from api.app import create_app
-from bench.end_to_end import Body, bench_settings, follow, percentiles, running
+from bench.end_to_end import Body, bench_settings, follow, serving
 from bench.memory import finishing_process, memory
+from bench.stats import percentiles, timed
 from shared.contract import images
 from shared.contract.jobs import JobKind, JobRequest, validate_submission
 from shared.contract.settings import Settings
+from slotq.harness import Service
 from slotq.localredis import running_redis
 
 CHUNK = 50  # admitted requests between two (untimed) flushes: about 50 MB of inputs at 512x512
@@ -101,17 +103,6 @@ def bodies(inputs: Inputs, steps: int) -> dict[str, Body]:
             "png": {**image, "image": inputs.url("png")},
             "jpeg": {**image, "image": inputs.url("jpeg")},
             "inpaint": {**image, "image": inputs.url("png"), "mask": inputs.url("mask")}}
-
-
-def timed(call: Callable[[], object], count: int) -> list[float]:
-    """Seconds per call of ``count`` calls, after one untimed call."""
-    call()
-    times = []
-    for _ in range(count):
-        started = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - started)
-    return times
 
 
 def row(name: str, times: list[float], baseline: list[float], scale: float, *extra: str) -> str:
@@ -203,9 +194,9 @@ def worker_side(settings: Settings, inputs: Inputs, steps: int, runs: int) -> Wo
 
     pipeline = load_pipeline(settings)
     pixels = settings.max_side ** 2
-    jobs = {kind: validate_submission(body, max_side=settings.max_side, max_steps=settings.max_steps,
-                                      max_image_bytes=settings.max_image_bytes)
-            for kind, body in bodies(inputs, steps).items() if kind != "jpeg"}
+    requests = {kind: validate_submission(body, max_side=settings.max_side, max_steps=settings.max_steps,
+                                          max_image_bytes=settings.max_image_bytes).request
+                for kind, body in bodies(inputs, steps).items() if kind != "jpeg"}
     decoded = {"image": images.decode(inputs.png, "RGB", pixels),
                "mask": images.decode(inputs.mask, "L", pixels)}
     given = {"text": {}, "png": {"image": decoded["image"]}, "inpaint": decoded}
@@ -214,16 +205,9 @@ def worker_side(settings: Settings, inputs: Inputs, steps: int, runs: int) -> Wo
     for twin in twins:  # what the first image jobs would make: made here, to weigh it
         pipeline._pipeline_for(twin)
     grown = memory("self")[0] - before
-    sections: dict[str, list[float]] = {kind: [] for kind in jobs}
-    outputs: dict[str, list[Image.Image]] = {}
-    for run in range(runs + 1):  # in turns, so a slow spell lands on every kind; the first is untimed
-        for kind, submission in jobs.items():
-            outputs[kind] = pipeline.generate(submission.request, inputs=given[kind])
-            began, ended = pipeline.sections[-1]
-            if run:
-                sections[kind].append(ended - began)
+    sections, outputs = gpu_sections(pipeline, requests, given, runs)
     assert all(output[0].size == (inputs.size, inputs.size) for output in outputs.values()), outputs
-    text: JobRequest = jobs["text"].request
+    text: JobRequest = requests["text"]
     made, level = outputs["text"][0], settings.png_compress_level
     coding = {"encode output PNG (baseline)": timed(lambda: encode_png(made, text, level), runs),
               "decode PNG start image": timed(lambda: images.decode(inputs.png, "RGB", pixels), runs),
@@ -246,10 +230,25 @@ def worker_side(settings: Settings, inputs: Inputs, steps: int, runs: int) -> Wo
     return WorkerSide(lines, str(pipeline.device), weights)
 
 
-def memory_lines(scratch: Path, inputs: Inputs, steps: int, side: WorkerSide) -> list[str]:
+def gpu_sections(pipeline: Any, requests: dict[str, JobRequest], given: dict[str, dict[str, Image.Image]],
+                 runs: int) -> tuple[dict[str, list[float]], dict[str, list[Image.Image]]]:
+    """Each kind's GPU sections (seconds) over ``runs`` turns, and its last images."""
+    sections: dict[str, list[float]] = {kind: [] for kind in requests}
+    outputs: dict[str, list[Image.Image]] = {}
+    for run in range(runs + 1):  # in turns, so a slow spell lands on every kind; the first is untimed
+        for kind, request in requests.items():
+            outputs[kind] = pipeline.generate(request, inputs=given[kind])
+            began, ended = pipeline.sections[-1]
+            if run:
+                sections[kind].append(ended - began)
+    return sections, outputs
+
+
+def memory_lines(scratch: Path, inputs: Inputs, steps: int, side: WorkerSide,
+                 shared: Service | None = None) -> list[str]:
     """A real worker's VmRSS when ready and after its first job of each kind; the table."""
     batch = bodies(inputs, steps)
-    with running(scratch, 1) as service:
+    with serving(shared, scratch, 1) as service:
         worker = service.worker.pid
         samples = [(memory(worker), memory(finishing_process(worker)))]
         for kinds in (["text"], ["png"], ["inpaint"], ["text", "png", "inpaint"]):
@@ -269,8 +268,10 @@ def memory_lines(scratch: Path, inputs: Inputs, steps: int, side: WorkerSide) ->
     return lines
 
 
-def report(size: int = 512, checks: int = 300, posts: int = 200, runs: int = 10, steps: int = 4) -> list[str]:
-    """The four views on this machine, with one Redis for the admitting view; the tables."""
+def report(size: int = 512, checks: int = 300, posts: int = 200, runs: int = 10, steps: int = 4,
+           shared: Service | None = None) -> list[str]:
+    """The four views on this machine, with one Redis for the admitting view (the worker's memory on
+    ``shared``, where given); the tables."""
     inputs = Inputs.of(size)
     with tempfile.TemporaryDirectory(prefix="slotq-bench-") as scratch:
         settings = bench_settings(Path(scratch), 1)
@@ -278,7 +279,7 @@ def report(size: int = 512, checks: int = 300, posts: int = 200, runs: int = 10,
         with running_redis(Path(scratch) / "redis-admit") as url:
             lines += admitting(url, Path(scratch), inputs, steps, posts) + [""]
         side = worker_side(settings, inputs, steps, runs)
-        return lines + side.lines + [""] + memory_lines(Path(scratch), inputs, steps, side)
+        return lines + side.lines + [""] + memory_lines(Path(scratch), inputs, steps, side, shared)
 
 
 def main() -> None:

@@ -22,9 +22,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.end_to_end import bench_settings, bodies, burst, running, slotq_env
+from bench.end_to_end import bench_settings, bodies, burst, serving
 from bench.gpu import requests
 from shared.contract.settings import Settings
+from slotq.harness import Service, slotq_env
 
 SIZE, STEPS = 64, 1
 Sample = dict[str, tuple[int, int]]  # process -> (VmRSS, VmHWM) in kB
@@ -88,10 +89,12 @@ def run_loop(jobs: int, first: int) -> None:
     print(json.dumps(samples))
 
 
-def service_samples(scratch: Path, jobs: int, first: int, clients: int) -> list[Sample]:
-    """The service's processes, sampled when ready, after ``first`` jobs and after all ``jobs``."""
+def service_samples(scratch: Path, jobs: int, first: int, clients: int,
+                    shared: Service | None = None) -> list[Sample]:
+    """The service's processes (``shared``'s, or its own), sampled when ready, after ``first`` jobs
+    and after all ``jobs``."""
     batch = bodies(jobs, SIZE, STEPS)
-    with running(scratch, clients) as service:
+    with serving(shared, scratch, clients) as service:
         samples = [sample(service.worker.pid, service.api.pid)]
         for part in (batch[:first], batch[first:]):
             burst(service.port, part, clients)
@@ -114,12 +117,12 @@ def table(title: str, samples: list[Sample], first: int, jobs: int) -> list[str]
     return lines
 
 
-def report(jobs: int = 1000, first: int = 100, clients: int = 8) -> list[str]:
-    """Run the loop, then the service, on this machine; the table."""
+def report(jobs: int = 1000, first: int = 100, clients: int = 8, shared: Service | None = None) -> list[str]:
+    """Run the loop, then the service (``shared``, or one of its own), on this machine; the table."""
     first = min(first, jobs - 1)
     with tempfile.TemporaryDirectory(prefix="slotq-bench-") as scratch:
         baseline = loop_samples(bench_settings(Path(scratch), clients), jobs, first)
-        served = service_samples(Path(scratch), jobs, first, clients)
+        served = service_samples(Path(scratch), jobs, first, clients, shared)
     merged = [loop | service for loop, service in zip(baseline, served, strict=True)]
     return table(f"Memory over {jobs} jobs: tiny model, {SIZE}x{SIZE}, {STEPS} step, {clients} clients over "
                  f"HTTP; VmRSS in MiB when ready, after {first} jobs and after {jobs}; growth = "

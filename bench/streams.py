@@ -16,30 +16,22 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import statistics
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-from bench.end_to_end import bench_settings, spawn, stop
+from bench.end_to_end import bench_settings
+from bench.stats import median, percentile
 from shared.contract.settings import Settings
-from slotq.localredis import free_port, running_redis
+from slotq import harness
+from slotq.localredis import running_redis
 
 TIMEOUT_S = 2.0
 EXTRA = 10  # streams asked for past the bound
 GIVE_UP = 3  # calls timed out, none answered, before the rest are counted as timed out too
 JOB = json.dumps({"prompt": "timed", "width": 64, "height": 64, "steps": 1})
 CLASSES = ("gthread", "gevent")
-
-
-def answers(port: int) -> bool:
-    try:
-        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
-        connection.request("GET", "/healthz")
-        return connection.getresponse().status == 200
-    except OSError:
-        return False
 
 
 def submitted(port: int, count: int) -> list[str]:
@@ -108,22 +100,14 @@ def past_the_bound(port: int, job_id: str) -> str:
 def row(label: str, times: list[float], timed_out: int, requests: int) -> str:
     if not times:
         return f"{label:44}{'-':>9}{'-':>9}{timed_out:>7}/{requests}"
-    ordered = sorted(times)
-    p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-    return f"{label:44}{1000 * statistics.median(ordered):>9.1f}{1000 * p99:>9.1f}{timed_out:>7}/{requests}"
+    return (f"{label:44}{1000 * median(times):>9.1f}{1000 * percentile(times, 0.99):>9.1f}"
+            f"{timed_out:>7}/{requests}")
 
 
 def run_class(settings: Settings, worker_class: str, scratch: Path, streams: int, requests: int) -> list[str]:
-    port = free_port()
-    api = spawn(["api", "--port", str(port)], settings.model_copy(update={"api_worker_class": worker_class}),
-                scratch / f"api-{worker_class}.log")
+    api = harness.start_api(settings, scratch / f"api-{worker_class}.log", api_worker_class=worker_class)
+    port = api.port
     try:
-        deadline = time.monotonic() + 60
-        while not answers(port):
-            if time.monotonic() > deadline or api.poll() is not None:
-                raise SystemExit(f"the {worker_class} API did not start:\n"
-                                 f"{(scratch / f'api-{worker_class}.log').read_text()}")
-            time.sleep(0.1)
         baseline = {method: latencies(port, requests, method) for method in ("POST", "GET")}
         opened, stop_reading = threading.Semaphore(0), threading.Event()
         ids = submitted(port, streams)
@@ -143,7 +127,7 @@ def run_class(settings: Settings, worker_class: str, scratch: Path, streams: int
                       row(f"{worker_class}, {label}, {held} streams", *loaded[method], requests)]
         return [*lines, f"{worker_class}, {EXTRA} more streams past the bound of {streams}: {beyond}"]
     finally:
-        stop(api)
+        api.stop()
 
 
 def report(streams: int = 200, threads: int = 4, requests: int = 200) -> list[str]:

@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,27 +13,27 @@ from flask.testing import FlaskClient
 from redis import Redis
 from redis.connection import Connection
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from rq import Queue, Worker
+from rq import Queue
 
 from api.app import create_app
 from shared.contract import keys
 from shared.contract.jobs import PRIORITIES
 from shared.contract.settings import Settings
-from slotq.localredis import free_port, start_redis
+from slotq import harness
+from slotq.harness import Process, start_worker
+from slotq.harness import slotq_env as slotq_env  # re-exported: the tests import it from here
+from slotq.harness import spawn as spawn
+from slotq.localredis import free_port
 
 DEADLINE_S = 60.0
 
 
 def wait_for(condition: Callable[[], Any], timeout: float = DEADLINE_S, what: str = "condition") -> Any:
     """Poll ``condition`` until it returns something truthy, or fail the test at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = condition()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.02)
+    try:
+        return harness.wait_for(condition, timeout, what, interval=0.02)
+    except TimeoutError as error:
+        raise AssertionError(str(error)) from None
 
 
 class LosesOneReply(Connection):
@@ -92,11 +88,9 @@ def rq_queues(redis: Redis, settings: Settings) -> list[Queue]:
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A private redis-server on a free port, for the whole session."""
-    port = free_port()
-    process = start_redis(port, tmp_path_factory.mktemp("redis"))
-    yield f"redis://127.0.0.1:{port}/0"
-    process.terminate()
-    process.wait(10)
+    server = harness.start_redis_server(tmp_path_factory.mktemp("redis"))
+    yield server.url
+    server.stop()
 
 
 @dataclass
@@ -106,20 +100,19 @@ class RedisServer:
     port: int
     data: Path
     appendonly: bool = False
-    process: subprocess.Popen[bytes] | None = None
+    process: Process | None = None
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
-        self.process = start_redis(self.port, self.data, appendonly=self.appendonly)
+        self.process = harness.start_redis_server(self.data, self.port, appendonly=self.appendonly)
 
     def stop(self) -> None:
         """A clean shutdown: with AOF on, every acknowledged write is on disk."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            self.process.wait(30)
+        if self.process is not None:
+            self.process.stop(30)
 
 
 @pytest.fixture
@@ -170,49 +163,6 @@ def client(settings: Settings) -> Iterator[FlaskClient]:
     yield from app_client(settings)
 
 
-def slotq_env(settings: Settings, **extra: Any) -> dict[str, str]:
-    """The environment that gives a slotq process these settings."""
-    env = {key: value for key, value in os.environ.items() if not key.startswith("SLOTQ_")}
-    values = settings.model_dump(mode="json") | extra
-    env.update({f"SLOTQ_{name.upper()}": json.dumps(value) if isinstance(value, list | dict) else str(value)
-                for name, value in values.items() if value is not None})
-    return env
-
-
-@dataclass
-class Process:
-    """A real slotq process started by a test; stopped at teardown."""
-
-    popen: subprocess.Popen[bytes]
-    log: Path
-    url: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def stop(self, timeout: float = 10.0) -> int:
-        """SIGTERM (warm), a second SIGTERM (interrupt), SIGKILL as a last resort; the exit code."""
-        for _ in range(2):
-            if self.popen.poll() is None:
-                self.popen.terminate()
-                try:
-                    self.popen.wait(timeout)
-                except subprocess.TimeoutExpired:
-                    continue
-        if self.popen.poll() is None:
-            self.popen.kill()
-        return self.popen.wait()
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-
-def spawn(args: list[str], env: dict[str, str], log: Path) -> Process:
-    """Start ``slotq ARGS`` with its output in ``log``."""
-    with log.open("wb") as handle:  # the child keeps its own copy of the descriptor
-        popen = subprocess.Popen([sys.executable, "-m", "slotq.cli", *args], env=env,
-                                 stdout=handle, stderr=subprocess.STDOUT)
-    return Process(popen=popen, log=log)
-
-
 @pytest.fixture
 def start_api(tmp_path: Path) -> Iterator[Callable[..., Process]]:
     """Start real gunicorn API processes: ``start_api(settings, **env)``."""
@@ -220,47 +170,13 @@ def start_api(tmp_path: Path) -> Iterator[Callable[..., Process]]:
 
     def start(settings: Settings, port: int | None = None, **extra: Any) -> Process:
         port = port or free_port()
-        process = spawn(["api", "--port", str(port)], slotq_env(settings, **extra),
-                        tmp_path / f"api-{port}.log")
-        process.url = f"http://127.0.0.1:{port}"
+        process = harness.start_api(settings, tmp_path / f"api-{port}.log", port, wait=False, **extra)
         started.append(process)
-        wait_for(lambda: _answers(process), what=f"API on port {port}")  # stopped at teardown if not
-        return process
+        return harness.wait_api(process, DEADLINE_S)
 
     yield start
     for process in started:
         process.stop()
-
-
-def _answers(process: Process) -> bool:
-    import urllib.request
-
-    if process.popen.poll() is not None:
-        raise AssertionError(f"API exited early:\n{process.output()}")
-    try:
-        with urllib.request.urlopen(process.url + "/healthz", timeout=1) as response:
-            return response.status == 200
-    except OSError:
-        return False
-
-
-def start_worker(settings: Settings, log: Path, **extra: Any) -> Process:
-    """Start a real ``slotq worker`` and wait until it listens on its queue. One that does not in
-    time is stopped before the test fails: left running, it would take the next tests' jobs."""
-    process = spawn(["worker"], slotq_env(settings, **extra), log)
-
-    def registered() -> bool:
-        if process.popen.poll() is not None:
-            raise AssertionError(f"worker exited early:\n{process.output()}")
-        return any(w.pid == process.popen.pid for w in Worker.all(connection=connection))
-
-    try:
-        with Redis.from_url(settings.redis_url) as connection:
-            wait_for(registered, timeout=120, what="worker registration")
-    except BaseException:  # pytest-timeout's Failed among them
-        process.stop()
-        raise
-    return process
 
 
 @pytest.fixture(scope="session")

@@ -29,7 +29,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Mapping, Sequence
 from functools import cache
 from pathlib import Path
@@ -37,12 +36,13 @@ from types import TracebackType
 from typing import Any
 
 import pytest
-from redis import Redis
-from rq import Worker
 
 from shared.contract.settings import Settings
+from slotq.harness import Process, slotq_env
+from slotq.harness import wait_api as wait_api  # the harness's waits, as the scenarios import them
+from slotq.harness import wait_workers as wait_workers
 from slotq.localredis import is_reachable, redis_server_binary
-from tests.conftest import Process, slotq_env, wait_for
+from tests.conftest import wait_for
 
 REQUIRE_ENV = "SLOTQ_REQUIRE_NETNS"
 NAMESPACE_PREFIX = "slotq"  # namespaces: slotq-<pid>-<tag>-<host>
@@ -292,12 +292,6 @@ def _kill_pids(pids: list[int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def _check_running(process: Process) -> None:
-    if process.popen.poll() is not None:
-        raise AssertionError(f"the process logging to {process.log} exited with {process.popen.returncode}:\n"
-                             f"{process.output()[-3000:]}")
-
-
 # --- slotq's processes on a host --------------------------------------------------------------
 
 
@@ -312,7 +306,7 @@ def start_redis(host: Host, *args: str, port: int = REDIS_PORT) -> Process:
     process.url = f"redis://{host.ip}:{port}/0"
 
     def answers() -> bool:
-        _check_running(process)
+        process.check_running(f"redis-server on {host.name}:{port}")
         return is_reachable(process.url, timeout=0.2)
 
     wait_for(answers, timeout=15, what=f"redis-server on {host.name}:{port}")
@@ -320,7 +314,8 @@ def start_redis(host: Host, *args: str, port: int = REDIS_PORT) -> Process:
 
 
 def start_api(host: Host, settings: Settings, port: int = API_PORT, **extra: Any) -> Process:
-    """``slotq api`` (gunicorn) on all of the host's addresses; returns at once, see :func:`wait_api`."""
+    """``slotq api`` (gunicorn) on all of the host's addresses; returns at once, see the harness's
+    :func:`wait_api`."""
     env = slotq_env(settings, **extra)
     # A home of the host's own: several gunicorns on one machine must share nothing under ~, and
     # gunicorn 27 would put its control socket there (api/server.py turns it off; this holds anyway).
@@ -332,21 +327,8 @@ def start_api(host: Host, settings: Settings, port: int = API_PORT, **extra: Any
     return process
 
 
-def wait_api(process: Process, timeout: float = 60.0) -> None:
-    """Wait until the API answers /healthz."""
-    def healthy() -> bool:
-        _check_running(process)
-        try:
-            with urllib.request.urlopen(process.url + "/healthz", timeout=1) as response:
-                return bool(response.status == 200)
-        except OSError:
-            return False
-
-    wait_for(healthy, timeout, what=f"the API at {process.url}")
-
-
 def start_worker(host: Host, settings: Settings, **extra: Any) -> Process:
-    """``slotq worker`` named after the host; returns at once, see :func:`wait_workers`.
+    """``slotq worker`` named after the host; returns at once, see the harness's :func:`wait_workers`.
 
     The metrics port is the same on every host: each namespace has ports of its own.
     """
@@ -356,17 +338,3 @@ def start_worker(host: Host, settings: Settings, **extra: Any) -> Process:
     port = extra.get("worker_metrics_port", settings.worker_metrics_port)
     process.url = f"http://{host.ip}:{port}" if port else ""
     return process
-
-
-def wait_workers(processes: Sequence[Process], redis_url: str, timeout: float = 120.0) -> None:
-    """Wait until every one of these workers is registered with RQ (the model is loaded by then)."""
-    pids = {process.popen.pid for process in processes}
-
-    def registered() -> bool:
-        for process in processes:
-            _check_running(process)
-        return pids <= {worker.pid for worker in Worker.all(connection=connection)}
-
-    with Redis.from_url(redis_url, socket_timeout=5) as connection:
-        wait_for(registered, timeout, what=f"{len(pids)} worker(s) to register")
-
