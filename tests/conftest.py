@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import tempfile
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +30,38 @@ from slotq.harness import spawn as spawn
 from slotq.localredis import free_port
 
 DEADLINE_S = 60.0
+
+# The suite's workers run torch on one thread: the suite's two processes and all that they start share
+# two cores, where an operator on two threads waits whenever another process takes one of them
+# (docs/settings.md). Choosing the count per execution is tested on its own (tests/worker/test_main.py).
+os.environ.setdefault("SLOTQ_TORCH_THREADS", "1")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """A test marked ``alone`` (it times the machine) runs, fixtures and all, with no other test
+    beside it: under pytest-xdist the other process waits at its next test, and the others run side
+    by side."""
+    with machine(alone=item.get_closest_marker("alone") is not None):
+        return (yield)
+
+
+@contextmanager
+def machine(alone: bool) -> Iterator[None]:
+    """The machine, shared or alone: a fair reader-writer lock on two files of this run's. A test
+    alone holds the turnstile throughout, so no other starts while it waits for the running one."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:  # one process
+        yield
+        return
+    folder = Path(tempfile.gettempdir()) / f"slotq-tests-{run}"
+    folder.mkdir(exist_ok=True)
+    with (folder / "turnstile").open("a") as turnstile, (folder / "machine").open("a") as held:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(held, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if not alone:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        yield  # closing the files lets go of both
 
 
 def wait_for(condition: Callable[[], Any], timeout: float = DEADLINE_S, what: str = "condition") -> Any:

@@ -61,6 +61,7 @@ def within(estimate: float, actual: float, share: float = 0.25) -> bool:
     return abs(estimate - actual) <= share * actual
 
 
+@pytest.mark.alone  # the model against the wall clock: no other test may slow the machine
 def test_eta_of_queued_jobs_of_two_sizes(client: FlaskClient, trained: Process) -> None:
     ids = [post_job(client, **body).get_json()["id"] for body in [LARGE, SMALL, LARGE, SMALL, LARGE, SMALL]]
     wait_for(lambda: client.get(f"/v1/jobs/{ids[0]}").get_json()["status"] == "running",
@@ -75,6 +76,7 @@ def test_eta_of_queued_jobs_of_two_sizes(client: FlaskClient, trained: Process) 
         assert within(etas[job_id]["start"], start) and within(etas[job_id]["finish"], finish)
 
 
+@pytest.mark.alone  # the model against the wall clock: no other test may slow the machine
 def test_retry_after_on_a_full_queue_comes_from_the_model(client: FlaskClient, settings: Settings,
                                                           trained: Process) -> None:
     first = post_job(client, **LONGER).get_json()["id"]
@@ -92,6 +94,7 @@ def test_retry_after_on_a_full_queue_comes_from_the_model(client: FlaskClient, s
     assert remaining > 1 and abs(retry_after - remaining) <= 1.5
 
 
+@pytest.mark.alone  # the model against the wall clock: no other test may slow the machine
 def test_retry_after_for_a_low_job_counts_the_jobs_that_must_leave_first(
         client: FlaskClient, settings: Settings, redis: Redis, trained: Process) -> None:
     job = lasting(redis, settings, APART_S + 0.5)

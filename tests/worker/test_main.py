@@ -327,6 +327,7 @@ def test_on_the_cpu_each_execution_runs_at_the_threads_its_work_takes(model_cach
         pipeline = load_pipeline(Settings(cache_dir=model_cache, device="cpu", torch_threads=0))
         assert pipeline.threads.automatic == (TORCH_DEFAULT_THREADS > 1)
         assert (pipeline.threads.calibration_s is not None) == pipeline.threads.automatic
+        assert re.fullmatch(automatic_choice(TORCH_DEFAULT_THREADS), str(pipeline.threads))
         # The threshold calibrated on a busy machine may be anywhere: set one between the two sizes.
         pipeline.threads = ThreadChoice(1, 2, threshold=64 * 64 * 2 + 1)
         seen: list[int] = []
@@ -341,14 +342,20 @@ def test_on_the_cpu_each_execution_runs_at_the_threads_its_work_takes(model_cach
         torch.set_num_threads(before)
 
 
-def test_the_worker_logs_its_thread_choice_when_it_is_ready(worker: Process) -> None:
+def automatic_choice(more: int) -> str:
+    """The start-up line's words for a count chosen per execution: the threshold the warm-up found,
+    or that more threads never won (on a busy machine), or the one count where torch has only one."""
+    if more == 1:
+        return r"1 CPU thread\(s\)"
+    return (rf"1 CPU thread\(s\) (below [\d,]+ pixel-steps .*, {more} from there"
+            rf"|at any work \({more} never won .*), calibrated in [\d.]+ s\)?")
+
+
+def test_the_worker_logs_its_thread_choice_when_it_is_ready(worker: Process,
+                                                            worker_settings: Settings) -> None:
     from worker.threads import TORCH_DEFAULT_THREADS
 
-    # One line says how the count is chosen: the threshold the warm-up found, or that more
-    # threads never won (on a busy machine), or the one count where torch has only one.
-    more = TORCH_DEFAULT_THREADS
-    choice = r"1 CPU thread\(s\)$"
-    if more > 1:
-        choice = (rf"1 CPU thread\(s\) (below [\d,]+ pixel-steps .*, {more} from there"
-                  rf"|at any work \({more} never won .*), calibrated in [\d.]+ s\)?$")
-    assert re.search(rf"loaded default on cpu as torch.float32: {choice}", worker.output(), re.MULTILINE)
+    # The suite's workers run a fixed count (tests/conftest.py); the automatic line is checked in-process.
+    fixed = worker_settings.torch_threads
+    choice = rf"{fixed} CPU thread\(s\)" if fixed else automatic_choice(TORCH_DEFAULT_THREADS)
+    assert re.search(rf"loaded default on cpu as torch.float32: {choice}$", worker.output(), re.MULTILINE)
