@@ -20,14 +20,13 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from functools import lru_cache
-from typing import Any, Literal
+from typing import Any
 from urllib.parse import urlsplit
 
 from shared.contract.errors import WebhookNotAllowedError, WebhooksDisabledError, WebhookSignatureError
-from shared.contract.jobs import JobRequest
+from shared.contract.jobs import JobRequest, WebhookEvent
 from shared.contract.settings import Settings
 
-Event = Literal["started", "completed"]
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 SECRET_PREFIX = "whsec_"
@@ -66,7 +65,7 @@ def started_id(job_id: str, attempt: int) -> str:
     return "msg_" + hashlib.sha1(name.encode(), usedforsecurity=False).hexdigest()[:32]
 
 
-def wants(request: Mapping[str, Any], event: Event) -> bool:
+def wants(request: Mapping[str, Any], event: WebhookEvent) -> bool:
     """Whether a stored request asks for deliveries of this event."""
     return bool(request.get("webhook")) and event in request.get("webhook_events", ())
 

@@ -10,27 +10,27 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Literal
 
 from redis import Redis
 from redis.client import Pipeline
 from rq.job import Job
 
 from shared.contract import keys
-from shared.contract.webhooks import Entry, Event, started_id, wants
+from shared.contract.jobs import WebhookEvent
+from shared.contract.webhooks import Entry, started_id, wants
 from shared.store import scripts
 
 
-def schedule(pipe: Pipeline, queue_name: str, job: Job, event: Literal["started"]) -> None:
+def schedule_started(pipe: Pipeline, queue_name: str, job: Job) -> None:
     """Queue the outbox write for this start of the job, if its request asks for it."""
-    if not asks_for(job, event):
+    if not asks_for(job, "started"):
         return
     now = time.time()
-    entry = Entry(started_id(job.id, int(job.meta.get("attempt", 0))), job.id, f"job.{event}", now)
+    entry = Entry(started_id(job.id, int(job.meta.get("attempt", 0))), job.id, "job.started", now)
     pipe.zadd(keys.webhooks_key(queue_name), {entry.encode(): now})
 
 
-def asks_for(job: Job, event: Event) -> bool:
+def asks_for(job: Job, event: WebhookEvent) -> bool:
     """Whether the job's stored request asks for deliveries of this event."""
     return wants((job.kwargs or {}).get("request") or {}, event)
 

@@ -161,7 +161,7 @@ def announce_start(jobs: list[Job], pipe: Pipeline) -> None:
         events.log(pipe, job.id, "started")
         events.log(pipe, job.id, "progress", job.meta["progress"])
         events.announce(pipe, job.origin, job.id)
-        outbox.schedule(pipe, job.origin, job, "started")
+        outbox.schedule_started(pipe, job.origin, job)
     for job in jobs:
         pipe.exists(keys.cancel_key(job.id))
 
