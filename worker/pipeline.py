@@ -122,7 +122,10 @@ class ImagePipeline:
             self.busy_s += ended - began
             self.running_since = None
         pixels, per_job = output.images, first.num_images
-        return [_images_of(pixels[index * per_job:(index + 1) * per_job]) for index in range(len(requests))]
+        made = [_images_of(pixels[index * per_job:(index + 1) * per_job]) for index in range(len(requests))]
+        if first.kind == "inpaint":  # every pixel was decoded from latents: the kept ones too, altered
+            made = [_kept_outside_mask(images, each) for images, each in zip(made, inputs, strict=True)]
+        return made
 
     def _pipeline_for(self, kind: JobKind) -> DiffusionPipeline:
         """The loaded pipeline, or its image-to-image or inpainting twin over the same modules."""
@@ -176,6 +179,14 @@ def _images_of(pixels: np.ndarray) -> list[Image.Image] | JobFailedError:
     if np.isnan(pixels).any():
         return JobFailedError("nan_output", NAN_OUTPUT)
     return VaeImageProcessor.numpy_to_pil(pixels)
+
+
+def _kept_outside_mask(made: list[Image.Image] | JobFailedError, inputs: Inputs
+                       ) -> list[Image.Image] | JobFailedError:
+    """Inpainted images with the input's own pixels where the mask is black, blended where it is grey."""
+    if isinstance(made, JobFailedError):
+        return made
+    return [Image.composite(image, inputs["image"], inputs["mask"]) for image in made]
 
 
 def nan_rows(latents: torch.Tensor) -> list[bool]:

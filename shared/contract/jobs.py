@@ -105,7 +105,8 @@ class JobRequest(BaseModel):
     scheduler: Scheduler | None = Field(None, description="the sampler; absent: the model's own")
     image: InputField = Field(None, description="the start image, a base64 data: URL of a PNG, JPEG or "
                               "WebP; its size is the job's. In a job's view: its size and sha256")
-    mask: InputField = Field(None, description="with `image`: white repaints, black keeps; the image's size")
+    mask: InputField = Field(None, description="with `image`: white repaints, black keeps the image's own "
+                             "pixels exactly, grey blends; the image's size")
     strength: float = Field(0.8, gt=0, le=1, allow_inf_nan=False,
                             description="with `image`: the share of the schedule that is run again")
     loras: list[LoraRef] = Field(default_factory=list, max_length=MAX_LORAS,

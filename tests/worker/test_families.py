@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from flask.testing import FlaskClient
-from PIL import Image
+from PIL import Image, ImageOps
 from redis import Redis
 
 from shared.contract.models import TINY_MODELS, UNET_SCHEDULERS
@@ -151,6 +151,26 @@ def test_inpainting_keeps_the_size_and_repeats(client: FlaskClient) -> None:
     assert pixels(client, view) == pixels(client, run(client, **body))
     image_only = run(client, **{key: value for key, value in body.items() if key != "mask"})
     assert pixels(client, view) != pixels(client, image_only)
+
+
+def test_inpainting_keeps_each_inputs_own_pixels_outside_its_mask_in_a_batch(client: FlaskClient) -> None:
+    blocker = post_job(client, width=512, height=512, steps=30, seed=1).get_json()["id"]
+    wait_for(lambda: client.get(f"/v1/jobs/{blocker}").get_json()["status"] == "running",
+             what="the long job to start")
+    # Two jobs of one batch key, each with its own start image and mask (the second keeps the middle).
+    starts = [start_image(128, 128, seed=seed) for seed in (1, 2)]
+    masks = [box_mask(128, 128), ImageOps.invert(box_mask(128, 128))]
+    ids = [post_job(client, image=data_url(start), mask=data_url(mask), strength=1.0, steps=3, seed=5,
+                    num_images=2).get_json()["id"] for start, mask in zip(starts, masks, strict=True)]
+    views = [wait_for_status(client, job_id, "succeeded") for job_id in ids]
+    assert abs(started(views[0]) - started(views[1])) < 0.01  # one execution
+    for view, start, mask in zip(views, starts, masks, strict=True):
+        assert len(view["images"]) == 2
+        kept, original = np.asarray(mask) == 0, np.asarray(start, dtype=np.int16)
+        for url in view["images"]:
+            made = np.asarray(Image.open(io.BytesIO(client.get(url).data)), dtype=np.int16)
+            assert np.abs(made - original).mean(axis=2)[~kept].mean() > 10  # the masked area repainted
+            assert np.array_equal(made[kept], original[kept])  # the rest is the input's, exactly
 
 
 def test_image_jobs_batch_with_their_own_kind_only(client: FlaskClient) -> None:
