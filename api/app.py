@@ -2,39 +2,23 @@
 
 from __future__ import annotations
 
-import logging
 import threading
 
-import redis
 from flask import Flask, Response, g, jsonify
 from werkzeug.exceptions import HTTPException
 
-from api import observability
+from api import compat, observability
+from api.errors import as_service_error
 from api.jobs import Jobs
 from api.longpoll import Waits
 from api.metrics import ApiMetrics
 from api.page import page, secured
 from api.routes import authenticate, bp
 from api.streams import Streams
-from shared.contract.errors import (
-    MethodNotAllowedError,
-    NotFoundError,
-    PayloadTooLargeError,
-    ServiceError,
-    UnauthorizedError,
-    UnavailableError,
-)
+from shared.contract.errors import ServiceError, UnauthorizedError
 from shared.contract.settings import Settings, get_settings
 from shared.contract.tenants import policies
 from shared.store.connection import connect, job_queue
-
-log = logging.getLogger(__name__)
-
-HTTP_ERRORS: dict[int, type[ServiceError]] = {
-    404: NotFoundError,
-    405: MethodNotAllowedError,
-    413: PayloadTooLargeError,
-}
 
 
 def create_app(settings: Settings | None = None) -> Flask:
@@ -59,10 +43,10 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.register_blueprint(page)
     app.wsgi_app = secured(app.wsgi_app)  # type: ignore[method-assign,assignment]
     app.register_error_handler(ServiceError, error_response)
-    app.register_error_handler(redis.ConnectionError, redis_unavailable)
-    app.register_error_handler(redis.TimeoutError, redis_unavailable)
     app.register_error_handler(HTTPException, http_error)
-    app.register_error_handler(Exception, internal_error)
+    app.register_error_handler(Exception, other_error)
+    for surface in compat.SURFACES:  # each renders its own errors, in its clients' envelope
+        app.register_blueprint(surface)
     return app
 
 
@@ -78,21 +62,9 @@ def error_response(error: ServiceError) -> tuple[Response, int]:
     return response, error.status
 
 
-def redis_unavailable(error: Exception) -> tuple[Response, int]:
-    """Redis is down or slow: a quick 503 the client can retry, never a hang."""
-    log.warning("redis unavailable: %s", error)
-    return error_response(UnavailableError(retry_after=2))
-
-
 def http_error(error: HTTPException) -> tuple[Response, int]:
     """Werkzeug's own errors (unknown route, wrong method, body too large) in our envelope."""
-    status = error.code or 500
-    service_error = HTTP_ERRORS.get(status)
-    if service_error is None:
-        service_error = type("HTTPError", (ServiceError,), {"status": status, "code": "http_error"})
-        response, status = error_response(service_error(error.description))
-    else:
-        response, status = error_response(service_error())
+    response, status = error_response(as_service_error(error))
     # Werkzeug's headers stay: a 405's Allow lists the methods the resource has (RFC 9110, 15.5.6).
     for name, value in error.get_headers():
         if name.lower() != "content-type":
@@ -100,7 +72,6 @@ def http_error(error: HTTPException) -> tuple[Response, int]:
     return response, status
 
 
-def internal_error(error: Exception) -> tuple[Response, int]:
-    """Anything unexpected: logged with its traceback here, never sent to the client."""
-    log.exception("unhandled error", exc_info=error)
-    return error_response(ServiceError())
+def other_error(error: Exception) -> tuple[Response, int]:
+    """Redis down or slow, or anything unexpected (see ``api/errors.py``)."""
+    return error_response(as_service_error(error))

@@ -9,13 +9,22 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from pydantic import ValidationError
 from rq import Queue
 
 from api import longpoll
 from api.longpoll import Waits
 from shared.contract.adapters import available_adapters
+from shared.contract.errors import InvalidRequestError
 from shared.contract.images import ImageRef, InputName
-from shared.contract.jobs import PRIORITIES, JobStatus, JobView, Submission
+from shared.contract.jobs import (
+    PRIORITIES,
+    JobStatus,
+    JobView,
+    Submission,
+    requested_model,
+    validate_submission,
+)
 from shared.contract.models import Family, ModelInfo, model_info
 from shared.contract.settings import Settings
 from shared.contract.tenants import Tenant
@@ -42,6 +51,7 @@ class Ticket:
     request_id: str | None = None
 
 
+MAX_RUNNING = 20  # the running jobs a caller's progress and interrupt look at
 MODELS_TTL_S = 2.0  # how long a process reuses what the heartbeats say of the models
 
 
@@ -52,13 +62,30 @@ class Jobs:
         self.queue, self.settings, self.waits = queue, settings, waits
         self._models: tuple[float, list[ModelInfo]] = (-MODELS_TTL_S, [])
 
-    def submit(self, submission: Submission, ticket: Ticket, wait: int | None = None) -> Submitted:
-        """Admit a job or replay an idempotent retry; with ``wait``, once it ends or ``wait`` s pass."""
+    def submission(self, body: Any) -> Submission:
+        """A client's JSON body as a job for the model it names (absent: the default), checked
+        against that model and this service's limits, or ``InvalidRequestError``
+        (``UnknownModelError``, ``UnknownLoraError``, ``InvalidImageError`` for an input image)."""
+        settings = self.settings
+        name = requested_model(body, list(settings.offered_models))
+        try:
+            return validate_submission(body, max_side=settings.max_side, max_steps=settings.max_steps,
+                                       max_image_bytes=settings.max_image_bytes, model=self.model(name),
+                                       adapters=available_adapters(settings.lora_dir_of(name)))
+        except ValidationError as exc:
+            details = [{"loc": list(error["loc"]), "msg": error["msg"]}
+                       for error in exc.errors(include_url=False, include_input=False)]
+            raise InvalidRequestError(details=details) from None
+
+    def submit(self, submission: Submission, ticket: Ticket, wait: float | None = None,
+               reserved: bool = False) -> Submitted:
+        """Admit a job or replay an idempotent retry; with ``wait``, once it ends or ``wait`` s pass
+        (``reserved``: in a waiting slot the caller took before, ``Waits.reserved``)."""
         admitted = admission.enqueue_job(self.queue, self.settings, submission.request,
                                          ticket.idempotency_key, ticket.tenant, ticket.request_id,
                                          submission.inputs)
         fetch = partial(records.fetch_job, self.queue, admitted.job_id, ticket.tenant)
-        held = self.waits.hold(admitted.job_id, fetch, wait, longpoll.finished) if wait else None
+        held = self.waits.hold(admitted.job_id, fetch, wait, longpoll.finished, reserved) if wait else None
         if held is not None:
             view = records.current_view(self.queue, self.settings, held, ticket.tenant)
         elif admitted.prior is not None:
@@ -69,7 +96,8 @@ class Jobs:
             view = records.admitted_view(admitted.job_id, admitted.record.request, admitted.record.created_at,
                                          admitted.position, admitted.eta, admitted.deadline_at)
         about = admission.describe(self.settings, admitted, submission.request)
-        return Submitted(view, admitted.replayed, about, wait if wait and view.status.is_terminal else None)
+        waited = int(wait) if wait and view.status.is_terminal else None
+        return Submitted(view, admitted.replayed, about, waited)
 
     def read(self, job_id: str, tenant: Tenant | None = None, wait: float | None = None) -> JobView:
         """A job's view; with ``wait``, once its status changes or ``wait`` seconds pass."""
@@ -81,6 +109,16 @@ class Jobs:
         """One finished image of a job, as PNG, or a short-lived URL of it in the store."""
         job, store = records.fetch_job(self.queue, job_id, tenant), results.of(self.settings)
         return store.image_url(job, index) or store.image(job, index)
+
+    def pngs(self, job_id: str, tenant: Tenant | None = None) -> list[bytes]:
+        """Every finished image of a job, as PNG bytes (from the store, wherever it keeps them)."""
+        job, store = records.fetch_job(self.queue, job_id, tenant), results.of(self.settings)
+        return [store.image(job, index) for index in range(len(records.job_view(job).images))]
+
+    def running(self, tenant: Tenant | None) -> list[JobView]:
+        """The caller's running jobs, newest first (without API keys: every running job)."""
+        page = listing.list_jobs(self.queue, tenant, MAX_RUNNING, (JobStatus.RUNNING,))
+        return list(page.jobs)
 
     def check_ready(self) -> None:
         """Raise unless Redis answers and the result store can be written."""

@@ -32,7 +32,7 @@ from redis.exceptions import RedisError
 from rq.job import Job
 
 from shared.contract import keys
-from shared.contract.errors import InvalidRequestError
+from shared.contract.errors import InvalidRequestError, TooManyWaitingError
 from shared.contract.jobs import JobStatus
 from shared.contract.settings import Settings
 from shared.store import events, records
@@ -121,13 +121,26 @@ class Waits:
         with self._lock:
             return sum(len(events) for events in self._waiters.values())
 
-    def hold(self, job_id: str, read: Callable[[], Job], seconds: float, done: Done) -> Job | None:
+    @contextmanager
+    def reserved(self) -> Iterator[None]:
+        """A waiting slot taken before the job is admitted, for a call that must wait (the
+        compatibility surfaces' synchronous calls): ``TooManyWaitingError`` where none is free, so
+        that a refused call leaves no job behind. ``hold(..., reserved=True)`` uses it."""
+        if not self._slots.acquire(blocking=False):
+            raise TooManyWaitingError(retry_after=1)
+        try:
+            yield
+        finally:
+            self._slots.release()
+
+    def hold(self, job_id: str, read: Callable[[], Job], seconds: float, done: Done,
+             reserved: bool = False) -> Job | None:
         """The job as ``read`` gives it once ``done``, ``seconds`` pass or the process drains (at once
         where it is done already); None when not held: the process drains, or every waiting slot is
-        taken."""
+        taken. ``reserved``: the caller holds a slot already (:meth:`reserved`)."""
         if self._draining.is_set():
             return None
-        if not self._slots.acquire(blocking=False):
+        if not reserved and not self._slots.acquire(blocking=False):
             log.info("too many requests waiting; job %s answered at once", job_id)
             return None
         wake = threading.Event()
@@ -150,7 +163,8 @@ class Waits:
             return self._watch(job, first, until, done, wake, read)
         finally:
             self._leave(job_id, wake)
-            self._slots.release()
+            if not reserved:
+                self._slots.release()
 
     @contextmanager
     def watching(self, *names: str) -> Iterator[threading.Event]:

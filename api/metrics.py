@@ -52,13 +52,13 @@ class ApiMetrics:
         # them in a registry as well would count each twice.
         self.registry = None if self.directory else CollectorRegistry()
         self.admissions = Counter("slotq_admissions", "Job submissions, by outcome (admitted, replayed, "
-                                  "invalid, or the error code of a refusal).", ["outcome"],
-                                  registry=self.registry)
+                                  "invalid, or the error code of a refusal) and surface (native, openai, "
+                                  "a1111).", ["outcome", "surface"], registry=self.registry)
         self.latency = Histogram("slotq_http_request_duration_seconds", "Time to answer an HTTP request.",
                                  ["method", "route", "status"], buckets=LATENCY_BUCKETS,
                                  registry=self.registry)
         self._latencies: dict[tuple[str, str, int], Histogram] = {}
-        self._admitted: dict[str, Counter] = {}
+        self._admitted: dict[tuple[str, str], Counter] = {}
         self.service = ServiceCollector(queue, settings)
         if self.registry is not None:
             self.registry.register(self.service)
@@ -70,12 +70,12 @@ class ApiMetrics:
             series = self._latencies[method, route, status] = self.latency.labels(method, route, str(status))
         series.observe(seconds)
 
-    def admission(self, outcome: str) -> None:
-        """Count one submission by how it ended."""
+    def admission(self, outcome: str, surface: str = "native") -> None:
+        """Count one submission by how it ended, and the API it came through."""
         outcome = "invalid" if outcome in INVALID_CODES else outcome
-        series = self._admitted.get(outcome)
+        series = self._admitted.get((outcome, surface))
         if series is None:
-            series = self._admitted[outcome] = self.admissions.labels(outcome)
+            series = self._admitted[outcome, surface] = self.admissions.labels(outcome, surface)
         series.inc()
 
     def exposition(self) -> bytes:

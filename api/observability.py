@@ -59,8 +59,10 @@ def end_request(response: Response) -> Response:
     method, status = asked.method, response.status_code
     metrics.observe(method, route, status, seconds)
     context = g._get_current_object()
-    if asked.endpoint == SUBMIT_ENDPOINT:
-        metrics.admission(context.get("error_code") or context.get("admission") or "admitted")
+    surface = context.get("surface")  # a compatibility surface's call that admits a job (api/compat/)
+    if asked.endpoint == SUBMIT_ENDPOINT or surface:
+        outcome = context.get("error_code") or context.get("admission") or "admitted"
+        metrics.admission(outcome, surface or "native")
     level = logging.DEBUG if route in QUIET_ROUTES else logging.INFO
     if log.isEnabledFor(level):
         # An admission's line begins with what was admitted: one line a submit, not two.

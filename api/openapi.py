@@ -7,6 +7,7 @@ import json
 from functools import lru_cache
 from typing import Any
 
+from api.compat import document as compat_document
 from api.longpoll import MAX_WAIT_S
 from api.routes import DEFAULT_LIMIT, MAX_IDEMPOTENCY_KEY, MAX_LIMIT
 from api.streams import EVENT_ID
@@ -81,8 +82,14 @@ WORKERS_SCHEMA: dict[str, Any] = {
     "properties": {"workers": {"type": "array", "items": {"$ref": REF.format(model="WorkerView")}}},
 }
 MODELS_SCHEMA: dict[str, Any] = {
-    "type": "object", "required": ["models"],
-    "properties": {"models": {"type": "array", "items": {"$ref": REF.format(model="ModelInfo")}}},
+    "type": "object", "required": ["models", "object", "data"],
+    "properties": {"models": {"type": "array", "items": {"$ref": REF.format(model="ModelInfo")}},
+                   # The same names in OpenAI's list shape, for its clients (``client.models.list()``).
+                   "object": {"const": "list"},
+                   "data": {"type": "array", "items": {
+                       "type": "object", "required": ["id", "object", "created", "owned_by"],
+                       "properties": {"id": _STRING, "object": {"const": "model"},
+                                      "created": {"type": "integer"}, "owned_by": _STRING}}}},
 }
 # A job's request as its view shows it: its input images are references, never data: URLs.
 STORED_REQUEST = "StoredRequest"
@@ -180,7 +187,8 @@ def _document(max_side: int, max_steps: int, webhooks: bool, names: tuple[str, .
         "openapi": "3.1.0",
         "info": {"title": "slotq", "version": "1",
                  "description": "A GPU image-generation job service with capped admission."},
-        "paths": {**_job_paths(codes), **_service_paths(codes)},
+        "tags": compat_document.TAGS,
+        "paths": {**_job_paths(codes), **_service_paths(codes), **compat_document.paths()},
         "components": {"schemas": {**_model_schemas(max_side, max_steps, webhooks, model, names),
                                    "Error": ERROR_SCHEMA},
                        # No operation answers 405 itself; any other method on a documented path does.
@@ -234,6 +242,11 @@ def _job_paths(codes: dict[int, list[str]]) -> dict[str, Any]:
                                        "headers": {"Location": {"schema": {"type": "string",
                                                                            "format": "uri"}}}}},
                               (404, 409, 410, 503)),
+        },
+        "/v1/jobs/{id}/images/{index}.png": {  # for clients that name the file after its URL
+            "parameters": [JOB_ID, IMAGE_INDEX],
+            "get": _operation(codes, "getImageFile", "The same image, at a URL that ends as its file does.",
+                              {"200": {"description": "The image.", "content": png}}, (404, 409, 410, 503)),
         },
         "/v1/jobs/{id}/preview": {
             "parameters": [JOB_ID],

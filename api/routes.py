@@ -9,12 +9,12 @@ import json
 from typing import Any
 
 from flask import Blueprint, Response, current_app, g, jsonify, request
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from api import longpoll
+from api.compat.openai_images import model_list
 from api.jobs import Jobs, Ticket
 from shared.contract import logs, tenants
-from shared.contract.adapters import available_adapters
 from shared.contract.errors import (
     DrainingError,
     InvalidJSONError,
@@ -23,7 +23,7 @@ from shared.contract.errors import (
     UnsupportedMediaTypeError,
 )
 from shared.contract.images import INPUT_NAMES
-from shared.contract.jobs import JobStatus, Submission, requested_model, validate_submission
+from shared.contract.jobs import JobStatus, Submission
 from shared.contract.settings import Settings
 from shared.contract.tenants import Tenant
 
@@ -97,6 +97,7 @@ def job_events(job_id: str) -> Response:
 
 
 @bp.get("/v1/jobs/<job_id>/images/<int:index>")
+@bp.get("/v1/jobs/<job_id>/images/<int:index>.png")  # for clients that name the file after its URL
 def get_image(job_id: str, index: int) -> Response:
     """One finished image as PNG, or (SLOTQ_S3_PRESIGN) a redirect to it in the bucket."""
     found = _jobs().image(job_id, index, _tenant())
@@ -143,8 +144,11 @@ def list_workers() -> Response:
 
 @bp.get("/v1/models")
 def list_models() -> Response:
-    """The models a job may name: family, samplers, defaults, adapters and the live workers of each."""
-    return jsonify({"models": [info.model_dump(mode="json") for info in _jobs().models()]})
+    """The models a job may name: family, samplers, defaults, adapters and the live workers of each;
+    and, for OpenAI's clients (``client.models.list()``), their names and aliases in OpenAI's shape."""
+    models = _jobs().models()
+    listed = model_list([info.name for info in models], _settings().model_aliases)
+    return jsonify({"models": [info.model_dump(mode="json") for info in models], **listed})
 
 
 @bp.get("/metrics")
@@ -204,14 +208,7 @@ def _json(view: BaseModel) -> Response:
 def _submission() -> Submission:
     """The body as a job request for the model it names, with this service's limits, or
     ``InvalidRequestError`` (``UnknownModelError``, ``InvalidImageError`` for an input image)."""
-    settings, body = _settings(), _json_body()
-    name = requested_model(body, list(settings.offered_models))
-    try:
-        return validate_submission(body, max_side=settings.max_side, max_steps=settings.max_steps,
-                                   max_image_bytes=settings.max_image_bytes, model=_jobs().model(name),
-                                   adapters=available_adapters(settings.lora_dir_of(name)))
-    except ValidationError as exc:
-        raise InvalidRequestError(details=_details(exc)) from None
+    return _jobs().submission(_json_body())
 
 
 def _json_body() -> Any:
@@ -230,8 +227,3 @@ def _idempotency_key() -> str | None:
         message = f"must be 1 to {MAX_IDEMPOTENCY_KEY} printable characters"
         raise InvalidRequestError(details=[{"loc": ["header", "Idempotency-Key"], "msg": message}])
     return key
-
-
-def _details(exc: ValidationError) -> list[dict[str, Any]]:
-    return [{"loc": list(error["loc"]), "msg": error["msg"]}
-            for error in exc.errors(include_url=False, include_input=False)]

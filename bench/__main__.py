@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench import adapters, admission, batching, edges, end_to_end, gpu, images, memory, streams
+from bench import adapters, admission, batching, compat, edges, end_to_end, gpu, images, memory, streams
 from slotq.harness import Service
 from slotq.localredis import free_port
 
@@ -35,6 +35,7 @@ def quick_sections(shared: Service) -> list[Section]:
             ("Dynamic batching", lambda: batching.batching_lines(rounds=1, sizes=(64,), settle_s=0)),
             ("Admission", lambda: admission.report(jobs=40, processes=2, clients=4, settle_s=0)),
             ("End to end", lambda: end_to_end.report(jobs=4, clients=2, size=64, steps=1, shared=shared)),
+            ("Synchronous calls", lambda: compat.report(rounds=1, size=64, steps=1, shared=shared)),
             ("Memory", lambda: memory.report(jobs=4, first=2, clients=2, shared=shared)),
             ("Image inputs",
              lambda: images.report(size=64, checks=5, posts=5, runs=1, steps=1, shared=shared)),
@@ -61,6 +62,7 @@ def sections() -> list[Section]:
             ("Dynamic batching", batching.batching_lines),
             ("Admission", admission.report),
             ("End to end", end_to_end.report),
+            ("Synchronous calls", compat.report),
             ("Memory", memory.report),
             ("Image inputs", images.report),
             ("LoRA adapters", adapters.report),

@@ -30,6 +30,8 @@ ROWS = {
     "Admission": ["bare LPUSH (baseline)", "bare Flask + LPUSH (baseline)", "POST /v1/jobs admitted (202)",
                   "POST /v1/jobs refused (429)", "POST /v1/jobs admitted", "POST /v1/jobs refused"],
     "End to end": ["in-process loop (baseline)", "slotq over HTTP"],
+    "Synchronous calls": ["POST, then ?wait (baseline)", "POST with Prefer: wait", "OpenAI images.generate",
+                          "A1111 txt2img"],
     "Memory": ["in-process loop (baseline)", "slotq worker", "slotq finishing process", "api process"],
     "Image inputs": ["text only (baseline)", "POST text job (baseline)", "encode output PNG (baseline)",
                      "text-to-image (baseline)", "ready (baseline)", "PNG start image", "JPEG start image",

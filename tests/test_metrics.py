@@ -49,9 +49,9 @@ def test_api_metrics_add_up_across_processes(settings: Settings, start_api: Any)
     # Each scrape is answered by either process; both must see the sum of both.
     for _ in range(6):
         samples = scrape(api.url + "/metrics")
-        assert value(samples, "slotq_admissions_total", outcome="admitted") == 6
-        assert value(samples, "slotq_admissions_total", outcome="queue_full") == 2
-        assert value(samples, "slotq_admissions_total", outcome="invalid") == 1
+        assert value(samples, "slotq_admissions_total", outcome="admitted", surface="native") == 6
+        assert value(samples, "slotq_admissions_total", outcome="queue_full", surface="native") == 2
+        assert value(samples, "slotq_admissions_total", outcome="invalid", surface="native") == 1
         assert total(samples, "slotq_http_request_duration_seconds_count", method="POST",
                      route="/v1/jobs") == 9
         assert value(samples, "slotq_http_request_duration_seconds_count", method="POST",

@@ -134,6 +134,29 @@ class TooManyStreamsError(ServiceError):
     message = "This API process follows SLOTQ_MAX_STREAMS event streams already; retry shortly or poll."
 
 
+class SyncWaitExceededError(ServiceError):
+    """A synchronous call's job did not end within SLOTQ_SYNC_WAIT_S: it goes on, readable by its id."""
+
+    status, code = 504, "sync_wait_exceeded"
+    message = "The job did not end in time; it goes on."
+
+
+class JobEndedError(ServiceError):
+    """A synchronous call's job ended without images: failed (500), canceled (409) or expired (504);
+    the code is the job's own error code."""
+
+    STATUSES = {"failed": 500, "canceled": 409, "expired": 504}
+
+    def __init__(self, status: str, code: str, message: str, job_id: str) -> None:
+        super().__init__(message)
+        self.status, self.code, self.job_status, self.job_id = self.STATUSES[status], code, status, job_id
+
+
+class TooManyWaitingError(ServiceError):
+    status, code = 503, "too_many_waiting"
+    message = "This API process holds as many waiting calls as it may (half SLOTQ_API_THREADS); retry soon."
+
+
 class JobCanceledError(Exception):
     """Raised inside a running job when its cancellation has been requested."""
 

@@ -99,6 +99,12 @@ def lines_channel(queue: str) -> str:
     return events_channel(queue) + LINES_SUFFIX
 
 
+def preferences_key(queue: str, tenant: str) -> str:
+    """Hash of one tenant's choices that outlast a request ('' without API keys): ``model``, the
+    model of its jobs that name none."""
+    return f"{PREFIX}:preferences:{queue}:{tenant}"
+
+
 def listed_key(queue: str, tenant: str) -> str:
     """Sorted set of one tenant's jobs ('' without API keys: every job) by admission time."""
     return f"{PREFIX}:listed:{queue}:{tenant}"

@@ -135,6 +135,11 @@ class Settings(BaseSettings):
     # greenlet each, so open streams hold no thread (bench/streams.py measures both).
     api_worker_class: Literal["gthread", "gevent"] = "gevent"
     max_streams: int = Field(200, ge=1, le=10_000)
+    # The compatibility surfaces (OpenAI Images, AUTOMATIC1111) answer when the job ends, up to this.
+    sync_wait_s: float = Field(600.0, gt=0, le=86_400)
+    # Model names a foreign client sends, each meaning one of SLOTQ_MODEL_NAMES (OpenAI's own names
+    # mean the default model unless mapped here).
+    model_aliases: dict[str, str] = {}
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_format: Literal["text", "json"] = "text"
     log_prompts: bool = False
@@ -238,6 +243,13 @@ class Settings(BaseSettings):
         if len(set(names)) != len(names):
             raise ValueError("must not name a model twice")
         return value
+
+    @model_validator(mode="after")
+    def _aliases_name_models(self) -> Settings:
+        unknown = sorted(set(self.model_aliases.values()) - set(self.offered_models))
+        if unknown:
+            raise ValueError(f"SLOTQ_MODEL_ALIASES: {', '.join(unknown)[:100]} not in SLOTQ_MODEL_NAMES")
+        return self
 
     @field_validator("webhook_secret")
     @classmethod

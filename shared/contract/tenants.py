@@ -45,10 +45,15 @@ def authenticate(table: dict[str, KeyPolicy], settings: Settings, authorization:
     if not table:
         return None
     scheme, _, presented = (authorization or "").partition(" ")
+    return tenant_of_key(table, settings, presented.strip() if scheme.lower() == "bearer" else None)
+
+
+def tenant_of_key(table: dict[str, KeyPolicy], settings: Settings, presented: str | None) -> Tenant:
+    """The tenant of an API key however it was sent, or ``UnauthorizedError``."""
     match: KeyPolicy | None = None
     # Compare against every key, in constant time each, so timing reveals neither key nor count.
     for key, policy in table.items():
-        if hmac.compare_digest(key.encode(), presented.strip().encode()) and scheme.lower() == "bearer":
+        if hmac.compare_digest(key.encode(), (presented or "").encode()) and presented is not None:
             match = policy
     if match is None:
         raise UnauthorizedError()

@@ -551,6 +551,7 @@ def test_an_id_with_a_final_newline_is_not_found(fuzz_client: FlaskClient) -> No
 
 # The acceptance checks too: what the document offers is admitted (496.0 for an integer; no webhook
 # where none is sent), and what it refuses is refused.
+COMPAT_TAGS = "^(OpenAI Images|AUTOMATIC1111)$"
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_headers_conformance, response_schema_conformance, positive_data_acceptance,
           negative_data_rejection]
@@ -565,7 +566,9 @@ def test_schemathesis_finds_no_server_error_and_no_drift_from_the_document(
     with Redis.from_url(settings.redis_url) as connection:
         connection.flushdb()
         api = start_api(settings)
-        schema = schemathesis.openapi.from_url(api.url + "/openapi.json")
+        # The compatibility surfaces answer when a job ends (no worker here) and take fields they do not
+        # apply, as their clients expect: their tests use the real client packages (tests/api/compat/).
+        schema = schemathesis.openapi.from_url(api.url + "/openapi.json").exclude(tag_regex=COMPAT_TAGS)
         session = requests.Session()
         real = [session.post(api.url + "/v1/jobs", json={"prompt": "real"}).json()["id"] for _ in range(3)]
         on_real_jobs = [schema[path][method].as_strategy(path_parameters={"id": job_id})

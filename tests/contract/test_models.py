@@ -49,6 +49,13 @@ def test_names_are_checked_when_the_settings_are_read() -> None:
             Settings(model_names=bad)
 
 
+def test_aliases_name_offered_models_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLOTQ_MODEL_ALIASES", '{"sdxl-turbo": "b", "dall-e-3": "a"}')
+    assert Settings(model_names="a,b").model_aliases == {"sdxl-turbo": "b", "dall-e-3": "a"}
+    with pytest.raises(ValidationError, match="SLOTQ_MODEL_ALIASES: c not in SLOTQ_MODEL_NAMES"):
+        Settings(model_names="a,b", model_aliases={"x": "c"})
+
+
 def test_a_job_runs_on_the_model_it_names_else_the_first(two_client: FlaskClient) -> None:
     first = post_job(two_client, steps=2).get_json()
     assert first["model"] == "default" and first["request"]["model"] == "default"

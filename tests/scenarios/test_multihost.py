@@ -110,8 +110,8 @@ def test_cap_holds_across_api_hosts_and_both_worker_hosts_run_each_job_once(
     try:
         assert set(waiting_ids(connection, settings)) == accepted
         # Each API host counts its own admissions; together they are the cap.
-        admitted = [value(scrape(api.url + "/metrics"), "slotq_admissions_total", outcome="admitted")
-                    for api in apis]
+        admitted = [value(scrape(api.url + "/metrics"), "slotq_admissions_total", outcome="admitted",
+                          surface="native") for api in apis]
         assert sum(admitted) == capacity
 
         hosts = [lab.host(f"worker-{n}") for n in (1, 2)]

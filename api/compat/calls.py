@@ -1,0 +1,102 @@
+"""The synchronous call both surfaces make: admit a job, hold the request until it ends (at most
+SLOTQ_SYNC_WAIT_S), and hand back the finished job with its images.
+
+The job is an ordinary slotq job: admitted by the same script under every limit, listed, streamed
+and readable at ``/v1/jobs/<id>`` while and after the call waits. A call that outlasts its wait, or
+that this process stops holding (it drains) raises ``SyncWaitExceededError`` naming the job, which
+goes on. A call waits in one of the process's waiting slots (``api/longpoll.py``), taken before the
+job is admitted: where none is free, the call is refused (``TooManyWaitingError``) and admits nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import wraps
+from typing import Any, ParamSpec, TypeVar
+
+from flask import current_app, g
+
+from api.jobs import Jobs, Ticket
+from shared.contract import logs
+from shared.contract.errors import JobEndedError, ServiceError, SyncWaitExceededError
+from shared.contract.jobs import JobStatus, JobView, Submission
+from shared.contract.settings import Settings
+from shared.contract.tenants import Tenant
+from shared.store import preferences
+
+Surface = str  # "openai" or "a1111": the label of the admissions metric (slotq_admissions_total)
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A synchronous call's job once it succeeded: its final view and its images as PNG bytes."""
+
+    view: JobView
+    pngs: list[bytes]
+
+
+def settings() -> Settings:
+    """This app's settings."""
+    return current_app.extensions["slotq.settings"]
+
+
+def jobs() -> Jobs:
+    """This app's jobs."""
+    return current_app.extensions["slotq.jobs"]
+
+
+def tenant() -> Tenant | None:
+    """The caller's tenant (None without API keys)."""
+    return g.get("tenant")
+
+
+def caller_model() -> str:
+    """The model of a caller's job that names none: the one it chose (``preferences``), else the default."""
+    return preferences.chosen_model(jobs().queue.connection, settings(), tenant()) or settings().default_model
+
+
+def submission(body: dict[str, Any]) -> Submission:
+    """A translated body as a job, checked as a native ``POST /v1/jobs`` body is (the same errors,
+    naming slotq's fields); a body that names no model gets the caller's (:func:`caller_model`)."""
+    return jobs().submission({**body, "model": body.get("model") or caller_model()})
+
+
+def admitting(surface: Surface) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """Mark a view that admits a job: its outcome, a refusal or an invalid body included, is counted
+    in the admissions metric under this surface (api/observability.py)."""
+    def decorate(view: Callable[P, R]) -> Callable[P, R]:
+        @wraps(view)
+        def admits(*args: P.args, **kwargs: P.kwargs) -> R:
+            g.surface = surface
+            return view(*args, **kwargs)
+        return admits
+    return decorate
+
+
+def noted(error: ServiceError) -> ServiceError:
+    """The error, noted for the admissions metric: a surface's error handler passes each through."""
+    g.error_code = error.code
+    return error
+
+
+def run(submitted: Submission) -> Finished:
+    """Admit the job and wait for its end; its images, or ``JobEndedError`` where it has none."""
+    ticket, wait = Ticket(None, tenant(), logs.request_id.get()), settings().sync_wait_s
+    with jobs().waits.reserved():  # refused before admission where this process may hold no more calls
+        outcome = jobs().submit(submitted, ticket, wait=wait, reserved=True)
+    g.admission, g.about = "admitted", outcome.about
+    view = outcome.view
+    if not view.status.is_terminal:
+        raise SyncWaitExceededError(f"Job {view.id} is {view.status.value}: this call stopped waiting for it "
+                                    f"(after SLOTQ_SYNC_WAIT_S, {wait:g} s, or as this API process shuts "
+                                    f"down); the job goes on: GET /v1/jobs/{view.id}.")
+    if view.status is not JobStatus.SUCCEEDED:
+        error = view.error
+        code = error.code if error else view.status.value
+        message = error.message if error else f"The job ended {view.status.value}."
+        raise JobEndedError(view.status.value, code, f"Job {view.id} ended {view.status.value}: {message}",
+                            view.id)
+    return Finished(view, jobs().pngs(view.id, tenant()))
