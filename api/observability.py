@@ -50,6 +50,15 @@ def traced(wsgi_app: WSGIApplication) -> WSGIApplication:
     return app
 
 
+def admits_for(endpoint: str | None) -> str | None:
+    """The surface whose admission a route makes (``native`` for ``POST /v1/jobs``; a compatibility
+    surface's views are marked by ``api/compat/calls.admitting``), None for a route that admits none."""
+    if endpoint == SUBMIT_ENDPOINT:
+        return "native"
+    view = current_app.view_functions.get(endpoint) if endpoint else None
+    return getattr(view, "admits_for", None)
+
+
 def end_request(response: Response) -> Response:
     """Count and log the answer."""
     asked = request._get_current_object()  # type: ignore[attr-defined]  # one proxy lookup, not six
@@ -59,10 +68,10 @@ def end_request(response: Response) -> Response:
     method, status = asked.method, response.status_code
     metrics.observe(method, route, status, seconds)
     context = g._get_current_object()
-    surface = context.get("surface")  # a compatibility surface's call that admits a job (api/compat/)
-    if asked.endpoint == SUBMIT_ENDPOINT or surface:
+    surface = admits_for(asked.endpoint)
+    if surface is not None:
         outcome = context.get("error_code") or context.get("admission") or "admitted"
-        metrics.admission(outcome, surface or "native")
+        metrics.admission(outcome, surface)
     level = logging.DEBUG if route in QUIET_ROUTES else logging.INFO
     if log.isEnabledFor(level):
         # An admission's line begins with what was admitted: one line a submit, not two.

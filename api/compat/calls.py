@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import wraps
 from typing import Any, ParamSpec, TypeVar
 
 from flask import current_app, g
@@ -65,14 +64,11 @@ def submission(body: dict[str, Any]) -> Submission:
 
 
 def admitting(surface: Surface) -> Callable[[Callable[P, R]], Callable[P, R]]:
-    """Mark a view that admits a job: its outcome, a refusal or an invalid body included, is counted
-    in the admissions metric under this surface (api/observability.py)."""
+    """Mark a view that admits a job: its outcome, a refusal, a bad key or an invalid body included,
+    is counted in the admissions metric under this surface (api/observability.py reads the mark)."""
     def decorate(view: Callable[P, R]) -> Callable[P, R]:
-        @wraps(view)
-        def admits(*args: P.args, **kwargs: P.kwargs) -> R:
-            g.surface = surface
-            return view(*args, **kwargs)
-        return admits
+        view.admits_for = surface  # type: ignore[attr-defined]
+        return view
     return decorate
 
 

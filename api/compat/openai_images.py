@@ -21,7 +21,7 @@ from flask import Blueprint, Response, jsonify, request
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from api.compat import calls
+from api.compat import calls, uploads
 from api.errors import as_service_error
 from shared.contract.errors import (
     InvalidImageError,
@@ -125,7 +125,7 @@ def edits() -> Response:
     mask's fully transparent pixels are repainted."""
     asked = _parsed(EditRequest, _form_body())
     model = calls.jobs().model(_model_name(asked.model))
-    body = _job_body(asked, model) | _inputs(_size(asked.size, model))
+    body = _job_body(asked, model) | _inputs(_size(asked.size, model), model)
     return jsonify(_answer(asked, calls.run(calls.submission(body))))
 
 
@@ -232,9 +232,10 @@ def _job_body(asked: GenerationRequest, model: ModelInfo) -> dict[str, Any]:
     return body
 
 
-def _inputs(size: tuple[int, int] | None) -> dict[str, str]:
+def _inputs(size: tuple[int, int] | None, model: ModelInfo) -> dict[str, str]:
     """An edit's files as a job's ``image`` (and ``mask``: OpenAI's transparent pixels as slotq's
-    white), resized to ``size`` where it is given: OpenAI answers at the size asked for."""
+    white), resized to ``size`` where it is given (OpenAI answers at the size asked for), else to
+    the nearest the model makes (a photo of any size)."""
     uploaded = _upload("image") or _upload("image[]")
     if uploaded is None:
         raise InvalidRequestError(details=[{"loc": ["image"], "msg": "required: upload the image as a file"}])
@@ -245,7 +246,9 @@ def _inputs(size: tuple[int, int] | None) -> dict[str, str]:
         raise InvalidImageError(f"`mask` is {mask.width}x{mask.height} and the image {image.width}x"
                                 f"{image.height}: they must be the same size")
     changed = image.has_transparency_data  # a start image has none: it is drawn over
-    if size is not None and size != image.size:
+    settings = calls.settings()
+    size = size or uploads.fitted(image.size, settings.max_side, model.side_multiple)
+    if size != image.size:
         image, changed = image.resize(size, Image.Resampling.LANCZOS), True
         mask = mask.resize(size, Image.Resampling.NEAREST) if mask is not None else None
     inputs = {"image": _png_url(image.convert("RGB")) if changed else url}
@@ -267,7 +270,7 @@ def _opened(name: Literal["image", "mask"], data: bytes) -> tuple[Image.Image, s
         raise InvalidImageError(f"`{name}` is not a PNG, JPEG or WebP image")
     url = f"data:{media_type};base64,{base64.b64encode(data).decode()}"
     settings = calls.settings()
-    read_data_url(name, url, max_bytes=settings.max_image_bytes, max_pixels=settings.max_side ** 2)
+    read_data_url(name, url, max_bytes=settings.max_image_bytes, max_pixels=uploads.UPLOAD_MAX_PIXELS)
     image = Image.open(io.BytesIO(data), formats=[FORMATS[media_type]])
     image.load()
     return image, url

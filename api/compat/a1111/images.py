@@ -17,6 +17,7 @@ from typing import Any
 
 from PIL import Image, ImageFilter, ImageOps
 
+from api.compat import uploads
 from api.compat.a1111.translate import Call
 from shared.contract.errors import InvalidImageError, InvalidRequestError
 from shared.contract.images import UNREADABLE
@@ -38,7 +39,7 @@ def add_inputs(call: Call, settings: Settings) -> None:
         call.not_applied.append("init_images after the first")
     width, height = job.pop("width", None), job.pop("height", None)
     size = (width, height) if isinstance(width, int) and isinstance(height, int) else None
-    job["image"], size = start_image(images[0], size, settings)
+    job["image"], size = start_image(images[0], size, settings, call.model.side_multiple)
     strength = body.get("denoising_strength")
     job["strength"] = DEFAULT_STRENGTH if strength is None else strength
     if isinstance(job["strength"], int) and not isinstance(job["strength"], bool):
@@ -48,14 +49,17 @@ def add_inputs(call: Call, settings: Settings) -> None:
                            blur=body.get("mask_blur", DEFAULT_BLUR))
 
 
-def start_image(value: Any, size: tuple[int, int] | None, settings: Settings) -> tuple[str, tuple[int, int]]:
-    """The start image as a ``data:`` URL, resized to ``size`` where one is given, and its size."""
+def start_image(value: Any, size: tuple[int, int] | None, settings: Settings, multiple: int
+                ) -> tuple[str, tuple[int, int]]:
+    """The start image as a ``data:`` URL, resized to ``size`` where one is given, else to the nearest
+    size the model makes (sides multiples of ``multiple``), and its size."""
     data = decoded("init_images", value, settings)
     image = opened("init_images", data, settings)
-    if image.format in KEPT and size in (None, image.size):
+    size = size or uploads.fitted(image.size, settings.max_side, multiple)
+    if image.format in KEPT and size == image.size:
         return data_url(data, KEPT[image.format]), image.size
     converted = image.convert("RGB")
-    if size is not None and converted.size != size:
+    if converted.size != size:
         converted = converted.resize(size, Image.Resampling.LANCZOS)
     return png_url(converted), converted.size
 
@@ -96,9 +100,9 @@ def decoded(name: str, value: Any, settings: Settings) -> bytes:
 
 
 def opened(name: str, data: bytes, settings: Settings) -> Image.Image:
-    """The image Pillow reads in these bytes, decoded once its header shows at most SLOTQ_MAX_SIDE²
-    pixels."""
-    max_pixels = settings.max_side * settings.max_side
+    """The image Pillow reads in these bytes, decoded once its header shows at most UPLOAD_MAX_PIXELS
+    (it is resized to the job's size after)."""
+    max_pixels = uploads.UPLOAD_MAX_PIXELS
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)

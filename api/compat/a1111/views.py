@@ -51,8 +51,6 @@ def authenticate() -> None:
     table = current_app.extensions["slotq.keys"]
     if not table:
         return
-    if request.endpoint in (f"{bp.name}.txt2img", f"{bp.name}.img2img"):
-        g.surface = SURFACE  # a call refused here counts among the admissions, as a native submit's does
     sent = request.authorization
     key = (sent.password if sent.type == "basic" else sent.token) if sent is not None else None
     try:

@@ -477,3 +477,16 @@ def test_img2img_takes_raw_base64_and_any_format_pillow_reads(client: FlaskClien
         answer = fast.post("/sdapi/v1/img2img", json={"prompt": "a fox", "init_images": [raw]}).get_json()
         ran = fast.get(f"/v1/jobs/{answer['detail'].split()[1]}").get_json()["request"]
         assert ran["image"]["media_type"] == "image/png" and ran["image"]["width"] == 64
+
+
+def test_img2img_fits_a_photo_of_any_size_to_the_model(client: FlaskClient) -> None:
+    # More pixels than a job may have, sides of no multiple of 8: fitted, its shape kept, as A1111
+    # resizes any start image.
+    buffer = io.BytesIO()
+    Image.linear_gradient("L").resize((1600, 1203)).convert("RGB").save(buffer, "JPEG")
+    photo = base64.b64encode(buffer.getvalue()).decode()
+    for fast in app_client(client.application.extensions["slotq.settings"].model_copy(
+            update={"sync_wait_s": 0.05})):
+        answer = fast.post("/sdapi/v1/img2img", json={"prompt": "a fox", "init_images": [photo]}).get_json()
+        ran = fast.get(f"/v1/jobs/{answer['detail'].split()[1]}").get_json()["request"]
+        assert (ran["width"], ran["height"], ran["image"]["width"], ran["image"]["height"]) == (1024, 768) * 2

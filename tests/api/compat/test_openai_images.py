@@ -219,6 +219,18 @@ def test_edit_size_resizes_the_image(client: OpenAI) -> None:
     assert png(base64.b64decode(answer.data[0].b64_json or "")).size == (128, 96)
 
 
+def test_an_edit_takes_a_photo_of_any_size(client: OpenAI) -> None:
+    # A phone's photo: more pixels than a job may have, sides of no model's multiple.
+    photo = Image.linear_gradient("L").resize((1600, 1203)).convert("RGB")
+    sized = client.images.edit(image=("photo.jpg", encoded(photo, "JPEG"), "image/jpeg"), prompt="a fox",
+                               size="64x64", extra_body={"steps": 2})
+    assert png(base64.b64decode(sized.data[0].b64_json or "")).size == (64, 64)
+    # Without a size: the nearest the model makes, its shape kept (1024 wide at most, multiples of 8).
+    auto = client.images.edit(image=("photo.jpg", encoded(photo, "JPEG"), "image/jpeg"), prompt="a fox",
+                              extra_body={"steps": 1, "strength": 1.0})
+    assert png(base64.b64decode(auto.data[0].b64_json or "")).size == (1024, 768)
+
+
 # --- errors ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("asked", "param"), [
@@ -290,10 +302,14 @@ def test_a_full_line_is_a_rate_limit_error_and_a_long_wait_is_not_retried(
 # --- keys and tenants --------------------------------------------------------------------------
 
 def test_a_wrong_key_is_an_authentication_error(keyed_api: Process) -> None:
+    before = scrape(keyed_api.url + "/metrics")
     with pytest.raises(openai.AuthenticationError) as raised:
         sdk(keyed_api, "sk-wrong").images.generate(prompt="a cat", size="64x64")
     assert raised.value.type == "authentication_error"
     assert raised.value.response.headers["WWW-Authenticate"].startswith("Bearer")
+    after = scrape(keyed_api.url + "/metrics")  # refused before the view: still this surface's admission
+    assert value(after, "slotq_admissions_total", outcome="unauthorized", surface="openai") - value(
+        before, "slotq_admissions_total", outcome="unauthorized", surface="openai") == 1
 
 
 def test_another_tenant_sees_none_of_a_callers_jobs(keyed_api: Process) -> None:
