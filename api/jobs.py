@@ -180,8 +180,11 @@ class Jobs:
 
     def _model(self, name: str, family: Family) -> ModelInfo:
         live = workers.live_model(self.queue.connection, self.settings.line_of(name), name)
-        return live or model_info(name, family, available_adapters(self.settings.lora_dir_of(name)))
+        info = live or model_info(name, family, available_adapters(self.settings.lora_dir_of(name)))
+        in_folder = self.settings.folder_model(name)
+        return info.model_copy(update={"size": in_folder.size}) if in_folder else info
 
     def model(self, name: str) -> ModelInfo:
-        """The model of this name (one of SLOTQ_MODEL_NAMES), that a job for it is checked against."""
+        """The model of this name (of SLOTQ_MODEL_NAMES or SLOTQ_MODELS_DIR), that a job for it is
+        checked against."""
         return next(info for info in self.models() if info.name == name)

@@ -27,6 +27,7 @@ from shared.contract.jobs import JobKind, JobRequest
 from shared.contract.models import PIPELINE_CLASSES, TINY_MODELS, Family, ModelInfo, model_info
 from shared.contract.settings import Settings
 from worker.adapters import Adapters
+from worker.checkpoints import is_single_file, load_checkpoint
 from worker.previews import Previewer, load_decoder
 from worker.samplers import Samplers
 from worker.threads import CALIBRATION_STEPS, ThreadChoice, work_of
@@ -199,15 +200,12 @@ def load_pipeline(settings: Settings) -> ImagePipeline:
     """Load the configured model onto its device and warm it up with a one-step image."""
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
-    source: str | Path = settings.model
-    if settings.model in TINY_MODELS:
-        source = ensure_tiny_model(settings.cache_dir, settings.model)
     threads = ThreadChoice.configured(settings.torch_threads, device)
     if not threads.automatic:
         threads.use(0)  # a fixed count, for the load too
-    log.info("loading %s on %s as %s", source, device, dtype)
+    log.info("loading %s on %s as %s", settings.model, device, dtype)
     diffusers_logging.disable_progress_bar()  # a log file is no place for progress bars
-    pipe = DiffusionPipeline.from_pretrained(source, dtype=dtype)
+    pipe = _from_disk(settings, dtype)
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
     lora_dir = settings.lora_dir_of(settings.model_name)
@@ -219,6 +217,16 @@ def load_pipeline(settings: Settings) -> ImagePipeline:
     loaded.threads = _warm_up(loaded, threads)
     log.info("loaded %s on %s as %s: %s", settings.model_name, device, dtype, loaded.threads)
     return loaded
+
+
+def _from_disk(settings: Settings, dtype: torch.dtype) -> DiffusionPipeline:
+    """SLOTQ_MODEL's pipeline on the CPU: a tiny model, a single file, a diffusers folder or a hub id."""
+    if is_single_file(settings.model):
+        return load_checkpoint(Path(settings.model), settings.checkpoint_configs, dtype)
+    source: str | Path = settings.model
+    if settings.model in TINY_MODELS:
+        source = ensure_tiny_model(settings.cache_dir, settings.model)
+    return DiffusionPipeline.from_pretrained(source, dtype=dtype)
 
 
 def _warm_up(loaded: ImagePipeline, threads: ThreadChoice) -> ThreadChoice:

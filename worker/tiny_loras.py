@@ -82,7 +82,7 @@ class _Recipe:
 # looks like a whole one; SD keeps the 3.0 its adapters were first built with.
 RECIPES: dict[str, _Recipe] = {
     "tiny": _Recipe("tiny-sd-loras-v1", UNet2DConditionModel, "unet", UNET_TARGETS, 3.0, _save_sd),
-    "tiny-sdxl": _Recipe("tiny-sdxl-loras-v1", UNet2DConditionModel, "unet", UNET_TARGETS, 1.0, _save_sdxl),
+    "tiny-sdxl": _Recipe("tiny-sdxl-loras-v2", UNet2DConditionModel, "unet", UNET_TARGETS, 1.0, _save_sdxl),
     "tiny-flux": _Recipe("tiny-flux-loras-v1", FluxTransformer2DModel, "transformer", FLUX_TARGETS, 0.7,
                          _save_flux),
 }

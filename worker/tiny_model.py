@@ -49,13 +49,16 @@ logger = logging.getLogger(__name__)
 # so stale caches are never reused.
 TINY_MODELS: dict[str, str] = {
     "tiny": "tiny-sd-v1",
-    "tiny-sdxl": "tiny-sdxl-v1",
+    "tiny-sdxl": "tiny-sdxl-v2",
     "tiny-flux": "tiny-flux-v1",
 }
 
 _BOS, _EOS = "<|startoftext|>", "<|endoftext|>"
 _MAX_TOKENS = 77
 _TEXT_HIDDEN = 32
+# SDXL's second encoder is wider than its first, as in SDXL (1280 and 768): diffusers' single-file
+# loader tells the two apart by width (worker/tiny_checkpoints.py).
+_TEXT_HIDDEN_2 = 48
 _T5_MAX_TOKENS = 512  # FluxPipeline's default max_sequence_length
 _T5_HIDDEN = 32
 _TIME_EMBED = 8  # SDXL's addition_time_embed_dim
@@ -77,12 +80,12 @@ def _build_tokenizer(folder: Path) -> CLIPTokenizer:
     return CLIPTokenizer.from_pretrained(folder, model_max_length=_MAX_TOKENS)
 
 
-def _clip_config(tokenizer: CLIPTokenizer, **extra: Any) -> CLIPTextConfig:
+def _clip_config(tokenizer: CLIPTokenizer, hidden: int = _TEXT_HIDDEN, **extra: Any) -> CLIPTextConfig:
     """Return a 2-layer CLIP text config sized to the tokenizer."""
     return CLIPTextConfig(
         vocab_size=len(tokenizer),
-        hidden_size=_TEXT_HIDDEN,
-        intermediate_size=64,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=2,
         num_attention_heads=4,
         max_position_embeddings=_MAX_TOKENS,
@@ -102,7 +105,8 @@ def _build_text_encoder(tokenizer: CLIPTokenizer) -> CLIPTextModel:
 def _build_text_encoder_2(tokenizer: CLIPTokenizer) -> CLIPTextModelWithProjection:
     """Return SDXL's second CLIP encoder, whose projected pooled output also conditions the UNet."""
     torch.manual_seed(1)
-    return CLIPTextModelWithProjection(_clip_config(tokenizer, projection_dim=_TEXT_HIDDEN)).eval()
+    config = _clip_config(tokenizer, _TEXT_HIDDEN_2, projection_dim=_TEXT_HIDDEN_2)
+    return CLIPTextModelWithProjection(config).eval()
 
 
 def _build_t5_tokenizer() -> T5TokenizerFast:
@@ -181,14 +185,14 @@ def _build_sdxl_unet() -> UNet2DConditionModel:
         layers_per_block=1,
         down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
         up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-        cross_attention_dim=2 * _TEXT_HIDDEN,  # the two encoders' hidden states, concatenated
+        cross_attention_dim=_TEXT_HIDDEN + _TEXT_HIDDEN_2,  # the two encoders' hidden states, concatenated
         attention_head_dim=2,
         norm_num_groups=8,
         use_linear_projection=True,
         addition_embed_type="text_time",
         addition_time_embed_dim=_TIME_EMBED,
         # Six size/crop numbers, each embedded, plus the second encoder's pooled projection.
-        projection_class_embeddings_input_dim=6 * _TIME_EMBED + _TEXT_HIDDEN,
+        projection_class_embeddings_input_dim=6 * _TIME_EMBED + _TEXT_HIDDEN_2,
     ).eval()
 
 

@@ -58,6 +58,8 @@ class ModelInfo(BaseModel):
     name: str = Field(description="the name a job's `model` gives (SLOTQ_MODEL_NAMES)")
     family: Family
     checkpoint: str | None = Field(None, description="SLOTQ_MODEL of the live workers that serve it")
+    size: int | None = Field(None, description="the bytes of its file or diffusers folder in "
+                                               "SLOTQ_MODELS_DIR; null for a model from elsewhere")
     schedulers: list[Scheduler] = Field(description="the samplers a job on it may name")
     defaults: ModelDefaults
     side_multiple: int = Field(description="width and height must be multiples of this")

@@ -23,9 +23,17 @@ from pydantic import (
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from shared.contract import keys
+from shared.contract.checkpoints import FolderModel, folder_models
 from shared.contract.jobs import MAX_IMAGES, Priority
 from shared.contract.models import DEFAULT_MODEL_NAME, FAMILIES, MODEL_NAME_PATTERN, TINY_MODELS, Family
 
+# The configuration source of each family's single-file checkpoints: the hub ids diffusers itself
+# uses (DIFFUSERS_DEFAULT_PIPELINE_PATHS in diffusers/loaders/single_file_utils.py).
+CHECKPOINT_CONFIGS: dict[Family, str] = {
+    "sd": "stable-diffusion-v1-5/stable-diffusion-v1-5",
+    "sdxl": "stabilityai/stable-diffusion-xl-base-1.0",
+    "flux": "black-forest-labs/FLUX.1-dev",
+}
 DEVICE_PATTERN = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 # host:port, the host a name, an IPv4 address or a bracketed IPv6 address.
 ADDRESS_PATTERN = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>[0-9]{1,5})$")
@@ -74,6 +82,13 @@ class Settings(BaseSettings):
     model_names: Annotated[list[str], NoDecode] = [DEFAULT_MODEL_NAME]
     # What the API assumes of SLOTQ_MODEL while no worker says (a tiny model's family is known).
     model_family: Family | None = None
+    # A folder of models: each *.safetensors single file and diffusers folder in it is a model named
+    # after its stem, offered beside SLOTQ_MODEL_NAMES (shared/contract/checkpoints.py).
+    models_dir: Path | None = None
+    # Where a single-file checkpoint's layout (configs, tokenizers) comes from, by family: a diffusers
+    # folder or a hub id, read from the local hub cache only. "sd=/configs/sd15,sdxl=..."; a family
+    # left out keeps the hub id diffusers itself uses. NoDecode: read as text.
+    checkpoint_configs: Annotated[dict[Family, str], NoDecode] = dict(CHECKPOINT_CONFIGS)
     device: str = "auto"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     # torch's CPU threads in the worker, every execution; 0: on the CPU 1 or torch's default by each
@@ -161,9 +176,18 @@ class Settings(BaseSettings):
     @property
     def offered_models(self) -> dict[str, Family]:
         """The models a job may name, the default first, each with the family assumed for it while
-        none of its workers says (its own after "=", else :attr:`assumed_family`)."""
+        none of its workers says: SLOTQ_MODEL_NAMES' (its own after "=", else that of its file in
+        SLOTQ_MODELS_DIR, else :attr:`assumed_family`), then the rest of SLOTQ_MODELS_DIR's."""
+        folder = folder_models(self.models_dir)
         entries = (entry.partition("=") for entry in self.model_names)
-        return {name: family or self.assumed_family for name, _, family in entries}  # type: ignore[misc]
+        named: dict[str, Family] = {
+            name: family or (folder[name].family if name in folder else self.assumed_family)  # type: ignore[misc]
+            for name, _, family in entries}
+        return named | {name: model.family for name, model in folder.items() if name not in named}
+
+    def folder_model(self, name: str) -> FolderModel | None:
+        """The model of this name in SLOTQ_MODELS_DIR; None where it is not one of the folder's."""
+        return folder_models(self.models_dir).get(name)
 
     @property
     def default_model(self) -> str:
@@ -218,6 +242,24 @@ class Settings(BaseSettings):
             return [entry.strip() for entry in text.split(",") if entry.strip()]
         return value
 
+    @field_validator("checkpoint_configs", mode="before")
+    @classmethod
+    def _family_table(cls, value: object) -> object:
+        if not isinstance(value, str):
+            return value
+        if value.strip().startswith("{"):  # JSON, as the harness passes a dict setting
+            try:
+                return CHECKPOINT_CONFIGS | json.loads(value)
+            except ValueError:
+                raise ValueError("must be a JSON object or family=source entries") from None
+        given: dict[str, str] = {}
+        for entry in filter(None, (part.strip() for part in value.split(","))):
+            family, equals, source = (part.strip() for part in entry.partition("="))
+            if not equals or family not in FAMILIES or not source:
+                raise ValueError(f"{entry!r} is not family=source (the family one of {', '.join(FAMILIES)})")
+            given[family] = source
+        return CHECKPOINT_CONFIGS | given  # a family left out keeps its default
+
     @field_validator("redis_sentinels")
     @classmethod
     def _sentinel_addresses(cls, value: list[str]) -> list[str]:
@@ -243,6 +285,15 @@ class Settings(BaseSettings):
         if len(set(names)) != len(names):
             raise ValueError("must not name a model twice")
         return value
+
+    @model_validator(mode="after")
+    def _model_of_the_folder(self) -> Settings:
+        # A worker whose SLOTQ_MODEL_NAME names a model of SLOTQ_MODELS_DIR serves that file or
+        # folder, whatever SLOTQ_MODEL says (.env.example sets SLOTQ_MODEL=tiny for everyone).
+        served = self.folder_model(self.model_name)
+        if served is not None:
+            object.__setattr__(self, "model", str(served.path))  # frozen model: set once, while validating
+        return self
 
     @model_validator(mode="after")
     def _aliases_name_models(self) -> Settings:

@@ -624,7 +624,8 @@ def test_a_followed_job_survives_a_restart_of_the_api(tab: Tab, start_api: Calla
     api = start_api(worker_settings)
     page = tab.page
     page.goto(api.url + "/")
-    job_id = submit_from_page(page, "through a restart", width=256, height=256, steps=30)
+    # Long enough, on a fast machine too, to be seen running and still run after the restart.
+    job_id = submit_from_page(page, "through a restart", width=512, height=512, steps=50)
     expect(card(page, job_id)).to_have_attribute("data-status", "running")
     worker.popen.send_signal(signal.SIGSTOP)  # it is still running when the API comes back
     try:
@@ -636,7 +637,7 @@ def test_a_followed_job_survives_a_restart_of_the_api(tab: Tab, start_api: Calla
     # The stream reconnects to the new process with Last-Event-ID and sees the job to its end.
     expect(card(page, job_id)).to_have_attribute("data-status", "succeeded")
     expect(page.locator("#status")).to_have_text("succeeded")
-    wait_for_image(page, 256)
+    wait_for_image(page, 512)
     # While the API was down the page's requests failed; nothing else went wrong.
     lost = "ERR_CONNECTION_REFUSED|ERR_EMPTY_RESPONSE|ERR_INCOMPLETE_CHUNKED_ENCODING|network"
     assert [error for error in tab.errors if not re.search(lost, error)] == []

@@ -1,0 +1,195 @@
+"""Single-file checkpoints, in the layout A1111, ComfyUI and Civitai use, written from tiny diffusers folders.
+
+The original (LDM) layout keeps a whole pipeline in one file: the UNet under ``model.diffusion_model.``,
+the VAE under ``first_stage_model.``, SD 1.x's CLIP under ``cond_stage_model.transformer.``, SDXL's
+two encoders under ``conditioner.embedders.0.transformer.`` (CLIP) and ``conditioner.embedders.1.model.``
+(OpenCLIP). The mapping here is the inverse of diffusers' ``convert_ldm_*`` loaders
+(``diffusers/loaders/single_file_utils.py``) and follows its repository's
+``scripts/convert_diffusers_to_original_{stable_diffusion,sdxl}.py``, made generic over block counts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+Tensors = dict[str, torch.Tensor]
+
+UNET_PREFIX = "model.diffusion_model."
+VAE_PREFIX = "first_stage_model."
+SD_CLIP_PREFIX = "cond_stage_model.transformer."
+SDXL_CLIP_PREFIX = "conditioner.embedders.0.transformer."
+SDXL_OPEN_CLIP_PREFIX = "conditioner.embedders.1.model."
+# What diffusers itself takes from a config source: configs and tokenizer files, never weights.
+CONFIG_PATTERNS = ("*.json", "*.txt", "*.model")
+
+_UNET_TOP = {
+    "time_embedding.linear_1.": "time_embed.0.", "time_embedding.linear_2.": "time_embed.2.",
+    "add_embedding.linear_1.": "label_emb.0.0.", "add_embedding.linear_2.": "label_emb.0.2.",
+    "conv_in.": "input_blocks.0.0.", "conv_norm_out.": "out.0.", "conv_out.": "out.2.",
+}
+_UNET_RESNET = {"norm1": "in_layers.0", "conv1": "in_layers.2", "norm2": "out_layers.0",
+                "conv2": "out_layers.3", "time_emb_proj": "emb_layers.1", "conv_shortcut": "skip_connection"}
+_VAE_TOP = {"encoder.conv_norm_out.": "encoder.norm_out.", "decoder.conv_norm_out.": "decoder.norm_out."}
+_VAE_ATTENTION = {"group_norm.": "norm.", "to_q.": "q.", "to_k.": "k.", "to_v.": "v.",
+                  "to_out.0.": "proj_out."}
+_OPEN_CLIP_TOP = {
+    "text_model.embeddings.token_embedding.weight": "token_embedding.weight",
+    "text_model.embeddings.position_embedding.weight": "positional_embedding",
+    "text_model.final_layer_norm.weight": "ln_final.weight",
+    "text_model.final_layer_norm.bias": "ln_final.bias",
+}
+_TEXT_MODEL_PARTS = ("embeddings.", "encoder.", "final_layer_norm.")  # a CLIP text model's, under text_model.
+_OPEN_CLIP_LAYER = {"layer_norm1": "ln_1", "layer_norm2": "ln_2", "mlp.fc1": "mlp.c_fc",
+                    "mlp.fc2": "mlp.c_proj", "self_attn.out_proj": "attn.out_proj"}
+
+
+def _renamed(name: str, table: dict[str, str]) -> str:
+    """The name with the first of the table's parts it holds replaced."""
+    for old, new in table.items():
+        if old in name:
+            return name.replace(old, new, 1)
+    return name
+
+
+def unet_to_ldm(state: Tensors, config: dict) -> Tensors:
+    """A diffusers UNet's weights under their LDM names (``input_blocks``, ``middle_block``, ...)."""
+    # LDM numbers blocks through the levels: a level down is its layers and its downsampler, a level up
+    # one layer more (the last one holding the upsampler).
+    per_level = config["layers_per_block"] + 1
+    attended = {int(m[1]) for name in state if (m := re.match(r"up_blocks\.(\d+)\.attentions\.", name))}
+    return {_unet_name(name, per_level, attended): tensor for name, tensor in state.items()}
+
+
+def _unet_name(name: str, per_level: int, attended_up: set[int]) -> str:
+    """One UNet weight's LDM name."""
+    if m := re.match(r"down_blocks\.(\d+)\.(resnets|attentions)\.(\d+)\.(.*)", name):
+        index, part = 1 + int(m[1]) * per_level + int(m[3]), 0 if m[2] == "resnets" else 1
+        rest = _renamed(m[4], _UNET_RESNET) if part == 0 else m[4]
+        return f"input_blocks.{index}.{part}.{rest}"
+    if m := re.match(r"down_blocks\.(\d+)\.downsamplers\.0\.conv\.(.*)", name):
+        return f"input_blocks.{(int(m[1]) + 1) * per_level}.0.op.{m[2]}"
+    if m := re.match(r"mid_block\.resnets\.(\d+)\.(.*)", name):
+        return f"middle_block.{2 * int(m[1])}.{_renamed(m[2], _UNET_RESNET)}"
+    if m := re.match(r"mid_block\.attentions\.0\.(.*)", name):
+        return f"middle_block.1.{m[1]}"
+    if m := re.match(r"up_blocks\.(\d+)\.(resnets|attentions)\.(\d+)\.(.*)", name):
+        index, part = int(m[1]) * per_level + int(m[3]), 0 if m[2] == "resnets" else 1
+        rest = _renamed(m[4], _UNET_RESNET) if part == 0 else m[4]
+        return f"output_blocks.{index}.{part}.{rest}"
+    if m := re.match(r"up_blocks\.(\d+)\.upsamplers\.0\.conv\.(.*)", name):
+        level = int(m[1])
+        # The upsampler follows the level's last resnet, and its attention where the level has one.
+        part = 2 if level in attended_up else 1
+        return f"output_blocks.{level * per_level + per_level - 1}.{part}.conv.{m[2]}"
+    renamed = _renamed(name, _UNET_TOP)
+    if renamed == name:
+        raise ValueError(f"no LDM name for the UNet weight {name}")
+    return renamed
+
+
+def vae_to_ldm(state: Tensors, config: dict) -> Tensors:
+    """A diffusers VAE's weights under their LDM names (``down``, ``mid``, ``up`` reversed)."""
+    levels = len(config["up_block_types"])
+    return {_vae_name(name, levels): _vae_tensor(name, tensor) for name, tensor in state.items()}
+
+
+def _vae_name(name: str, levels: int) -> str:
+    """One VAE weight's LDM name."""
+    name = name.replace("conv_shortcut", "nin_shortcut")
+    if m := re.match(r"encoder\.down_blocks\.(\d+)\.resnets\.(.*)", name):
+        return f"encoder.down.{m[1]}.block.{m[2]}"
+    if m := re.match(r"encoder\.down_blocks\.(\d+)\.downsamplers\.0\.(.*)", name):
+        return f"encoder.down.{m[1]}.downsample.{m[2]}"
+    # LDM numbers the decoder's levels from the bottom, diffusers from the top.
+    if m := re.match(r"decoder\.up_blocks\.(\d+)\.resnets\.(.*)", name):
+        return f"decoder.up.{levels - 1 - int(m[1])}.block.{m[2]}"
+    if m := re.match(r"decoder\.up_blocks\.(\d+)\.upsamplers\.0\.(.*)", name):
+        return f"decoder.up.{levels - 1 - int(m[1])}.upsample.{m[2]}"
+    if m := re.match(r"(encoder|decoder)\.mid_block\.resnets\.(\d+)\.(.*)", name):
+        return f"{m[1]}.mid.block_{int(m[2]) + 1}.{m[3]}"
+    if m := re.match(r"(encoder|decoder)\.mid_block\.attentions\.0\.(.*)", name):
+        return f"{m[1]}.mid.attn_1.{_renamed(m[2], _VAE_ATTENTION)}"
+    return _renamed(name, _VAE_TOP)
+
+
+def _vae_tensor(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor as LDM holds it: its VAE attention projections are 1x1 convolutions, not linear layers."""
+    if ".attentions." in name and name.endswith(".weight") and tensor.ndim == 2:
+        return tensor[:, :, None, None]
+    return tensor
+
+
+def clip_to_ldm(state: Tensors) -> Tensors:
+    """A CLIP text model's weights as the single file names them, each under ``text_model.``."""
+    # transformers 5 saves CLIPTextModel without its ``text_model.`` level; the single-file layout has it.
+    return {f"text_model.{name}" if name.startswith(_TEXT_MODEL_PARTS) else name: tensor
+            for name, tensor in state.items()}
+
+
+def open_clip_to_ldm(state: Tensors) -> Tensors:
+    """A CLIP text model with projection's weights in OpenCLIP's layout (SDXL's second encoder)."""
+    state = clip_to_ldm(state)
+    ldm = {new: state[old] for old, new in _OPEN_CLIP_TOP.items()}
+    ldm["text_projection"] = state["text_projection.weight"].T.contiguous()  # OpenCLIP multiplies x @ P
+    found = (re.match(r"text_model\.encoder\.layers\.(\d+)\.", name) for name in state)
+    layers = sorted({int(m[1]) for m in found if m})
+    for layer in layers:
+        inside, outside = f"text_model.encoder.layers.{layer}.", f"transformer.resblocks.{layer}."
+        for kind in ("weight", "bias"):  # OpenCLIP keeps q, k and v as one projection
+            parts = [state[f"{inside}self_attn.{p}_proj.{kind}"] for p in "qkv"]
+            ldm[f"{outside}attn.in_proj_{kind}"] = torch.cat(parts)
+        for name, tensor in state.items():
+            if name.startswith(inside) and "_proj." not in name.replace("out_proj.", ""):
+                ldm[outside + _renamed(name.removeprefix(inside), _OPEN_CLIP_LAYER)] = tensor
+    return ldm
+
+
+def _component(folder: Path, name: str) -> tuple[Tensors, dict]:
+    """The weights and config of one component of a diffusers folder."""
+    (weights,) = (folder / name).glob("*.safetensors")
+    return load_file(weights), json.loads((folder / name / "config.json").read_text("utf-8"))
+
+
+def _prefixed(prefix: str, state: Tensors) -> Tensors:
+    """The weights with the prefix before each name."""
+    return {prefix + name: tensor for name, tensor in state.items()}
+
+
+def checkpoint_of(folder: Path) -> Tensors:
+    """The single-file state dict of an SD 1.x or SDXL diffusers folder."""
+    unet, unet_config = _component(folder, "unet")
+    vae, vae_config = _component(folder, "vae")
+    text, _ = _component(folder, "text_encoder")
+    state = {**_prefixed(UNET_PREFIX, unet_to_ldm(unet, unet_config)),
+             **_prefixed(VAE_PREFIX, vae_to_ldm(vae, vae_config))}
+    if not (folder / "text_encoder_2").is_dir():
+        return {**state, **_prefixed(SD_CLIP_PREFIX, clip_to_ldm(text))}
+    text_2, _ = _component(folder, "text_encoder_2")
+    return {**state, **_prefixed(SDXL_CLIP_PREFIX, clip_to_ldm(text)),
+            **_prefixed(SDXL_OPEN_CLIP_PREFIX, open_clip_to_ldm(text_2))}
+
+
+def write_checkpoint(folder: Path, path: Path) -> Path:
+    """Write the diffusers folder's pipeline as one ``.safetensors`` file in the original layout."""
+    state = {name: tensor.contiguous() for name, tensor in checkpoint_of(Path(folder)).items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path))
+    return path
+
+
+def write_configs(folder: Path, destination: Path) -> Path:
+    """Copy the folder's configs and tokenizers, not its weights: where a single file takes its layout."""
+    shutil.copytree(folder, destination, ignore=_not_configs, dirs_exist_ok=True)
+    return destination
+
+
+def _not_configs(directory: str, names: list[str]) -> list[str]:
+    """The names copytree leaves out: every file that is not a config or tokenizer file."""
+    return [name for name in names if not (Path(directory) / name).is_dir()
+            and not any(Path(name).match(pattern) for pattern in CONFIG_PATTERNS)]
