@@ -179,8 +179,12 @@ class Jobs:
         return list(held)
 
     def _model(self, name: str, family: Family) -> ModelInfo:
-        live = workers.live_model(self.queue.connection, self.settings.line_of(name), name)
-        info = live or model_info(name, family, available_adapters(self.settings.lora_dir_of(name)))
+        line = self.settings.line_of(name)
+        info = workers.live_model(self.queue.connection, line, name)
+        if info is None:  # no worker describes it: as the settings assume it, with who serves it
+            names, held = workers.serving(self.queue.connection, line, name)
+            adapters = available_adapters(self.settings.lora_dir_of(name))
+            info = model_info(name, family, adapters, None, names, held)
         in_folder = self.settings.folder_model(name)
         return info.model_copy(update={"size": in_folder.size}) if in_folder else info
 

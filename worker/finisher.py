@@ -229,7 +229,7 @@ class Finishing(RQWorker):
             ended = [self._finish_one(work) for work in batch.works]
         if any(end.outcome is Outcome.SUCCEEDED for end in ended):
             try:
-                estimates.job_done(self.connection, self.settings.line, self.name, batch.running, batch.cost,
+                estimates.job_done(self.connection, batch.line, self.name, batch.running, batch.cost,
                                    batch.seconds)
             except RedisError as exc:  # the ends are recorded: the model only misses one sample
                 log.warning("could not update the job-time model: %s", exc)

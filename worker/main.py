@@ -21,7 +21,7 @@ from rq.timeouts import JobTimeoutException
 from rq.worker import WorkerStatus
 
 from shared.contract import keys, logs
-from shared.contract.errors import JobCanceledError, WorkerFatalError
+from shared.contract.errors import JobCanceledError, JobFailedError, WorkerFatalError
 from shared.contract.settings import Settings, get_settings
 from shared.store import endings, estimates, records, results, waiting
 from shared.store.claims import Claims
@@ -32,6 +32,7 @@ from worker import batching, lifecycle, tasks
 from worker.finisher import Finisher
 from worker.messages import Batch, Work
 from worker.metrics import WorkerMetrics
+from worker.models import Models
 from worker.outcomes import Member, Outcomes
 from worker.pipeline import current_pipeline, load_pipeline, set_current_pipeline
 from worker.rq import check_rq
@@ -74,7 +75,8 @@ class SlotWorker(Outcomes):
     def __init__(self, queue: Queue, settings: Settings) -> None:
         super().__init__(queue, settings, settings.worker_name)
         self.claims = Claims(queue, settings, self.name)
-        self.metrics = WorkerMetrics(current_pipeline(), settings, self.name)
+        self.models = Models(settings, current_pipeline())
+        self.metrics = WorkerMetrics(current_pipeline, settings, self.name)
         # The next execution's claim, started while the current one decodes (SLOTQ_CLAIM_AHEAD).
         self.claims_ahead = claims_ahead(settings, current_pipeline().device)
         self._ahead: Callable[[], Taken | None] | None = None
@@ -85,7 +87,8 @@ class SlotWorker(Outcomes):
         self.finisher: Finisher[list[Member]] = Finisher(self.settings, self.name, self._finished,
                                                          self._lost)
         self._register()
-        waiting.recount_costs(self.connection, self.settings.line)  # sums kept by an older version
+        for line in self.claims.lines:
+            waiting.recount_costs(self.connection, line)  # sums kept by an older version
         beating = threading.Event()
         heart = threading.Thread(target=self._beat, args=(beating,), name="heartbeat", daemon=True)
         heart.start()
@@ -119,7 +122,8 @@ class SlotWorker(Outcomes):
             try:
                 ahead = self._taken_ahead()  # first: recovery would take a claim in flight for a leftover
                 if self.claims.recover() is not None:  # at most once a second, like the expiry
-                    waiting.expire_due(self.queue, self.settings, self.settings.line)
+                    for line in self.claims.lines:
+                        waiting.expire_due(self.queue, self.settings, line)
                 taken = ahead or self._take(None if burst else CLAIM_TIMEOUT_S)
                 if taken is None:
                     if self.get_state() != WorkerStatus.IDLE:
@@ -143,8 +147,7 @@ class SlotWorker(Outcomes):
     def _take(self, timeout: float | None) -> Taken | None:
         """Claim the next execution's jobs (waiting up to ``timeout`` for one) and restore those
         that may start; None when none waits."""
-        holding = current_pipeline().adapters.holding  # for the claim's affinity
-        return self._taken(self.claims.claim(timeout, holding), time.monotonic())
+        return self._taken(self.claims.claim(timeout, self.models.holding), time.monotonic())
 
     def _taken(self, claimed: Claimed | None, claimed_at: float) -> Taken | None:
         """The execution a claim starts: its companions gathered (batching), those that may start
@@ -177,7 +180,7 @@ class SlotWorker(Outcomes):
         and restored, after it. None when Redis could not be reached: the claim is made after the
         decode, as without claiming ahead."""
         try:
-            sent = self.claims.send_claim(current_pipeline().adapters.holding)
+            sent = self.claims.send_claim(self.models.holding)
         except RedisError as exc:
             log.warning("could not send the next claim (%s): it is made after this execution", exc)
             return None
@@ -211,7 +214,8 @@ class SlotWorker(Outcomes):
         From its claim on, each job's writes are fenced with it: the main thread's under the
         fences of the whole batch, the ending of each under its own (see shared/store/fencing.py).
         """
-        members, running, cost, canceled = self._begin(taken)
+        line = taken.claims[0].line or self.settings.line
+        members, running, cost, canceled = self._begin(taken, line)
         if not members:
             return
         fences = [member.fence for member in members]
@@ -219,10 +223,13 @@ class SlotWorker(Outcomes):
         started = time.perf_counter()
         try:
             with holding(*fences), logs.about_job(*_ids_of([member.job for member in members])):
+                if live:
+                    self._switch_to(live)
+                started = time.perf_counter()  # a model's load is not the execution's (ETAs, drain rate)
                 made = self._render(live) if live else []
                 rendered = dict(zip([job.id for job in live], made, strict=True))
         except Exception as exc:
-            estimates.clear_running(self.connection, self.settings.line, self.name)
+            estimates.clear_running(self.connection, line, self.name)
             rendered = dict.fromkeys([job.id for job in live], exc)
         outcomes = [rendered.get(member.job.id, JobCanceledError()) for member in members]
         self.metrics.gpu_section.observe(time.perf_counter() - started)
@@ -238,9 +245,26 @@ class SlotWorker(Outcomes):
             for member, _ in done:  # RQ's cleanup of the execution runs in the finishing process
                 self.executions.pop(member.execution.id, None)
             seconds = time.perf_counter() - started  # the drain rate Retry-After and ETAs need
-            self.finisher.submit([member for member, _ in done], Batch(works, running, cost, seconds))
+            self.finisher.submit([member for member, _ in done], Batch(works, running, cost, seconds, line))
 
-    def _begin(self, taken: Taken) -> tuple[list[Member], str, float, set[str]]:
+    def _switch_to(self, jobs: list[Job]) -> None:
+        """Make the model of these jobs (one line's) current, and record on each job how."""
+        model = waiting.job_model(jobs[0])
+        if model not in self.models.served:
+            return  # never claimed from another model's line; the render refuses it plainly
+        try:
+            switch = self.models.use(model)
+        except Exception as exc:
+            log.exception("could not load model %s", model)
+            raise JobFailedError("model_load_failed",
+                                 f"the worker could not load model {model}: {exc}") from exc
+        finally:
+            self.claims.describe_holding(self.models.holding.on_device)
+        for job in jobs:
+            job.meta["model_load"] = {"source": switch.source, "seconds": round(switch.seconds, 3)}
+        self.metrics.switched(switch)
+
+    def _begin(self, taken: Taken, line: str) -> tuple[list[Member], str, float, set[str]]:
         """Start the claimed jobs that may start, each under the fence its claim set: RQ's start
         bookkeeping, the attempt, the worker's running entry and step 0 in one fenced transaction.
         The members, the running entry, their cost and the ids of those canceled by then."""
@@ -255,7 +279,7 @@ class SlotWorker(Outcomes):
                 for job in jobs:
                     records.begin_attempt(job)
                 executions = self.start(jobs, pipe)
-                running = estimates.mark_running(pipe, self.settings.line, self.name, cost, at)
+                running = estimates.mark_running(pipe, line, self.name, cost, at)
                 records.announce_start(jobs, pipe)  # step 0; its last answers: which were canceled
                 flags = pipe.execute()[-len(jobs):]
                 canceled = {job.id for job, flag in zip(jobs, flags, strict=True) if flag}
@@ -354,7 +378,8 @@ class SlotWorker(Outcomes):
         self.claims.describe(self.hostname, self.pid, str(loaded.device), loaded.info.family,
                              loaded.info.loras)
         self.claims.beat()
-        log.info("worker %s ready on %s (model %s)", self.name, self.settings.line, self.settings.model_name)
+        log.info("worker %s ready on %s (models %s)", self.name, ", ".join(self.claims.lines),
+                 ", ".join(self.claims.models))
 
     def _unregister(self) -> None:
         try:
@@ -386,10 +411,10 @@ def run_worker(settings: Settings | None = None, *, burst: bool = False) -> int:
     lifecycle.install(settings.stop_timeout_s)
     check_rq()  # an RQ outside the tested range fails here, plainly, not mid-job
     try:
-        set_current_pipeline(load_pipeline(settings))
+        set_current_pipeline(load_pipeline(settings))  # the first model; the others when a job needs them
     except Exception:
         # Worker-fatal: exit non-zero so the supervisor restarts us rather than failing every job.
-        log.exception("could not load model %s", settings.model)
+        log.exception("could not load model %s", settings.source_of(settings.served_models[0]))
         return 1
     worker = SlotWorker(job_queue(connect_worker(settings), settings), settings)
     worker.metrics.serve(settings, ready=worker.check_ready)

@@ -62,6 +62,7 @@ class Batch:
     running: str  # the worker's running entry for this execution
     cost: float
     seconds: float  # how long the execution held the slot
+    line: str  # the line its jobs came from, whose job-time model the execution feeds
 
 
 @dataclass(frozen=True)

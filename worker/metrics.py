@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from shared.contract.settings import Settings
+from worker.models import Switch
 from worker.pipeline import ImagePipeline
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,9 @@ WAIT_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 4 * 
 class WorkerMetrics:
     """What a worker counts while it runs jobs, in a registry of its own."""
 
-    def __init__(self, pipeline: ImagePipeline, settings: Settings, worker_name: str) -> None:
+    def __init__(self, pipeline: Callable[[], ImagePipeline], settings: Settings, worker_name: str) -> None:
+        """``pipeline``: the current pipeline, read at each scrape (a worker serving several models
+        switches between them)."""
         self.registry = CollectorRegistry()
         self.queue_wait = Histogram("slotq_job_queue_wait_seconds", "Time from a job's admission to its "
                                     "start.", buckets=WAIT_BUCKETS, registry=self.registry)
@@ -40,7 +43,17 @@ class WorkerMetrics:
                                       registry=self.registry)
         self.jobs = Counter("slotq_worker_jobs", "Jobs this worker ran, by how they ended.", ["status"],
                             registry=self.registry)
+        self.model_switches = Histogram("slotq_model_switch_seconds", "Time a worker serving several models "
+                                        "took to make a job's model current, by model and where it came "
+                                        "from (host: host memory; disk: loaded); none when it was on the "
+                                        "device.", ["model", "source"], buckets=SECONDS_BUCKETS,
+                                        registry=self.registry)
         self.registry.register(DeviceCollector(pipeline, settings, worker_name))
+
+    def switched(self, switch: Switch) -> None:
+        """Count a model made current for a job: from host memory or disk (from the device: nothing)."""
+        if switch.source != "device":
+            self.model_switches.labels(switch.model, switch.source).observe(switch.seconds)
 
     def ended(self, status: str, seconds: float) -> None:
         """Count a job this worker ended (or put back) and how long it ran."""
@@ -91,10 +104,16 @@ class _Quiet(WSGIRequestHandler):
 class DeviceCollector(Collector):
     """Read when scraped: the worker's device, its busy time and duty cycle, and CUDA memory."""
 
-    def __init__(self, pipeline: ImagePipeline, settings: Settings, worker_name: str) -> None:
-        self.pipeline, self.worker_name = pipeline, worker_name
-        self.model, self.checkpoint = settings.model_name, settings.model
+    def __init__(self, pipeline: Callable[[], ImagePipeline], settings: Settings, worker_name: str) -> None:
+        self.current, self.worker_name = pipeline, worker_name
+        first = settings.served_models[0]
+        self.model, self.checkpoint = first, settings.source_of(first)
         self.started = time.perf_counter()
+
+    @property
+    def pipeline(self) -> ImagePipeline:
+        """The pipeline now current: the device's time travels with it (worker/models.py)."""
+        return self.current()
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         device = self.pipeline.device

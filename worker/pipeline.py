@@ -196,37 +196,41 @@ def nan_rows(latents: torch.Tensor) -> list[bool]:
     return torch.isnan(latents).flatten(1).any(dim=1).tolist()
 
 
-def load_pipeline(settings: Settings) -> ImagePipeline:
-    """Load the configured model onto its device and warm it up with a one-step image."""
+def load_pipeline(settings: Settings, model: str | None = None, threads: ThreadChoice | None = None
+                  ) -> ImagePipeline:
+    """Load a model this worker serves (the first of them by default) onto its device and warm it up
+    with a one-step image. ``threads``: a choice calibrated already, by the first model's warm-up."""
+    model = model or settings.served_models[0]
+    source = settings.source_of(model)
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
-    threads = ThreadChoice.configured(settings.torch_threads, device)
+    threads = threads or ThreadChoice.configured(settings.torch_threads, device)
     if not threads.automatic:
         threads.use(0)  # a fixed count, for the load too
-    log.info("loading %s on %s as %s", settings.model, device, dtype)
+    log.info("loading %s (%s) on %s as %s", model, source, device, dtype)
     diffusers_logging.disable_progress_bar()  # a log file is no place for progress bars
-    pipe = _from_disk(settings, dtype)
+    pipe = _from_disk(settings, source, dtype)
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
-    lora_dir = settings.lora_dir_of(settings.model_name)
-    info = model_info(settings.model_name, family_of(pipe), available_adapters(lora_dir), settings.model)
+    lora_dir = settings.lora_dir_of(model)
+    info = model_info(model, family_of(pipe), available_adapters(lora_dir), source)
     decoder = load_decoder(settings.preview_decoder, device, dtype) if settings.preview_decoder else None
     loaded = ImagePipeline(pipe=pipe, device=device, samplers=Samplers(pipe.scheduler), info=info,
                            adapters=Adapters(lora_dir, settings.lora_cache),
                            previewer=Previewer(info.family, pipe.vae_scale_factor, decoder))
     loaded.threads = _warm_up(loaded, threads)
-    log.info("loaded %s on %s as %s: %s", settings.model_name, device, dtype, loaded.threads)
+    log.info("loaded %s on %s as %s: %s", model, device, dtype, loaded.threads)
     return loaded
 
 
-def _from_disk(settings: Settings, dtype: torch.dtype) -> DiffusionPipeline:
-    """SLOTQ_MODEL's pipeline on the CPU: a tiny model, a single file, a diffusers folder or a hub id."""
-    if is_single_file(settings.model):
-        return load_checkpoint(Path(settings.model), settings.checkpoint_configs, dtype)
-    source: str | Path = settings.model
-    if settings.model in TINY_MODELS:
-        source = ensure_tiny_model(settings.cache_dir, settings.model)
-    return DiffusionPipeline.from_pretrained(source, dtype=dtype)
+def _from_disk(settings: Settings, source: str, dtype: torch.dtype) -> DiffusionPipeline:
+    """A model's pipeline on the CPU: a tiny model, a single file, a diffusers folder or a hub id."""
+    if is_single_file(source):
+        return load_checkpoint(Path(source), settings.checkpoint_configs, dtype)
+    where: str | Path = source
+    if source in TINY_MODELS:
+        where = ensure_tiny_model(settings.cache_dir, source)
+    return DiffusionPipeline.from_pretrained(where, dtype=dtype)
 
 
 def _warm_up(loaded: ImagePipeline, threads: ThreadChoice) -> ThreadChoice:
@@ -235,7 +239,7 @@ def _warm_up(loaded: ImagePipeline, threads: ThreadChoice) -> ThreadChoice:
     side = max(64, loaded.info.side_multiple * 4)
     warm_up = JobRequest(prompt="warm-up", width=side, height=side, steps=1, seed=0)
     loaded.generate(warm_up)
-    if not threads.automatic:
+    if not threads.automatic or threads.calibration_s is not None:  # calibrated by the first model
         return threads
 
     def run(size: int, count: int) -> None:

@@ -53,6 +53,7 @@ class FolderModel(BaseModel):
     path: Path
     family: Family
     size: int  # bytes: the file's, or the sum of a diffusers folder's files
+    memory: dict[str, object] = {}  # its sidecar's "memory" settings over the service's (MemoryOptions)
 
 
 def header_names(path: Path) -> list[str]:

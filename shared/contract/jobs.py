@@ -325,6 +325,14 @@ class Progress(BaseModel):
     total: int
 
 
+class ModelLoad(BaseModel):
+    """How the worker made a job's model current before running it (a worker serving several models)."""
+
+    source: Literal["device", "host", "disk"] = Field(
+        description="`device`: it was there already; `host`: moved back from host memory; `disk`: loaded")
+    seconds: float = Field(description="the time it took (0 from the device)")
+
+
 class Eta(BaseModel):
     """Estimated seconds from now until a job starts and until it finishes."""
 
@@ -357,4 +365,6 @@ class JobView(BaseModel):
     error: JobError | None = None
     images: list[str] = []
     preview: str | None = Field(None, description="while it runs with previews: its latest preview, a JPEG")
+    model_load: ModelLoad | None = Field(None, description="how its worker made its model current before "
+                                                           "it ran; null until then")
     request: JobRequest

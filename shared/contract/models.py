@@ -65,6 +65,9 @@ class ModelInfo(BaseModel):
     side_multiple: int = Field(description="width and height must be multiples of this")
     workers: int = Field(0, description="live workers serving it")
     worker_names: list[str] = Field(default_factory=list, description="their names")
+    held_by: list[str] = Field(default_factory=list, description="those of them that have it on their "
+                                                                 "device now (a worker serving several "
+                                                                 "models switches between them)")
     loras: list[str] = Field(default_factory=list, description="the LoRA adapters a job on it may name")
 
     def within(self, max_side: int) -> ModelInfo:
@@ -86,9 +89,9 @@ _FAMILY_INFO: dict[Family, tuple[tuple[Scheduler, ...], ModelDefaults, int]] = {
 
 
 def model_info(name: str, family: Family, loras: list[str] | None = None, checkpoint: str | None = None,
-               worker_names: list[str] | None = None) -> ModelInfo:
+               worker_names: list[str] | None = None, held_by: list[str] | None = None) -> ModelInfo:
     """What the service publishes of a model of this family, served by these live workers."""
     schedulers, defaults, multiple = _FAMILY_INFO[family]
     return ModelInfo(name=name, family=family, checkpoint=checkpoint, schedulers=list(schedulers),
                      defaults=defaults, side_multiple=multiple, workers=len(worker_names or []),
-                     worker_names=worker_names or [], loras=loras or [])
+                     worker_names=worker_names or [], loras=loras or [], held_by=held_by or [])

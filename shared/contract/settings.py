@@ -25,6 +25,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from shared.contract import keys
 from shared.contract.checkpoints import FolderModel, folder_models
 from shared.contract.jobs import MAX_IMAGES, Priority
+from shared.contract.memory import MemoryOptions, Offload, Quantize
 from shared.contract.models import DEFAULT_MODEL_NAME, FAMILIES, MODEL_NAME_PATTERN, TINY_MODELS, Family
 
 # The configuration source of each family's single-file checkpoints: the hub ids diffusers itself
@@ -89,6 +90,20 @@ class Settings(BaseSettings):
     # folder or a hub id, read from the local hub cache only. "sd=/configs/sd15,sdxl=..."; a family
     # left out keeps the hub id diffusers itself uses. NoDecode: read as text.
     checkpoint_configs: Annotated[dict[Family, str], NoDecode] = dict(CHECKPOINT_CONFIGS)
+    # The models this worker serves, by name: SLOTQ_MODEL_NAME (loaded from SLOTQ_MODEL) and models of
+    # SLOTQ_MODELS_DIR, comma-separated, or "*" for every model of the folder; empty: SLOTQ_MODEL_NAME
+    # alone. NoDecode: read as text.
+    worker_models: Annotated[list[str], NoDecode] = []
+    # Of those, how many pipelines stay on the device, and how many more in host memory on a GPU
+    # worker (moved back with .to(), not read from disk again), memory permitting; the least recently
+    # used goes first.
+    model_cache: int = Field(1, ge=1, le=16)
+    host_model_cache: int = Field(2, ge=0, le=64)
+    # The memory settings of every model (shared/contract/memory.py); a model's sidecar may set its own.
+    offload: Offload = "none"
+    vae_slicing: bool = False
+    vae_tiling: bool = False
+    quantize: Quantize = "none"
     device: str = "auto"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     # torch's CPU threads in the worker, every execution; 0: on the CPU 1 or torch's default by each
@@ -195,6 +210,32 @@ class Settings(BaseSettings):
         return next(iter(self.offered_models))
 
     @property
+    def served_models(self) -> list[str]:
+        """The models this worker serves, by name: SLOTQ_WORKER_MODELS ("*": every model of the
+        folder), else SLOTQ_MODEL_NAME alone."""
+        if self.worker_models == ["*"]:
+            return list(folder_models(self.models_dir))
+        return list(self.worker_models) or [self.model_name]
+
+    def source_of(self, model: str) -> str:
+        """What the worker loads for a model it serves: its file or folder in SLOTQ_MODELS_DIR, else
+        SLOTQ_MODEL (SLOTQ_MODEL_NAME's)."""
+        folder = self.folder_model(model)
+        return str(folder.path) if folder is not None else self.model
+
+    def memory_of(self, model: str) -> MemoryOptions:
+        """A model's memory settings: the service's, under its sidecar's own where it has one."""
+        folder = self.folder_model(model)
+        overrides = folder.memory if folder is not None else {}
+        return self.memory.merged(overrides)
+
+    @property
+    def memory(self) -> MemoryOptions:
+        """The memory settings of every model (SLOTQ_OFFLOAD, SLOTQ_VAE_*, SLOTQ_QUANTIZE)."""
+        return MemoryOptions(offload=self.offload, vae_slicing=self.vae_slicing, vae_tiling=self.vae_tiling,
+                             quantize=self.quantize)
+
+    @property
     def line(self) -> str:
         """The line this worker claims from: that of SLOTQ_MODEL_NAME."""
         return keys.line_name(self.queue_name, self.model_name)
@@ -229,7 +270,7 @@ class Settings(BaseSettings):
             raise ValueError("must start with redis://, rediss:// or unix://")
         return value
 
-    @field_validator("redis_sentinels", "model_names", mode="before")
+    @field_validator("redis_sentinels", "model_names", "worker_models", mode="before")
     @classmethod
     def _text_list(cls, value: object) -> object:
         if isinstance(value, str):
@@ -293,6 +334,21 @@ class Settings(BaseSettings):
         served = self.folder_model(self.model_name)
         if served is not None:
             object.__setattr__(self, "model", str(served.path))  # frozen model: set once, while validating
+        return self
+
+    @model_validator(mode="after")
+    def _served_models_exist(self) -> Settings:
+        if "*" in self.worker_models and self.worker_models != ["*"]:
+            raise ValueError("SLOTQ_WORKER_MODELS: * stands alone (every model of SLOTQ_MODELS_DIR)")
+        if self.worker_models == ["*"] and not folder_models(self.models_dir):
+            raise ValueError("SLOTQ_WORKER_MODELS=*: SLOTQ_MODELS_DIR offers no model")
+        unknown = [name for name in self.worker_models
+                   if name not in ("*", self.model_name) and self.folder_model(name) is None]
+        if unknown:
+            raise ValueError(f"SLOTQ_WORKER_MODELS: {', '.join(unknown)[:100]} is neither SLOTQ_MODEL_NAME "
+                             f"nor a model of SLOTQ_MODELS_DIR")
+        if len(set(self.worker_models)) != len(self.worker_models):
+            raise ValueError("SLOTQ_WORKER_MODELS must not name a model twice")
         return self
 
     @model_validator(mode="after")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 from redis import WatchError
 from rq.exceptions import NoSuchJobError
@@ -30,12 +31,25 @@ RECOVER_EVERY_S = 1.0
 FENCE_MARGIN_S = 600  # a fence outlives the job timeout by this much: time to store the images
 
 
+@dataclass(frozen=True)
+class Holding:
+    """What a worker holds, for its next claim to prefer: the model and adapters key it ran last,
+    the adapters resident in that model's pipeline, and every model on its device."""
+
+    model: str = ""
+    adapters: str = ""
+    resident: tuple[str, ...] = ()
+    on_device: tuple[str, ...] = ()
+
+
 class Claims:
-    """One worker's claims on its model's line."""
+    """One worker's claims on the lines of the models it serves."""
 
     def __init__(self, queue: Queue, settings: Settings, worker: str) -> None:
         self.queue, self.settings, self.worker = queue, settings, worker
-        self.connection, self.line = queue.connection, settings.line
+        self.connection = queue.connection
+        self.models = settings.served_models
+        self.lines = [settings.line_of(model) for model in self.models]
         self.key = keys.claims_key(worker)
         self._recovered_at = 0.0
         # The claims this process is working on (one running, one being finished): never leftovers.
@@ -43,12 +57,21 @@ class Claims:
         self.identity: workers.WorkerIdentity | None = None
 
     def describe(self, host: str | None, pid: int | None, device: str, family: Family,
-                 loras: list[str]) -> None:
-        """Say where this worker runs and what it holds; each heartbeat from now on carries it
-        (GET /v1/workers, GET /v1/models)."""
-        self.identity = workers.WorkerIdentity(name=self.worker, queue=self.queue.name, host=host, pid=pid,
-                                               device=device, model=self.settings.model_name,
-                                               checkpoint=self.settings.model, family=family, loras=loras)
+                 loras: list[str], on_device: list[str] | None = None) -> None:
+        """Say where this worker runs and what it holds (``family`` and ``loras``: of its first model;
+        ``on_device``: the models on its device now); each heartbeat from now on carries it (GET
+        /v1/workers, GET /v1/models). Said again as the models on its device change."""
+        first = self.models[0]
+        self.identity = workers.WorkerIdentity(
+            name=self.worker, queue=self.queue.name, host=host, pid=pid, device=device, model=first,
+            checkpoint=self.settings.source_of(first), family=family, loras=loras,
+            models=self.models if len(self.models) > 1 else [],
+            on_device=on_device if on_device is not None else [first])
+
+    def describe_holding(self, on_device: tuple[str, ...]) -> None:
+        """Say which models are on this worker's device now (the next heartbeat carries it)."""
+        if self.identity is not None and list(on_device) != self.identity.on_device:
+            self.identity = self.identity.model_copy(update={"on_device": list(on_device)})
 
     def beat(self) -> None:
         """Tell the others this worker lives, where it runs and which jobs it holds."""
@@ -56,22 +79,20 @@ class Claims:
             raise RuntimeError("describe() the worker before its first heartbeat")
         workers.beat(self.connection, self.identity, self.settings.heartbeat_ttl_s)
 
-    def claim(self, timeout: float | None, holding: tuple[str, tuple[str, ...]] = ("", ())
-              ) -> waiting.Claimed | None:
-        """Move the next waiting job id into this worker's claims and start an attempt at it (its
-        fence token is the claim's); None when there is none.
-        ``holding``: the adapters key this worker ran last and its resident adapters, for affinity
-        (SLOTQ_AFFINITY_MAX_SKIP)."""
-        affinity = self._affinity(holding)
-        claimed = waiting.claim(self.connection, self.line, self.key, affinity, self.fence_ttl_s)
+    def claim(self, timeout: float | None, holding: Holding = Holding()) -> waiting.Claimed | None:
+        """Move the next waiting job id of this worker's lines into its claims and start an attempt
+        at it (its fence token is the claim's); None when there is none.
+        ``holding``: what this worker holds, for affinity (SLOTQ_AFFINITY_MAX_SKIP)."""
+        lines, affinity = self._lines(holding), self._affinity(holding)
+        claimed = waiting.claim(self.connection, lines, self.key, affinity, self.fence_ttl_s)
         if claimed is None and timeout is not None:
-            waiting.wait_for_work(self.connection, self.line, timeout)
-            claimed = waiting.claim(self.connection, self.line, self.key, affinity, self.fence_ttl_s)
+            waiting.wait_for_work(self.connection, lines, timeout)
+            claimed = waiting.claim(self.connection, lines, self.key, affinity, self.fence_ttl_s)
         return self._noted(claimed)
 
-    def send_claim(self, holding: tuple[str, tuple[str, ...]] = ("", ())) -> waiting.SentClaim:
+    def send_claim(self, holding: Holding = Holding()) -> waiting.SentClaim:
         """:meth:`claim` sent now, waiting for nothing: :meth:`received` reads what it took."""
-        return waiting.send_claim(self.connection, self.line, self.key, self._affinity(holding),
+        return waiting.send_claim(self.connection, self._lines(holding), self.key, self._affinity(holding),
                                   self.fence_ttl_s)
 
     def received(self, sent: waiting.SentClaim) -> waiting.Claimed | None:
@@ -80,8 +101,8 @@ class Claims:
 
     def claim_compatible(self, like: waiting.Claimed, count: int, window: int) -> list[waiting.Claimed]:
         """Claim up to ``count`` more waiting jobs that may share a batch with ``like``."""
-        claimed = waiting.claim_compatible(self.connection, self.line, self.key, like, count, window,
-                                           self.fence_ttl_s)
+        claimed = waiting.claim_compatible(self.connection, like.line or self.lines[0], self.key, like,
+                                           count, window, self.fence_ttl_s)
         self._held.update(member.job_id for member in claimed)
         return claimed
 
@@ -91,10 +112,19 @@ class Claims:
             self._held.add(claimed.job_id)
         return claimed
 
-    def _affinity(self, holding: tuple[str, tuple[str, ...]]) -> waiting.Affinity:
-        """What a claim prefers: the adapters this worker ran last and those resident, within
-        SLOTQ_AFFINITY_MAX_SKIP."""
-        return waiting.Affinity(self.settings.affinity_max_skip, *holding)
+    def _lines(self, holding: Holding) -> list[str]:
+        """This worker's lines, that of the model it ran last first."""
+        if holding.model not in self.models[1:]:
+            return self.lines
+        last = self.settings.line_of(holding.model)
+        return [last, *(line for line in self.lines if line != last)]
+
+    def _affinity(self, holding: Holding) -> waiting.Affinity:
+        """What a claim prefers: the model and adapters this worker ran last, its resident adapters
+        and the models on its device, within SLOTQ_AFFINITY_MAX_SKIP."""
+        on_device = tuple(self.settings.line_of(model) for model in holding.on_device)
+        return waiting.Affinity(self.settings.affinity_max_skip, holding.adapters, holding.resident,
+                                on_device)
 
     @property
     def fence_ttl_s(self) -> int:
@@ -102,8 +132,8 @@ class Claims:
         return self.settings.job_timeout_s + FENCE_MARGIN_S
 
     def wait_for_work(self, timeout: float) -> None:
-        """Block until a job may have arrived, or the timeout passes."""
-        waiting.wait_for_work(self.connection, self.line, timeout)
+        """Block until a job may have arrived in any of this worker's lines, or the timeout passes."""
+        waiting.wait_for_work(self.connection, self.lines, timeout)
 
     def unhold(self, job_id: str) -> None:
         """This process is done with the job: a claim on it still in the list is a leftover."""
@@ -118,7 +148,8 @@ class Claims:
         """Say this worker is gone: others recover any claim it still holds right away."""
         self.connection.delete(keys.alive_key(self.worker))
         if not self.connection.llen(self.key):
-            self.connection.srem(keys.workers_key(self.line), self.worker)
+            for line in self.lines:
+                self.connection.srem(keys.workers_key(line), self.worker)
 
     def recover(self) -> int | None:
         """Recover this worker's leftover claims and those of dead workers; how many jobs moved.
@@ -129,20 +160,25 @@ class Claims:
             return None
         self._recovered_at = time.monotonic()
         moved = 0
-        for raw in self.connection.smembers(keys.workers_key(self.line)):
-            worker = text(raw)
-            # Of this worker's own claims, those it is not working on are leftovers.
-            if worker != self.worker and self.connection.exists(keys.alive_key(worker)):
-                continue
-            claims_key = keys.claims_key(worker)
-            if worker != self.worker:
-                self.connection.hdel(keys.running_key(self.line), worker)  # it runs nothing now
-            held = set(self._held) if worker == self.worker else set()
-            for job_id in self.connection.lrange(claims_key, 0, -1):
-                if text(job_id) not in held:
-                    moved += self._recover_one(claims_key, text(job_id))
-            if worker != self.worker and not self.connection.llen(claims_key):
-                self.connection.srem(keys.workers_key(self.line), worker)
+        for line in self.lines:
+            for raw in self.connection.smembers(keys.workers_key(line)):
+                moved += self._recover_worker(line, text(raw))
+        return moved
+
+    def _recover_worker(self, line: str, worker: str) -> int:
+        """Recover a worker's claims if it is dead, or this worker's leftovers; how many jobs moved."""
+        if worker != self.worker and self.connection.exists(keys.alive_key(worker)):
+            return 0
+        claims_key, moved = keys.claims_key(worker), 0
+        if worker != self.worker:
+            self.connection.hdel(keys.running_key(line), worker)  # it runs nothing now
+        # Of this worker's own claims, those it is not working on are leftovers.
+        held = set(self._held) if worker == self.worker else set()
+        for job_id in self.connection.lrange(claims_key, 0, -1):
+            if text(job_id) not in held:
+                moved += self._recover_one(claims_key, text(job_id))
+        if worker != self.worker and not self.connection.llen(claims_key):
+            self.connection.srem(keys.workers_key(line), worker)
         return moved
 
     def recover_now(self, job_id: str) -> None:

@@ -19,7 +19,7 @@ from rq.queue import Queue
 
 from shared.contract import keys
 from shared.contract.errors import JobNotFoundError, NoPreviewError, ResultExpiredError
-from shared.contract.jobs import Eta, JobError, JobRequest, JobStatus, JobView, Progress, steps_run
+from shared.contract.jobs import Eta, JobError, JobRequest, JobStatus, JobView, ModelLoad, Progress, steps_run
 from shared.contract.settings import Settings
 from shared.contract.tenants import Tenant, job_cost
 from shared.store import estimates, events, fencing, outbox, scripts, waiting
@@ -95,6 +95,7 @@ def job_view(job: Job, position: int | None = None) -> JobView:
         error=JobError(**error) if error else _default_error(status),
         images=[f"/v1/jobs/{job.id}/images/{index}" for index in range(images)],
         preview=f"/v1/jobs/{job.id}/preview" if request.previews and status is JobStatus.RUNNING else None,
+        model_load=ModelLoad(**meta["model_load"]) if meta.get("model_load") else None,
         request=request,
     )
 

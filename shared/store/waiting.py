@@ -19,6 +19,7 @@ in the same script, so the id is always in exactly one place.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -45,16 +46,20 @@ class Claimed:
     record: dict[bytes, bytes]
     at: float
     token: str = ""
+    line: str = ""  # the line it was claimed from (a worker serving several models claims from each)
 
 
 @dataclass(frozen=True)
 class Affinity:
     """What a worker holds, for its claim to prefer: the adapters it ran last (an adapters key,
-    '' for the bare model) and those resident; ``max_skip`` bounds how often a job is passed over."""
+    '' for the bare model) and those resident, and the lines of the models on its device (a worker
+    serving several models; the one it ran last first); ``max_skip`` bounds how often a job is
+    passed over."""
 
     max_skip: int = 0
     last: str = ""
     resident: tuple[str, ...] = ()
+    on_device: tuple[str, ...] = ()
 
 
 def job_model(job: Job) -> str:
@@ -67,18 +72,19 @@ def line_of(job: Job) -> str:
     return keys.line_name(job.origin, job_model(job))
 
 
-def claim(connection: Redis, line: str, claims_key: str, affinity: Affinity | None = None,
-          fence_ttl_s: int = 0) -> Claimed | None:
-    """Move the next job id into a worker's claims list, atomically; None when none waits. With
-    ``affinity``, a job of the adapters the worker holds may go first, within its bound. With a
+def claim(connection: Redis, line: str | Sequence[str], claims_key: str,
+          affinity: Affinity | None = None, fence_ttl_s: int = 0) -> Claimed | None:
+    """Move the next job id into a worker's claims list, atomically; None when none waits. ``line``:
+    a line, or the lines of the models a worker serves, that of the model it ran last first. With
+    ``affinity``, a job of the model and adapters the worker holds may go first, within its bound. With a
     ``fence_ttl_s``, the claim also starts an attempt at the job: its fence holds the claim's token
     (shared/store/fencing.py), in the same script."""
     token, args = _claim_arguments(line, affinity, fence_ttl_s)
     return _claimed(scripts.run(connection, "claim", [claims_key], args), token)
 
 
-def send_claim(connection: Redis, line: str, claims_key: str, affinity: Affinity | None = None,
-               fence_ttl_s: int = 0) -> SentClaim:
+def send_claim(connection: Redis, line: str | Sequence[str], claims_key: str,
+               affinity: Affinity | None = None, fence_ttl_s: int = 0) -> SentClaim:
     """:func:`claim`, sent now and answered by :meth:`SentClaim.claimed` later: Redis moves the job
     while the caller goes on."""
     token, args = _claim_arguments(line, affinity, fence_ttl_s)
@@ -97,19 +103,23 @@ class SentClaim:
         return _claimed(self.call.reply(), self.token)
 
 
-def _claim_arguments(line: str, affinity: Affinity | None, fence_ttl_s: int) -> tuple[str, list[Any]]:
+def _claim_arguments(line: str | Sequence[str], affinity: Affinity | None, fence_ttl_s: int
+                     ) -> tuple[str, list[Any]]:
     """The claim's fence token and its script's arguments."""
     affinity, token = affinity or Affinity(), fencing.new_token() if fence_ttl_s else ""
-    return token, [line, Job.redis_job_namespace_prefix, affinity.max_skip,
-                   keys.lines_channel(keys.queue_of(line)), affinity.last, token, fence_ttl_s,
-                   *affinity.resident]
+    lines = [line] if isinstance(line, str) else list(line)
+    on_device = ",".join(str(index + 1) for index, each in enumerate(lines) if each in affinity.on_device)
+    return token, [",".join(lines), Job.redis_job_namespace_prefix, affinity.max_skip,
+                   keys.lines_channel(keys.queue_of(lines[0])), affinity.last, token, fence_ttl_s,
+                   on_device, *affinity.resident]
 
 
 def _claimed(answer: Any, token: str) -> Claimed | None:
     if not answer:
         return None
-    job_id, flat, at = answer
-    return Claimed(job_id.decode(), dict(zip(flat[::2], flat[1::2], strict=True)), float(at), token)
+    job_id, flat, at, line = answer
+    return Claimed(job_id.decode(), dict(zip(flat[::2], flat[1::2], strict=True)), float(at), token,
+                   line.decode())
 
 
 def claim_compatible(connection: Redis, line: str, claims_key: str, like: Claimed, count: int,
@@ -120,16 +130,18 @@ def claim_compatible(connection: Redis, line: str, claims_key: str, like: Claime
     priority, batch = like.record.get(b"priority", b"normal"), like.record.get(b"batch", b"")
     tokens = [fencing.new_token() for _ in range(count)] if fence_ttl_s else []
     taken = scripts.run(connection, "claim_compatible", [claims_key],
-                        [line, Job.redis_job_namespace_prefix, priority, batch, count, window,
+                        [like.line or line, Job.redis_job_namespace_prefix, priority, batch, count, window,
                          fence_ttl_s, *tokens])
     return [Claimed(job_id.decode(), dict(zip(flat[::2], flat[1::2], strict=True)), like.at,
-                    tokens[index] if tokens else "")
+                    tokens[index] if tokens else "", like.line or line)
             for index, (job_id, flat) in enumerate(taken)]
 
 
-def wait_for_work(connection: Redis, line: str, timeout: float) -> None:
-    """Block until a job may be waiting (each admission rings a doorbell) or the timeout passes."""
-    connection.blpop([f"{keys.line_key(line)}:doorbell"], timeout=timeout)
+def wait_for_work(connection: Redis, line: str | Sequence[str], timeout: float) -> None:
+    """Block until a job may be waiting in the line, or any of the lines (each admission rings its
+    line's doorbell), or the timeout passes."""
+    lines = [line] if isinstance(line, str) else line
+    connection.blpop([f"{keys.line_key(each)}:doorbell" for each in lines], timeout=timeout)
 
 
 def requeue(client: Redis | Pipeline, line: str, job_id: str) -> None:

@@ -30,15 +30,20 @@ class WorkerIdentity(BaseModel):
     host: str | None = Field(description="The worker's host name (in a container: the container's).")
     pid: int | None
     device: str = Field(description="The torch device the model is on, e.g. `cuda:1` or `cpu`.")
-    model: str = Field(description="The name of the model it serves (SLOTQ_MODEL_NAME).")
-    checkpoint: str | None = Field(None, description="What it loaded: SLOTQ_MODEL, a path or a hub id.")
-    family: Family | None = Field(None, description="The model's family (`sd`, `sdxl`, `flux`).")
-    loras: list[str] = Field(default_factory=list, description="The LoRA adapters it can load.")
+    model: str = Field(description="The name of the model it serves (SLOTQ_MODEL_NAME), the first of "
+                                   "`models` where it serves several.")
+    checkpoint: str | None = Field(None, description="What it loaded for `model`: a path or a hub id.")
+    family: Family | None = Field(None, description="The family of `model` (`sd`, `sdxl`, `flux`).")
+    loras: list[str] = Field(default_factory=list, description="The LoRA adapters it can load for `model`.")
+    models: list[str] = Field(default_factory=list, description="Every model it serves, where it serves "
+                                                                "several (SLOTQ_WORKER_MODELS); else empty.")
+    on_device: list[str] = Field(default_factory=list, description="The models on its device now, the one "
+                                                                   "it ran last first.")
 
     @property
-    def line(self) -> str:
-        """The line it claims from: its model's."""
-        return keys.line_name(self.queue, self.model)
+    def lines(self) -> list[str]:
+        """The lines it claims from: its models'."""
+        return [keys.line_name(self.queue, model) for model in self.models or [self.model]]
 
 
 class WorkerView(WorkerIdentity):
@@ -54,9 +59,10 @@ def beat(connection: Redis, identity: WorkerIdentity, ttl_s: float) -> None:
     """Refresh a worker's liveness and its record in one round trip."""
     name = identity.name
     # cjson would write an empty list back as {}: a worker with no adapters leaves them out.
-    record = identity.model_dump_json(exclude=None if identity.loras else {"loras"})
+    empty = {field for field in ("loras", "models", "on_device") if not getattr(identity, field)}
+    record = identity.model_dump_json(exclude=empty or None)
     scripts.run(connection, "beat",
-                [keys.alive_key(name), keys.claims_key(name), keys.workers_key(identity.line)],
+                [keys.alive_key(name), keys.claims_key(name), *map(keys.workers_key, identity.lines)],
                 [int(ttl_s * 1000), record, name])
 
 
@@ -73,16 +79,31 @@ def live_workers(connection: Redis, line: str) -> list[WorkerView]:
             view = WorkerView.model_validate_json(raw)
         except ValidationError:
             continue  # a worker of an older version keeps only "1" there: alive, but it says no more
-        if view.line == line:  # a fixed name may be reused on another line
+        if line in view.lines:  # a fixed name may be reused on another line
             views.append(view)
     return views
 
 
 def live_model(connection: Redis, line: str, name: str) -> ModelInfo | None:
-    """The model of this name as the live workers of its line hold it; None while none does."""
+    """The model of this name as the live workers of its line hold it; None while none does. A worker
+    serving several models describes its first alone: of the others, it says only that it serves
+    them and which it holds on its device, and None is answered where no worker describes the model."""
     views = [view for view in live_workers(connection, line) if view.family is not None]  # older: silent
-    if not views:
+    own = [view for view in views if view.model == name]
+    if not own:
         return None
-    loras = sorted({lora for view in views for lora in view.loras})
-    return model_info(name, views[0].family or "sd", loras, views[0].checkpoint,
-                      [view.name for view in views])
+    loras = sorted({lora for view in own for lora in view.loras})
+    return model_info(name, own[0].family or "sd", loras, own[0].checkpoint, [view.name for view in views],
+                      held_by(views, name))
+
+
+def serving(connection: Redis, line: str, name: str) -> tuple[list[str], list[str]]:
+    """The live workers that serve the model of this name, and those of them that hold it on their
+    device now."""
+    views = [view for view in live_workers(connection, line) if view.family is not None]
+    return [view.name for view in views], held_by(views, name)
+
+
+def held_by(views: list[WorkerView], name: str) -> list[str]:
+    """Which of these workers hold the model of this name on their device now."""
+    return [view.name for view in views if name in (view.on_device or [view.model])]

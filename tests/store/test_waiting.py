@@ -362,6 +362,89 @@ def test_resident_adapters_go_before_ones_that_must_be_loaded(adapter_line: Flas
     assert waiting_ids(redis, settings) == [needs_load]
 
 
+# --- a worker serving several models claims from all their lines (SLOTQ_WORKER_MODELS) -----------------
+
+@pytest.fixture
+def model_lines(settings: Settings) -> Iterator[FlaskClient]:
+    """Two models, each its own line; capacity 100 each."""
+    yield from with_settings(settings, queue_capacity=100, model_names=["a", "b"])
+
+
+def alternating_models(client: FlaskClient, jobs: int = 40) -> tuple[list[str], dict[str, str]]:
+    ids, model = [], {}
+    for index in range(jobs):
+        name = "ab"[index % 2]
+        job_id = submit(client, model=name, width=64, height=64).get_json()["id"]
+        ids.append(job_id)
+        model[job_id] = name
+    return ids, model
+
+
+def take_across(redis: Redis, settings: Settings, max_skip: int, held: str = "a",
+                count: int | None = None) -> list[waiting.Claimed]:
+    """Claim as a worker serving models a and b with one model on its device does: the line of the
+    model it ran last first, that model on the device."""
+    taken: list[waiting.Claimed] = []
+    claims = keys.claims_key("models-worker")
+    while count is None or len(taken) < count:
+        lines = [settings.line_of(held), settings.line_of("b" if held == "a" else "a")]
+        claimed = waiting.claim(redis, lines, claims, waiting.Affinity(max_skip, on_device=(lines[0],)))
+        if claimed is None:
+            break
+        taken.append(claimed)
+        held = claimed.line.rsplit(":", 1)[-1]
+    return taken
+
+
+def test_a_worker_of_two_models_takes_an_alternating_line_in_runs_within_the_bound(
+        model_lines: FlaskClient, redis: Redis, settings: Settings) -> None:
+    ids, model = alternating_models(model_lines)
+    taken = take_across(redis, settings, max_skip=8)
+    order = [claimed.job_id for claimed in taken]
+    assert sorted(order) == sorted(ids)
+    assert all(claimed.line == settings.line_of(model[claimed.job_id]) for claimed in taken)
+    assert waiting_ids(redis, settings, "a") == waiting_ids(redis, settings, "b") == []
+    print("started as", "".join(model[i] for i in order), f"({switches(order, model)} switches)")
+    assert switches(order, model) <= 40 // 8 + 1, [model[i] for i in order]
+    for job_id in ids:  # passed over: later jobs that started before it
+        later = ids[ids.index(job_id) + 1:]
+        assert sum(other in later for other in order[:order.index(job_id)]) <= 8
+    assert max(int(redis.hget(Job.key_for(i), "skips") or 0) for i in ids) <= 8
+
+
+def test_without_affinity_the_lines_of_two_models_start_in_admission_order(
+        model_lines: FlaskClient, redis: Redis, settings: Settings) -> None:
+    ids, _ = alternating_models(model_lines, 12)
+    assert [claimed.job_id for claimed in take_across(redis, settings, max_skip=0)] == ids
+
+
+def test_a_high_job_for_the_model_not_held_starts_next(model_lines: FlaskClient, redis: Redis,
+                                                       settings: Settings) -> None:
+    alternating_models(model_lines, 20)
+    assert {claimed.line for claimed in take_across(redis, settings, max_skip=8, count=3)} == {
+        settings.line_of("a")}
+    high = submit(model_lines, model="b", priority="high", width=64, height=64).get_json()["id"]
+    (claimed,) = take_across(redis, settings, max_skip=8, count=1)
+    assert (claimed.job_id, claimed.line) == (high, settings.line_of("b"))
+
+
+def test_each_models_line_keeps_its_own_cap_and_fair_order(settings: Settings, redis: Redis) -> None:
+    for client in with_settings(settings, queue_capacity=3, model_names=["a", "b"],
+                                api_keys={"key-a": "alice", "key-c": "carol"}):
+        alice = [submit(client, "key-a", model="a", width=64, height=64) for _ in range(2)]
+        carol = submit(client, "key-c", model="a", width=64, height=64)
+        assert [answer.status_code for answer in (*alice, carol)] == [202, 202, 202]
+        assert submit(client, "key-c", model="a", width=64, height=64).status_code == 429  # a's line is full
+        other = submit(client, "key-c", model="b", width=64, height=64)
+        assert other.status_code == 202  # b's line is not
+        claimed = [each.job_id for each in take_across(redis, settings, max_skip=0)]
+        first, second = (answer.get_json()["id"] for answer in alice)
+        # Fair share inside a's line holds across the worker's lines: carol's job, admitted behind
+        # alice's two, goes before alice's second.
+        assert claimed.index(carol.get_json()["id"]) < claimed.index(second), claimed
+        assert set(claimed) == {first, second, carol.get_json()["id"], other.get_json()["id"]}
+
+
 def test_affinity_keeps_fair_share_between_tenants_within_the_bound(settings: Settings, redis: Redis,
                                                                      tmp_path: Any) -> None:
     """Alice's burst runs adapter `a`, Carol's `b`: a worker that ran `a` prefers Alice's jobs, but

@@ -173,3 +173,61 @@ local function line_pop_affine(line, job_prefix, max_skip, last, resident)
   redis.call('DEL', line.key .. ':doorbell')
   return false
 end
+-- The next job of a worker that serves several models, each model its own line (`lines`, the line of
+-- the model it ran last first). Priorities always win: only the highest class any of the lines has
+-- work in is looked at. Inside it, the lines' heads are merged by admission time, each line keeping
+-- its own fair order. With affinity (max_skip > 0), among the first max_skip + 1 of the merge: the
+-- first of the model and adapters the worker ran last, else of that model with its adapters
+-- resident, else of a model on its device (`on_device`, by index into `lines`), else the first; the
+-- skip bound is line_pop_affine's. Answers the id and the index of its line.
+local function lines_pop_affine(lines, job_prefix, max_skip, last, resident, on_device)
+  local width = math.max(max_skip, 0) + 1
+  for _, class in ipairs(CLASSES) do
+    local windows, next_of, admitted, found = {}, {}, {}, false
+    for l, line in ipairs(lines) do
+      windows[l] = redis.call('ZRANGE', order_key(line, class), 0, width - 1, 'WITHSCORES')
+      next_of[l] = 1
+      found = found or windows[l][1] ~= nil
+    end
+    if found then
+      local merged = {}
+      while #merged < width do
+        local best, best_at
+        for l = 1, #lines do
+          local id = windows[l][2 * next_of[l] - 1]
+          if id then
+            admitted[id] = admitted[id] or redis.call('HGET', job_prefix .. id, 'enqueued_at') or ''
+            if not best or admitted[id] < best_at then best, best_at = l, admitted[id] end
+          end
+        end
+        if not best then break end
+        local i = next_of[best]
+        merged[#merged + 1] = {line = best, id = windows[best][2 * i - 1], tag = windows[best][2 * i]}
+        next_of[best] = i + 1
+      end
+      local chosen = 1
+      if max_skip > 0 then
+        local same, ready, held, limit
+        for i, m in ipairs(merged) do
+          local f = redis.call('HMGET', job_prefix .. m.id, 'adapters', 'skips')
+          local key = f[1] or ''
+          if m.line == 1 then
+            if not same and key == last then same = i end
+            if not ready and adapters_resident(key, resident) then ready = i end
+          end
+          if not held and on_device[m.line] then held = i end
+          if not limit and (tonumber(f[2]) or 0) >= max_skip then limit = i end
+        end
+        chosen = same or ready or held or 1
+        if limit and limit < chosen then chosen = limit end
+        for i = 1, chosen - 1 do redis.call('HINCRBY', job_prefix .. merged[i].id, 'skips', 1) end
+      end
+      local m = merged[chosen]
+      redis.call('ZREM', order_key(lines[m.line], class), m.id)
+      line_taken(lines[m.line], job_prefix, class, m.id, m.tag)
+      return m.id, m.line
+    end
+  end
+  for _, line in ipairs(lines) do redis.call('DEL', line.key .. ':doorbell') end
+  return false
+end

@@ -1,0 +1,131 @@
+"""The models one worker serves and which of them are loaded (SLOTQ_WORKER_MODELS).
+
+Up to SLOTQ_MODEL_CACHE pipelines stay on the device. On a GPU worker, one pushed off the device is
+kept in host memory (up to SLOTQ_HOST_MODEL_CACHE, while the host has room for it) and moved back
+with ``.to()`` rather than read from disk again; on the CPU the device is host memory, so a pipeline
+pushed off is dropped. The least recently used goes first. The claim prefers jobs of the models
+held (shared/store/lua/lib/line.lua), so a mixed line does not switch on every job.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from shared.contract.settings import Settings
+from shared.store.claims import Holding
+from worker.pipeline import ImagePipeline, load_pipeline, set_current_pipeline
+
+log = logging.getLogger(__name__)
+HOST_HEADROOM = 1.5  # a model kept in host memory leaves at least half its size free besides
+Source = Literal["device", "host", "disk"]
+
+
+@dataclass(frozen=True)
+class Switch:
+    """How a model became current: from where, and in how many seconds (0 when it already was)."""
+
+    model: str
+    source: Source
+    seconds: float
+
+
+class Models:
+    """The pipelines of the models this worker serves: the current one, those on the device and those
+    in host memory, most recently used last."""
+
+    def __init__(self, settings: Settings, first: ImagePipeline) -> None:
+        self.settings = settings
+        self.served = settings.served_models
+        self.on_device: OrderedDict[str, ImagePipeline] = OrderedDict({first.info.name: first})
+        self.in_host: OrderedDict[str, ImagePipeline] = OrderedDict()
+        self.current = first
+        set_current_pipeline(first)
+
+    @property
+    def holding(self) -> Holding:
+        """What the next claim prefers: the current model and its adapters, and the models on the device."""
+        adapters, resident = self.current.adapters.holding
+        on_device = (self.current.info.name, *(name for name in reversed(self.on_device)
+                                               if name != self.current.info.name))
+        return Holding(self.current.info.name, adapters, resident, on_device)
+
+    def use(self, model: str) -> Switch:
+        """Make the model's pipeline the current one: it is on the device already, or it comes back
+        from host memory, or it is loaded from disk (pushing the least recently used off the device)."""
+        if model not in self.served:
+            raise KeyError(f"this worker does not serve {model}")  # its lines are the only ones it claims
+        began, source = time.perf_counter(), self._source(model)
+        if source == "device":
+            pipeline = self.on_device.pop(model)
+        else:
+            self._make_room()
+            pipeline = self._from_host(model) if source == "host" else self._load(model)
+        self.on_device[model] = pipeline
+        if pipeline is not self.current:
+            # The device's time is one account whichever pipeline runs (the duty cycle, busy seconds).
+            pipeline.sections, pipeline.busy_s = self.current.sections, self.current.busy_s
+            self.current = pipeline
+            set_current_pipeline(pipeline)
+        switch = Switch(model, source, 0.0 if source == "device" else time.perf_counter() - began)
+        if source != "device":
+            log.info("model %s now on %s: from %s in %.2f s", model, pipeline.device, source, switch.seconds)
+        return switch
+
+    def _source(self, model: str) -> Source:
+        if model in self.on_device:
+            return "device"
+        return "host" if model in self.in_host else "disk"
+
+    def _from_host(self, model: str) -> ImagePipeline:
+        pipeline = self.in_host.pop(model)
+        pipeline.pipe.to(pipeline.device)
+        return pipeline
+
+    def _load(self, model: str) -> ImagePipeline:
+        return load_pipeline(self.settings, model, self.current.threads)
+
+    def _make_room(self) -> None:
+        """Push the least recently used pipelines off the device until one more fits the cache."""
+        while len(self.on_device) >= self.settings.model_cache:
+            name, pipeline = self.on_device.popitem(last=False)
+            if pipeline.device.type != "cpu" and self._host_has_room(pipeline):
+                pipeline.pipe.to("cpu")
+                self.in_host[name] = pipeline
+                while len(self.in_host) > self.settings.host_model_cache:
+                    self.in_host.popitem(last=False)
+            del pipeline
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+    def _host_has_room(self, pipeline: ImagePipeline) -> bool:
+        """Whether host memory can keep this pipeline (SLOTQ_HOST_MODEL_CACHE, and the host's free memory)."""
+        if not self.settings.host_model_cache:
+            return False
+        return available_memory() > HOST_HEADROOM * weight_bytes(pipeline)
+
+
+def weight_bytes(pipeline: ImagePipeline) -> int:
+    """The bytes of a pipeline's weights (every module's parameters and buffers)."""
+    modules = [each for each in pipeline.pipe.components.values() if isinstance(each, torch.nn.Module)]
+    return sum(tensor.numel() * tensor.element_size()
+               for module in modules for tensor in (*module.parameters(), *module.buffers()))
+
+
+def available_memory() -> int:
+    """The host's memory available to new allocations, in bytes (Linux's MemAvailable; 0 where unknown)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
