@@ -1,38 +1,110 @@
-"""Single-file checkpoints (the layout A1111, ComfyUI and Civitai use): their family and their loading.
+"""Single-file checkpoints (the layout A1111, ComfyUI and Civitai use): their family and their loading,
+and the loading of any model of SLOTQ_MODELS_DIR with the VAE file its sidecar names.
 
 A single file holds the weights only; the layout of each component (configs, tokenizers) comes from
-the family's configuration source, SLOTQ_CHECKPOINT_CONFIGS, read from disk and never fetched.
+the family's configuration source, SLOTQ_CHECKPOINT_CONFIGS, read from disk and never fetched. A Flux
+file holds its transformer alone (BFL's layout; a ``.gguf`` file holds it quantized, loaded through
+diffusers' GGUF support and the gguf package): the other components are those of that source, the
+Flux base, a diffusers folder with their weights.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from diffusers import DiffusionPipeline, StableDiffusionPipeline, StableDiffusionXLPipeline
+from diffusers import (
+    AutoencoderKL,
+    DiffusionPipeline,
+    FluxPipeline,
+    FluxTransformer2DModel,
+    GGUFQuantizationConfig,
+    StableDiffusionPipeline,
+    StableDiffusionXLPipeline,
+)
+from diffusers.models.model_loading_utils import load_gguf_checkpoint
 from huggingface_hub import snapshot_download
 from huggingface_hub.errors import LocalEntryNotFoundError
+from safetensors.torch import load_file
 
 from shared.contract.checkpoints import (
+    FLUX_PREFIX,
+    GGUF_SUFFIX,
+    MODEL_SUFFIXES,
     PICKLE_SUFFIXES,
-    SAFE_SUFFIX,
     UnusableModelError,
+    check_flux_transformer,
     family_of_names,
     header_names,
-    sidecar_family,
+    read_sidecar,
 )
 from shared.contract.models import Family
 
 log = logging.getLogger(__name__)
 
+Tensors = dict[str, torch.Tensor]
+
 PIPELINES: dict[Family, type[DiffusionPipeline]] = {
     "sd": StableDiffusionPipeline,
     "sdxl": StableDiffusionXLPipeline,
+    "flux": FluxPipeline,
 }
 # What diffusers reads from a configuration source: configs and tokenizer files, no weights.
 CONFIG_PATTERNS = ["*.json", "**/*.json", "*.txt", "**/*.txt", "*.model", "**/*.model"]
+
+# A FLUX.1 transformer's weights, BFL's names -> diffusers', as diffusers' own
+# convert_flux_transformer_checkpoint_to_diffusers maps them. That converter takes FLUX.1's width
+# (3072) as given and cannot read a narrower model; this mapping reads any width and block count
+# (tests/worker/test_checkpoints.py holds it to diffusers' at FLUX.1's width).
+FLUX_TOP = {
+    "img_in.": "x_embedder.",
+    "txt_in.": "context_embedder.",
+    "time_in.in_layer.": "time_text_embed.timestep_embedder.linear_1.",
+    "time_in.out_layer.": "time_text_embed.timestep_embedder.linear_2.",
+    "vector_in.in_layer.": "time_text_embed.text_embedder.linear_1.",
+    "vector_in.out_layer.": "time_text_embed.text_embedder.linear_2.",
+    "guidance_in.in_layer.": "time_text_embed.guidance_embedder.linear_1.",
+    "guidance_in.out_layer.": "time_text_embed.guidance_embedder.linear_2.",
+    "final_layer.linear.": "proj_out.",
+    "final_layer.adaLN_modulation.1.": "norm_out.linear.",  # its halves swapped: BFL's shift, scale
+}
+FLUX_SWAPPED = "final_layer.adaLN_modulation.1."
+FLUX_DOUBLE = {  # inside double_blocks.N. -> inside transformer_blocks.N.
+    "img_mod.lin.": "norm1.linear.",
+    "txt_mod.lin.": "norm1_context.linear.",
+    "img_attn.norm.query_norm.scale": "attn.norm_q.weight",
+    "img_attn.norm.key_norm.scale": "attn.norm_k.weight",
+    "txt_attn.norm.query_norm.scale": "attn.norm_added_q.weight",
+    "txt_attn.norm.key_norm.scale": "attn.norm_added_k.weight",
+    "img_attn.proj.": "attn.to_out.0.",
+    "txt_attn.proj.": "attn.to_add_out.",
+    "img_mlp.0.": "ff.net.0.proj.",
+    "img_mlp.2.": "ff.net.2.",
+    "txt_mlp.0.": "ff_context.net.0.proj.",
+    "txt_mlp.2.": "ff_context.net.2.",
+}
+FLUX_SINGLE = {  # inside single_blocks.N. -> inside single_transformer_blocks.N.
+    "modulation.lin.": "norm.linear.",
+    "norm.query_norm.scale": "attn.norm_q.weight",
+    "norm.key_norm.scale": "attn.norm_k.weight",
+    "linear2.": "proj_out.",
+}
+# One weight in BFL's layout, several in diffusers': each part the model's width wide, the last the rest.
+FLUX_DOUBLE_FUSED: dict[str, tuple[str, ...]] = {
+    "img_attn.qkv.": ("attn.to_q.", "attn.to_k.", "attn.to_v."),
+    "txt_attn.qkv.": ("attn.add_q_proj.", "attn.add_k_proj.", "attn.add_v_proj."),
+}
+FLUX_SINGLE_FUSED: dict[str, tuple[str, ...]] = {
+    "linear1.": ("attn.to_q.", "attn.to_k.", "attn.to_v.", "proj_mlp."),
+}
+# BFL's block kind -> diffusers' blocks, the renamed weights inside one, and the fused ones.
+FLUX_BLOCKS: dict[str, tuple[str, dict[str, str], dict[str, tuple[str, ...]]]] = {
+    "double_blocks": ("transformer_blocks", FLUX_DOUBLE, FLUX_DOUBLE_FUSED),
+    "single_blocks": ("single_transformer_blocks", FLUX_SINGLE, FLUX_SINGLE_FUSED),
+}
 
 
 class CheckpointError(ValueError):
@@ -40,27 +112,28 @@ class CheckpointError(ValueError):
 
 
 def is_single_file(model: str) -> bool:
-    """Whether SLOTQ_MODEL names a single-file checkpoint (a safetensors file or a pickle)."""
+    """Whether SLOTQ_MODEL names a single-file checkpoint (a safetensors or GGUF file, or a pickle)."""
     suffix = Path(model).suffix.lower()
-    return suffix == SAFE_SUFFIX or suffix in PICKLE_SUFFIXES
+    return suffix in MODEL_SUFFIXES or suffix in PICKLE_SUFFIXES
 
 
 def family_of_checkpoint(path: Path) -> Family:
-    """The family of a single-file checkpoint, from its key names (the safetensors header only)."""
+    """The family of a single-file checkpoint, from its key names (its header only)."""
     family = family_of_names(_key_names(path))
     if family is not None:
         return family
-    raise CheckpointError(f"{path}: not an SD or SDXL checkpoint in the single-file layout "
-                          f"(no cond_stage_model.* or conditioner.embedders.* weights)")
+    raise CheckpointError(f"{path}: not an SD or SDXL checkpoint in the single-file layout (no "
+                          f"cond_stage_model.* or conditioner.embedders.* weights), nor a FLUX.1 transformer "
+                          f"(no double_blocks.*)")
 
 
 def _key_names(path: Path) -> list[str]:
-    """The tensor names of a safetensors file; a pickle is refused before it is opened."""
+    """The tensor names of a safetensors or GGUF file; a pickle is refused before it is opened."""
     if path.suffix.lower() in PICKLE_SUFFIXES:
         raise CheckpointError(f"{path}: {path.suffix} files are pickles, which can run code when loaded; "
                               f"only .safetensors files are loaded (convert it once where you trust it)")
-    if path.suffix.lower() != SAFE_SUFFIX:
-        raise CheckpointError(f"{path}: not a .safetensors file")
+    if path.suffix.lower() not in MODEL_SUFFIXES:
+        raise CheckpointError(f"{path}: not a .safetensors or .gguf file")
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
     try:
@@ -83,21 +156,48 @@ def config_folder(source: str) -> Path:
             f"its configs once: hf download {source} --include '*.json' '*.txt'") from None
 
 
-def load_checkpoint(path: Path, configs: Mapping[Family, str], dtype: torch.dtype) -> DiffusionPipeline:
-    """Load a single-file checkpoint as its family's pipeline, with that family's configs, offline;
-    the family is the one its sidecar (``<stem>.json``) forces, else the one its keys show."""
+def load_folder_model(path: Path, configs: Mapping[Family, str], dtype: torch.dtype) -> DiffusionPipeline:
+    """Load a model of SLOTQ_MODELS_DIR, a single file or a diffusers folder, with the VAE file its
+    sidecar names (if any) in place of its own; offline."""
     try:
-        family = sidecar_family(path) or family_of_checkpoint(path)
+        vae_file = read_sidecar(path).vae
     except UnusableModelError as exc:
         raise CheckpointError(str(exc)) from None
-    if family not in PIPELINES:
-        raise CheckpointError(f"{path}: a {family} single file is not loaded yet (only sd and sdxl ones); "
-                              f"use its diffusers folder")
+    if not path.is_dir():
+        vae = None if vae_file is None else load_vae(vae_file, config_folder(configs[_family(path)]), dtype)
+        return load_checkpoint(path, configs, dtype, vae=vae)
+    # A diffusers folder holds its own VAE's config: the one the VAE file replaces.
+    components = {} if vae_file is None else {"vae": load_vae(vae_file, path, dtype)}
+    return DiffusionPipeline.from_pretrained(path, dtype=dtype, local_files_only=True, **components)
+
+
+def load_vae(path: Path, config: Path, dtype: torch.dtype) -> AutoencoderKL:
+    """Load a VAE file (the LDM layout of A1111's VAE files, or diffusers') with the VAE config of a
+    configuration source."""
+    log.info("loading the VAE %s with the config of %s", path, config)
+    vae = AutoencoderKL.from_single_file(str(path), config=str(config), subfolder="vae",
+                                         local_files_only=True, dtype=dtype)
+    _check_weights(vae, "VAE", path)
+    return vae
+
+
+def load_checkpoint(path: Path, configs: Mapping[Family, str], dtype: torch.dtype,
+                    vae: AutoencoderKL | None = None) -> DiffusionPipeline:
+    """Load a single-file checkpoint as its family's pipeline, with that family's configs, offline;
+    the family is the one its sidecar (``<stem>.json``) forces, else the one its keys show. A VAE
+    given is used in place of the file's (or the Flux base's)."""
+    family = _family(path)
     folder = config_folder(configs[family])
     log.info("loading %s (%s) with the configs of %s", path, family, folder)
+    components = {} if vae is None else {"vae": vae}
+    if family == "flux":
+        return _load_flux(path, folder, dtype, components)
+    if path.suffix.lower() == GGUF_SUFFIX:
+        raise CheckpointError(f"{path}: a GGUF file of {family}: GGUF files are loaded as FLUX.1 "
+                              f"transformers only")
     try:
         pipe = PIPELINES[family].from_single_file(str(path), config=str(folder), local_files_only=True,
-                                                  dtype=dtype)
+                                                  dtype=dtype, **components)
     except NotImplementedError as exc:
         # A weight the file lacks stays on the meta device; diffusers' own models fail moving it.
         if "meta tensor" not in str(exc):
@@ -107,13 +207,123 @@ def load_checkpoint(path: Path, configs: Mapping[Family, str], dtype: torch.dtyp
     return pipe
 
 
+def _family(path: Path) -> Family:
+    """A single file's family: the one its sidecar forces, else the one its keys show."""
+    _key_names(path)  # a pickle is refused, whatever its sidecar says
+    try:
+        forced = read_sidecar(path).family
+    except UnusableModelError as exc:
+        raise CheckpointError(str(exc)) from None
+    return forced or family_of_checkpoint(path)
+
+
+def _load_flux(path: Path, base: Path, dtype: torch.dtype,
+               components: dict[str, AutoencoderKL]) -> DiffusionPipeline:
+    """A Flux pipeline: the file's transformer, the rest from the Flux base (a diffusers folder)."""
+    names = _key_names(path)
+    try:
+        check_flux_transformer(path, names)
+    except UnusableModelError as exc:
+        raise CheckpointError(str(exc)) from None
+    state, quantization = _flux_file(path, dtype)
+    state = flux_to_diffusers(state)
+    _check_fits(state, base, path)
+    # Already in diffusers' names: from_single_file loads them as they are.
+    transformer = FluxTransformer2DModel.from_single_file(state, config=str(base), subfolder="transformer",
+                                                          local_files_only=True, dtype=dtype, **quantization)
+    try:
+        pipe = FluxPipeline.from_pretrained(base, transformer=transformer, local_files_only=True, dtype=dtype,
+                                            **components)
+    except OSError as exc:
+        raise CheckpointError(f"the Flux base {base} lacks weights of its text encoders or VAE ({exc}); a "
+                              f"Flux file holds its transformer alone: download the base once without it (hf "
+                              f"download <its hub id> --exclude 'transformer/*' 'flux1-*.safetensors')"
+                              ) from None
+    _check_complete(pipe, path)
+    return pipe
+
+
+def _flux_file(path: Path, dtype: torch.dtype) -> tuple[Tensors, dict[str, GGUFQuantizationConfig]]:
+    """A Flux file's weights in BFL's names, and for a GGUF file the quantization that keeps them
+    quantized (diffusers dequantizes each layer's weights as it runs, to dtype)."""
+    if path.suffix.lower() != GGUF_SUFFIX:
+        return load_file(str(path)), {}
+    try:
+        # diffusers' own reader (its from_single_file's), not re-exported at its top level.
+        state = load_gguf_checkpoint(str(path))
+    except ImportError:
+        raise CheckpointError(f"{path}: a GGUF file is read with the gguf package: pip install 'gguf>=0.10'"
+                              ) from None
+    return state, {"quantization_config": GGUFQuantizationConfig(compute_dtype=dtype)}
+
+
+def _check_fits(state: Tensors, base: Path, path: Path) -> None:
+    """Refuse a transformer whose weights are not those of the base's: diffusers would take them for
+    another layout and fail converting them."""
+    config = FluxTransformer2DModel.load_config(str(base), subfolder="transformer", local_files_only=True)
+    with torch.device("meta"):
+        expected = set(FluxTransformer2DModel.from_config(config).state_dict())
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: its transformer is not of the Flux base's kind ({base}): missing "
+                              f"{missing[:3]}, unexpected {unexpected[:3]} (a schnell file with a dev base, "
+                              f"or the reverse?)")
+
+
+def flux_to_diffusers(state: Tensors) -> Tensors:
+    """A FLUX.1 transformer's weights from BFL's layout (under ComfyUI's prefix or not) to diffusers'."""
+    state = {name.removeprefix(FLUX_PREFIX): tensor for name, tensor in state.items()}
+    if "img_in.weight" not in state:
+        raise CheckpointError("not a FLUX.1 transformer: no img_in.weight")
+    width = state["img_in.weight"].shape[0]  # the model's: its blocks' fused weights are split by it
+    converted: Tensors = {}
+    for name, tensor in state.items():
+        converted.update(_flux_weights(name, tensor, width))
+    return converted
+
+
+def _flux_weights(name: str, tensor: torch.Tensor, width: int) -> Tensors:
+    """One weight of BFL's layout as diffusers' weights: renamed, or split where BFL fuses them."""
+    m = re.fullmatch(r"(double_blocks|single_blocks)\.(\d+)\.(.*)", name)
+    if m is None:
+        swapped = name.startswith(FLUX_SWAPPED)
+        return {_flux_renamed(name, FLUX_TOP, name): swap_halves(tensor) if swapped else tensor}
+    blocks, renames, fused = FLUX_BLOCKS[m[1]]
+    inside, rest = f"{blocks}.{m[2]}.", m[3]
+    for old, parts in fused.items():
+        if rest.startswith(old):
+            sizes = [width] * (len(parts) - 1) + [tensor.shape[0] - width * (len(parts) - 1)]
+            pieces, kind = tensor.split(sizes), rest.removeprefix(old)  # kind: weight or bias
+            return {inside + part + kind: piece for part, piece in zip(parts, pieces, strict=True)}
+    return {inside + _flux_renamed(rest, renames, name): tensor}
+
+
+def _flux_renamed(name: str, table: dict[str, str], whole: str) -> str:
+    """The name with the table's prefix it starts with replaced."""
+    for old, new in table.items():
+        if name.startswith(old):
+            return new + name.removeprefix(old)
+    raise CheckpointError(f"no diffusers name for the FLUX.1 transformer weight {whole}")
+
+
+def swap_halves(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor with its two halves (along the first dimension) swapped: BFL's final modulation
+    gives shift then scale, diffusers' scale then shift."""
+    first, second = tensor.chunk(2)
+    return torch.cat([second, first])
+
+
 def _check_complete(pipe: DiffusionPipeline, path: Path) -> None:
-    """Refuse a pipeline whose text encoders the file left weights of unset (on the meta device):
-    the first move to the device would fail with "Cannot copy out of meta tensor"."""
+    """Refuse a pipeline whose components the file left weights of unset (on the meta device): the
+    first move to the device would fail with "Cannot copy out of meta tensor"."""
     for name, component in pipe.components.items():
-        if not isinstance(component, torch.nn.Module):
-            continue
-        missing = [weight for weight, tensor in component.state_dict().items() if tensor.is_meta]
-        if missing:
-            raise CheckpointError(f"{path}: the file lacks {len(missing)} weights of the {name}, "
-                                  f"such as {', '.join(missing[:3])}")
+        if isinstance(component, torch.nn.Module):
+            _check_weights(component, name, path)
+
+
+def _check_weights(module: torch.nn.Module, name: str, path: Path) -> None:
+    """Refuse a component with weights the file left unset (on the meta device)."""
+    missing = [weight for weight, tensor in module.state_dict().items() if tensor.is_meta]
+    if missing:
+        raise CheckpointError(f"{path}: the file lacks {len(missing)} weights of the {name}, "
+                              f"such as {', '.join(missing[:3])}")

@@ -28,13 +28,13 @@ from shared.store.claims import Claims
 from shared.store.connection import job_queue
 from shared.store.fencing import Fence, StaleAttemptError, connect_worker, holding
 from shared.store.waiting import Claimed
-from worker import batching, lifecycle, tasks
+from worker import batching, lifecycle, memory, tasks
 from worker.finisher import Finisher
 from worker.messages import Batch, Work
 from worker.metrics import WorkerMetrics
 from worker.models import Models
 from worker.outcomes import Member, Outcomes
-from worker.pipeline import current_pipeline, load_pipeline, set_current_pipeline
+from worker.pipeline import current_pipeline, load_pipeline, resolve_device, set_current_pipeline
 from worker.rq import check_rq
 from worker.sweeper import Sweeper
 from worker.webhooks import Sender
@@ -411,7 +411,13 @@ def run_worker(settings: Settings | None = None, *, burst: bool = False) -> int:
     lifecycle.install(settings.stop_timeout_s)
     check_rq()  # an RQ outside the tested range fails here, plainly, not mid-job
     try:
+        device = resolve_device(settings.device)
+        for model in settings.served_models:  # each model's memory settings, before any is loaded
+            memory.check(settings.memory_of(model), device)
         set_current_pipeline(load_pipeline(settings))  # the first model; the others when a job needs them
+    except memory.MemorySettingError as exc:
+        log.critical("cannot start: %s", exc)
+        return 1
     except Exception:
         # Worker-fatal: exit non-zero so the supervisor restarts us rather than failing every job.
         log.exception("could not load model %s", settings.source_of(settings.served_models[0]))

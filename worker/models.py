@@ -20,6 +20,7 @@ import torch
 
 from shared.contract.settings import Settings
 from shared.store.claims import Holding
+from worker import memory
 from worker.pipeline import ImagePipeline, load_pipeline, set_current_pipeline
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ class Models:
 
     def _from_host(self, model: str) -> ImagePipeline:
         pipeline = self.in_host.pop(model)
-        pipeline.pipe.to(pipeline.device)
+        memory.place(pipeline.pipe, pipeline.device, pipeline.memory)
         return pipeline
 
     def _load(self, model: str) -> ImagePipeline:
@@ -96,7 +97,7 @@ class Models:
         while len(self.on_device) >= self.settings.model_cache:
             name, pipeline = self.on_device.popitem(last=False)
             if pipeline.device.type != "cpu" and self._host_has_room(pipeline):
-                pipeline.pipe.to("cpu")
+                memory.unplace(pipeline.pipe, pipeline.memory)
                 self.in_host[name] = pipeline
                 while len(self.in_host) > self.settings.host_model_cache:
                     self.in_host.popitem(last=False)

@@ -24,10 +24,12 @@ from PIL import Image
 from shared.contract.adapters import available_adapters
 from shared.contract.errors import JobFailedError
 from shared.contract.jobs import JobKind, JobRequest
+from shared.contract.memory import MemoryOptions
 from shared.contract.models import PIPELINE_CLASSES, TINY_MODELS, Family, ModelInfo, model_info
 from shared.contract.settings import Settings
+from worker import memory
 from worker.adapters import Adapters
-from worker.checkpoints import is_single_file, load_checkpoint
+from worker.checkpoints import is_single_file, load_folder_model
 from worker.previews import Previewer, load_decoder
 from worker.samplers import Samplers
 from worker.threads import CALIBRATION_STEPS, ThreadChoice, work_of
@@ -69,6 +71,7 @@ class ImagePipeline:
     adapters: Adapters
     previewer: Previewer
     variants: dict[JobKind, DiffusionPipeline] = field(default_factory=dict)
+    memory: MemoryOptions = field(default_factory=MemoryOptions)  # how its weights are held
     threads: ThreadChoice = field(default_factory=lambda: ThreadChoice(0, 0))  # torch's CPU threads
     # When each recent GPU section (denoising and decoding) began and ended, by time.perf_counter():
     # what the duty cycle is computed from.
@@ -207,26 +210,29 @@ def load_pipeline(settings: Settings, model: str | None = None, threads: ThreadC
     threads = threads or ThreadChoice.configured(settings.torch_threads, device)
     if not threads.automatic:
         threads.use(0)  # a fixed count, for the load too
+    options = settings.memory_of(model)
+    memory.check(options, device)  # before any weight is read: a refusal costs no load
     log.info("loading %s (%s) on %s as %s", model, source, device, dtype)
     diffusers_logging.disable_progress_bar()  # a log file is no place for progress bars
-    pipe = _from_disk(settings, source, dtype)
-    pipe.to(device)
+    pipe = _from_disk(settings, model, source, dtype)
+    memory.place(pipe, device, options)
     pipe.set_progress_bar_config(disable=True)
     lora_dir = settings.lora_dir_of(model)
     info = model_info(model, family_of(pipe), available_adapters(lora_dir), source)
     decoder = load_decoder(settings.preview_decoder, device, dtype) if settings.preview_decoder else None
     loaded = ImagePipeline(pipe=pipe, device=device, samplers=Samplers(pipe.scheduler), info=info,
                            adapters=Adapters(lora_dir, settings.lora_cache),
-                           previewer=Previewer(info.family, pipe.vae_scale_factor, decoder))
+                           previewer=Previewer(info.family, pipe.vae_scale_factor, decoder), memory=options)
     loaded.threads = _warm_up(loaded, threads)
     log.info("loaded %s on %s as %s: %s", model, device, dtype, loaded.threads)
     return loaded
 
 
-def _from_disk(settings: Settings, source: str, dtype: torch.dtype) -> DiffusionPipeline:
-    """A model's pipeline on the CPU: a tiny model, a single file, a diffusers folder or a hub id."""
-    if is_single_file(source):
-        return load_checkpoint(Path(source), settings.checkpoint_configs, dtype)
+def _from_disk(settings: Settings, model: str, source: str, dtype: torch.dtype) -> DiffusionPipeline:
+    """A model's pipeline on the CPU: a model of SLOTQ_MODELS_DIR or a single file (with the VAE file
+    its sidecar names), a tiny model, a diffusers folder or a hub id."""
+    if settings.folder_model(model) is not None or is_single_file(source):
+        return load_folder_model(Path(source), settings.checkpoint_configs, dtype)
     where: str | Path = source
     if source in TINY_MODELS:
         where = ensure_tiny_model(settings.cache_dir, source)

@@ -6,6 +6,11 @@ two encoders under ``conditioner.embedders.0.transformer.`` (CLIP) and ``conditi
 (OpenCLIP). The mapping here is the inverse of diffusers' ``convert_ldm_*`` loaders
 (``diffusers/loaders/single_file_utils.py``) and follows its repository's
 ``scripts/convert_diffusers_to_original_{stable_diffusion,sdxl}.py``, made generic over block counts.
+
+A Flux file holds its transformer alone, in BFL's layout (``double_blocks``, ``single_blocks``, q, k
+and v fused): the inverse of worker/checkpoints.py's ``flux_to_diffusers``. A VAE file (A1111's) holds
+a VAE in the LDM layout, without the ``first_stage_model.`` prefix. A GGUF file holds the Flux file's
+weights, its matrices quantized (Q8_0), as llama.cpp's tools and ComfyUI-GGUF's write them.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from worker.checkpoints import FLUX_BLOCKS, FLUX_SWAPPED, FLUX_TOP, swap_halves
 
 Tensors = dict[str, torch.Tensor]
 
@@ -150,6 +157,38 @@ def open_clip_to_ldm(state: Tensors) -> Tensors:
     return ldm
 
 
+def flux_transformer_to_bfl(state: Tensors) -> Tensors:
+    """A diffusers Flux transformer's weights in BFL's layout."""
+    state = dict(state)
+    bfl: Tensors = {}
+    for kind, (blocks, renames, fused) in FLUX_BLOCKS.items():
+        found = (re.match(rf"{blocks}\.(\d+)\.", name) for name in state)
+        for index in sorted({int(m[1]) for m in found if m}):
+            inside = {name.removeprefix(f"{blocks}.{index}."): state.pop(name) for name in list(state)
+                      if name.startswith(f"{blocks}.{index}.")}
+            bfl.update(_prefixed(f"{kind}.{index}.", _flux_block_to_bfl(inside, renames, fused)))
+    for name, tensor in state.items():
+        bfl_name = _flux_name(name, FLUX_TOP)
+        bfl[bfl_name] = swap_halves(tensor) if bfl_name.startswith(FLUX_SWAPPED) else tensor
+    return bfl
+
+
+def _flux_block_to_bfl(inside: Tensors, renames: dict[str, str],
+                       fused: dict[str, tuple[str, ...]]) -> Tensors:
+    """One Flux block's weights in BFL's layout: its q, k and v (and MLP input) fused in that order."""
+    bfl = {old + kind: torch.cat([inside.pop(part + kind) for part in parts])
+           for old, parts in fused.items() for kind in ("weight", "bias")}
+    return {**bfl, **{_flux_name(name, renames): tensor for name, tensor in inside.items()}}
+
+
+def _flux_name(name: str, table: dict[str, str]) -> str:
+    """A diffusers name's BFL one: the table (BFL -> diffusers) read backwards."""
+    for old, new in table.items():
+        if name.startswith(new):
+            return old + name.removeprefix(new)
+    raise ValueError(f"no BFL name for the Flux transformer weight {name}")
+
+
 def _component(folder: Path, name: str) -> tuple[Tensors, dict]:
     """The weights and config of one component of a diffusers folder."""
     (weights,) = (folder / name).glob("*.safetensors")
@@ -162,7 +201,11 @@ def _prefixed(prefix: str, state: Tensors) -> Tensors:
 
 
 def checkpoint_of(folder: Path) -> Tensors:
-    """The single-file state dict of an SD 1.x or SDXL diffusers folder."""
+    """The single-file state dict of a diffusers folder: an SD 1.x or SDXL pipeline's, a Flux one's
+    transformer alone."""
+    if (folder / "transformer").is_dir():
+        transformer, _ = _component(folder, "transformer")
+        return flux_transformer_to_bfl(transformer)
     unet, unet_config = _component(folder, "unet")
     vae, vae_config = _component(folder, "vae")
     text, _ = _component(folder, "text_encoder")
@@ -181,6 +224,50 @@ def write_checkpoint(folder: Path, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(state, str(path))
     return path
+
+
+def write_gguf(folder: Path, path: Path) -> Path:
+    """Write a Flux diffusers folder's transformer as a GGUF file in BFL's layout: each matrix whose rows
+    are whole blocks of Q8_0 (32 values) quantized, the rest (biases, norms) kept in float32, as real
+    GGUF files keep them."""
+    import gguf  # the gguf package, only where GGUF files are written or read
+
+    writer = gguf.GGUFWriter(str(path), "flux")
+    for name, tensor in checkpoint_of(Path(folder)).items():
+        values = tensor.float().numpy()
+        if values.ndim == 2 and values.shape[1] % 32 == 0:
+            quantized = gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(name, quantized, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(name, values)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def write_vae(folder: Path, path: Path, scale: float = 1.0) -> Path:
+    """Write the diffusers folder's VAE as an A1111 VAE file (the LDM layout), its weights times scale:
+    another VAE, which tells its images apart, for a scale other than 1."""
+    vae, config = _component(Path(folder), "vae")
+    state = {name: (tensor * scale).contiguous() for name, tensor in vae_to_ldm(vae, config).items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path))
+    return path
+
+
+def write_flux_base(folder: Path, destination: Path) -> Path:
+    """Copy a Flux diffusers folder without its transformer's weights: the base a Flux file (its
+    transformer alone) is loaded into, which cannot quietly lend the file's weights."""
+    shutil.copytree(folder, destination, ignore=_transformer_weights, dirs_exist_ok=True)
+    return destination
+
+
+def _transformer_weights(directory: str, names: list[str]) -> list[str]:
+    """The names copytree leaves out: the transformer's weight files."""
+    return [name for name in names if Path(directory).name == "transformer" and name.endswith(".safetensors")]
 
 
 def write_configs(folder: Path, destination: Path) -> Path:

@@ -1,8 +1,11 @@
 """The folder of models (SLOTQ_MODELS_DIR): which models it offers, and the family of each, read
 without torch.
 
-A model of the folder is a single-file checkpoint (``<name>.safetensors``) or a diffusers folder (a
-sub-folder with ``model_index.json``), named after its stem. The API and the workers read the same
+A model of the folder is a single-file checkpoint (``<name>.safetensors``: a whole SD 1.x or SDXL
+pipeline, or a FLUX.1 transformer alone; ``<name>.gguf``: a quantized FLUX.1 transformer) or a
+diffusers folder (a sub-folder with ``model_index.json``), named after its stem; its sidecar,
+``<name>.json`` beside it, may force its family, name a VAE file used in place of its own, and set its
+memory settings. The API and the workers read the same
 folder (in compose both mount it), as they do SLOTQ_LORA_DIR: the API knows the models without a live
 worker, and a worker whose SLOTQ_MODEL_NAME names one loads it. Pickles (``.ckpt`` and the like) can
 run code when loaded: they are never offered.
@@ -17,14 +20,18 @@ import re
 import struct
 from collections.abc import Iterable
 from pathlib import Path
+from typing import BinaryIO
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from shared.contract.memory import MemoryOptions
 from shared.contract.models import FAMILIES, MODEL_NAME_PATTERN, PIPELINE_CLASSES, Family
 
 log = logging.getLogger(__name__)
 
 SAFE_SUFFIX = ".safetensors"
+GGUF_SUFFIX = ".gguf"  # llama.cpp's format of quantized weights, for FLUX.1 transformers here
+MODEL_SUFFIXES = (SAFE_SUFFIX, GGUF_SUFFIX)
 # Pickle formats: loading one runs whatever code it holds, so none is ever opened.
 PICKLE_SUFFIXES = frozenset({".ckpt", ".pt", ".pth", ".bin", ".pkl", ".pickle"})
 # The key prefix each family's text encoders have in the original layout; SDXL's second encoder
@@ -33,11 +40,21 @@ FAMILY_PREFIXES: tuple[tuple[str, Family], ...] = (
     ("conditioner.embedders.1.", "sdxl"),
     ("cond_stage_model.", "sd"),
 )
-# A model's sidecar, <stem>.json beside it: {"family": "sdxl"} forces its family (other keys, such as
-# those A1111 keeps in the same file, are ignored).
+# A FLUX.1 transformer in BFL's layout (their files, and ComfyUI's and Civitai's), its names under
+# ComfyUI's prefix in the files ComfyUI saves: its blocks and the layers around them, nothing else.
+FLUX_PREFIX = "model.diffusion_model."
+FLUX_BLOCKS = ("double_blocks.", "single_blocks.")
+FLUX_ROOTS = (*FLUX_BLOCKS, "img_in.", "txt_in.", "time_in.", "vector_in.", "guidance_in.", "final_layer.")
+# A model's sidecar, <stem>.json beside it: {"family": "sdxl", "vae": "file.safetensors", "memory":
+# {...}} (other keys, such as those A1111 keeps in the same file, are ignored).
 SIDECAR_SUFFIX = ".json"
 DIFFUSERS_INDEX = "model_index.json"
 MAX_HEADER_BYTES = 100 * 2**20  # the safetensors format's own bound on its JSON header
+# GGUF's header: magic, version, tensor count, metadata count; then the metadata, each value typed by
+# number (these of fixed size: uint8 ... float64, bool), then each tensor's name, shape, type and offset.
+GGUF_HEADER = struct.Struct("<4sIQQ")
+GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+GGUF_STRING, GGUF_ARRAY = 8, 9
 
 
 class UnusableModelError(ValueError):
@@ -54,46 +71,179 @@ class FolderModel(BaseModel):
     family: Family
     size: int  # bytes: the file's, or the sum of a diffusers folder's files
     memory: dict[str, object] = {}  # its sidecar's "memory" settings over the service's (MemoryOptions)
+    vae: Path | None = None  # the VAE file its sidecar names, used in place of its own
+
+
+class Sidecar(BaseModel):
+    """What a model's sidecar says of it; empty without one."""
+
+    model_config = ConfigDict(frozen=True)
+
+    family: Family | None = None
+    vae: Path | None = None  # a .safetensors file that exists
+    memory: dict[str, object] = {}  # valid MemoryOptions fields, as given
 
 
 def header_names(path: Path) -> list[str]:
-    """The tensor names of a safetensors file, from its header alone (8 bytes of length, then JSON)."""
+    """The tensor names of a safetensors or GGUF file, from its header alone."""
+    gguf = path.suffix.lower() == GGUF_SUFFIX
     try:
         with path.open("rb") as file:
-            (length,) = struct.unpack("<Q", file.read(8))
-            if length > MAX_HEADER_BYTES:
-                raise ValueError(f"a header of {length} bytes")
-            header = json.loads(file.read(length))
+            return _gguf_names(file) if gguf else _safetensors_names(file)
     except (OSError, struct.error, ValueError) as exc:
-        raise UnusableModelError(f"{path}: not a readable safetensors file: {exc}") from None
+        kind = "GGUF" if gguf else "safetensors"
+        raise UnusableModelError(f"{path}: not a readable {kind} file: {exc}") from None
+
+
+def _safetensors_names(file: BinaryIO) -> list[str]:
+    """A safetensors file's tensor names: 8 bytes of length, then a JSON object."""
+    (length,) = struct.unpack("<Q", file.read(8))
+    if length > MAX_HEADER_BYTES:
+        raise ValueError(f"a header of {length} bytes")
+    header = json.loads(file.read(length))
     if not isinstance(header, dict):
-        raise UnusableModelError(f"{path}: not a readable safetensors file (its header is not a JSON object)")
+        raise ValueError("its header is not a JSON object")
     return [name for name in header if name != "__metadata__"]
+
+
+def _gguf_names(file: BinaryIO) -> list[str]:
+    """A GGUF file's tensor names (version 2 or 3): its metadata skipped, each tensor's name read."""
+    magic, version, tensors, values = GGUF_HEADER.unpack(file.read(GGUF_HEADER.size))
+    if magic != b"GGUF" or version not in (2, 3):
+        raise ValueError(f"magic {magic!r}, version {version}")
+    for _ in range(values):
+        _gguf_string(file)  # the key
+        _gguf_skip(file, struct.unpack("<I", file.read(4))[0])
+    names = []
+    for _ in range(tensors):
+        names.append(_gguf_string(file).decode())
+        (dimensions,) = struct.unpack("<I", file.read(4))
+        file.seek(8 * dimensions + 4 + 8, os.SEEK_CUR)  # the shape, the type, the offset
+    return names
+
+
+def _gguf_string(file: BinaryIO) -> bytes:
+    (length,) = struct.unpack("<Q", file.read(8))
+    if length > MAX_HEADER_BYTES:
+        raise ValueError(f"a string of {length} bytes")
+    return file.read(length)
+
+
+def _gguf_skip(file: BinaryIO, kind: int) -> None:
+    """Read past one metadata value of this type."""
+    if kind == GGUF_STRING:
+        _gguf_string(file)
+    elif kind == GGUF_ARRAY:
+        item, count = struct.unpack("<IQ", file.read(12))
+        if item in GGUF_SIZES:
+            file.seek(GGUF_SIZES[item] * count, os.SEEK_CUR)
+        else:
+            for _ in range(count):
+                _gguf_skip(file, item)
+    elif kind in GGUF_SIZES:
+        file.seek(GGUF_SIZES[kind], os.SEEK_CUR)
+    else:
+        raise ValueError(f"a metadata value of unknown type {kind}")
 
 
 def family_of_names(names: Iterable[str]) -> Family | None:
     """The family of a single-file checkpoint with these tensor names; None for none known."""
     names = list(names)
+    # Flux first: a full Flux checkpoint may hold text encoders under an SD prefix.
+    if any(name.removeprefix(FLUX_PREFIX).startswith(FLUX_BLOCKS) for name in names):
+        return "flux"
     for prefix, family in FAMILY_PREFIXES:
         if any(name.startswith(prefix) for name in names):
             return family
     return None
 
 
-def sidecar_family(path: Path) -> Family | None:
-    """The family a model's sidecar (``<stem>.json`` beside it) forces; None without one."""
-    sidecar = path.with_name(path.name.removesuffix(SAFE_SUFFIX) + SIDECAR_SUFFIX)
+def outside_flux_transformer(names: Iterable[str]) -> list[str]:
+    """The names of a Flux file that are no FLUX.1 transformer's: a VAE's, text encoders', another model's."""
+    return [name for name in names if not name.removeprefix(FLUX_PREFIX).startswith(FLUX_ROOTS)]
+
+
+def check_flux_transformer(path: Path, names: Iterable[str]) -> None:
+    """Refuse a Flux file holding more than a FLUX.1 transformer: a full checkpoint, rare, is not loaded."""
+    outside = outside_flux_transformer(names)
+    if outside:
+        raise UnusableModelError(
+            f"{path}: a Flux file with {len(outside)} weights outside a FLUX.1 transformer, such as "
+            f"{', '.join(outside[:3])}: a full Flux checkpoint (transformer, VAE and text encoders) or "
+            f"another model; only transformer-only FLUX.1 files are loaded, the rest from the Flux base")
+
+
+def sidecar_of(path: Path) -> Path:
+    """Where a model's sidecar is: ``<stem>.json`` beside its file or folder."""
+    stem = path.name.removesuffix(path.suffix) if path.suffix.lower() in MODEL_SUFFIXES else path.name
+    return path.with_name(stem + SIDECAR_SUFFIX)
+
+
+def read_sidecar(path: Path) -> Sidecar:
+    """What the sidecar of the model at path says, validated; an empty one where it has none."""
+    sidecar = sidecar_of(path)
     if not sidecar.is_file():
-        return None
+        return Sidecar()
     try:
-        family = json.loads(sidecar.read_text("utf-8")).get("family")
-    except (OSError, ValueError, AttributeError) as exc:
+        said = json.loads(sidecar.read_text("utf-8"))
+    except (OSError, ValueError) as exc:
         raise UnusableModelError(f"{sidecar}: not a JSON object: {exc}") from None
+    if not isinstance(said, dict):
+        raise UnusableModelError(f"{sidecar}: not a JSON object")
+    return Sidecar(family=_sidecar_family(sidecar, said.get("family")),
+                   vae=_sidecar_vae(sidecar, said.get("vae")),
+                   memory=_sidecar_memory(sidecar, said.get("memory")))
+
+
+def sidecar_family(path: Path) -> Family | None:
+    """The family a model's sidecar forces; None without one."""
+    return read_sidecar(path).family
+
+
+def _sidecar_family(sidecar: Path, family: object) -> Family | None:
+    """The family a sidecar forces, once it is known to be one."""
     if family is None:
         return None
-    if family not in FAMILIES:
-        raise UnusableModelError(f"{sidecar}: family {family!r} is none of {', '.join(FAMILIES)}")
-    return family
+    for known in FAMILIES:
+        if family == known:
+            return known
+    raise UnusableModelError(f"{sidecar}: family {family!r} is none of {', '.join(FAMILIES)}")
+
+
+def _sidecar_vae(sidecar: Path, vae: object) -> Path | None:
+    """The VAE file a sidecar names (relative to its folder), once it is known to be a safetensors VAE."""
+    if vae is None:
+        return None
+    if not isinstance(vae, str) or not vae:
+        raise UnusableModelError(f'{sidecar}: "vae" is not a file name: {vae!r}')
+    path = sidecar.parent / vae  # an absolute name stays as it is
+    suffix = path.suffix.lower()
+    if suffix in PICKLE_SUFFIXES:
+        raise UnusableModelError(f'{sidecar}: "vae" {path}: {suffix} files are pickles, which can run '
+                                 f"code when loaded: never opened (convert it once to .safetensors where you "
+                                 f"trust it)")
+    if suffix != SAFE_SUFFIX:
+        raise UnusableModelError(f'{sidecar}: "vae" {path}: not a .safetensors file')
+    if not path.is_file():
+        raise UnusableModelError(f'{sidecar}: "vae" {path}: no such file')
+    if not any("decoder." in name for name in header_names(path)):
+        raise UnusableModelError(f'{sidecar}: "vae" {path}: not a VAE (no decoder weights)')
+    return path
+
+
+def _sidecar_memory(sidecar: Path, memory: object) -> dict[str, object]:
+    """A sidecar's memory settings, those it gives, once they are known to be valid MemoryOptions."""
+    if memory is None:
+        return {}
+    if not isinstance(memory, dict):
+        raise UnusableModelError(f'{sidecar}: "memory" is not an object: {memory!r}')
+    try:
+        options = MemoryOptions.model_validate(memory)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, error['loc']))}: {error['msg']}" for error in exc.errors())
+        raise UnusableModelError(f'{sidecar}: "memory" is not valid ({problems}); its settings are '
+                                 f"{', '.join(MemoryOptions.model_fields)}") from None
+    return {name: getattr(options, name) for name in memory}
 
 
 def _folder_family(folder: Path) -> Family:
@@ -118,25 +268,33 @@ def _model_of(path: Path) -> FolderModel | None:
     if suffix in PICKLE_SUFFIXES:
         raise UnusableModelError(f"{path}: {suffix} files are pickles, which can run code when loaded: "
                                  f"never offered (convert it once to .safetensors where you trust it)")
-    if not is_folder and suffix != SAFE_SUFFIX:
+    if not is_folder and suffix not in MODEL_SUFFIXES:
         return None
     name = path.name.removesuffix(path.suffix) if suffix else path.name
     if not re.fullmatch(MODEL_NAME_PATTERN, name):
         raise UnusableModelError(f"{path}: {name!r} is not a model name (letters, digits, _ . -, at most 64)")
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if is_folder else path.stat().st_size
-    return FolderModel(name=name, path=path, family=_family_of(path, name, is_folder), size=size)
+    sidecar = read_sidecar(path)
+    family = _family_of(path, name, is_folder, sidecar.family)
+    return FolderModel(name=name, path=path, family=family, size=size, memory=sidecar.memory, vae=sidecar.vae)
 
 
-def _family_of(path: Path, name: str, is_folder: bool) -> Family:
-    """A model's family: the one its sidecar forces, else its pipeline class's or its keys'."""
-    family = sidecar_family(path)
-    if family is None and is_folder:
-        family = _folder_family(path)
+def _family_of(path: Path, name: str, is_folder: bool, forced: Family | None) -> Family:
+    """A model's family: the one its sidecar forces, else its pipeline class's or its keys'; a Flux
+    file must hold a transformer alone."""
+    if is_folder:
+        return forced or _folder_family(path)
+    names = header_names(path)
+    family = forced or family_of_names(names)
     if family is None:
-        family = family_of_names(header_names(path))
-    if family is None:
-        raise UnusableModelError(f"{path}: not an SD or SDXL checkpoint in the single-file layout; a sidecar "
-                                 f"{name}{SIDECAR_SUFFIX} with {{\"family\": ...}} can name its family")
+        raise UnusableModelError(f"{path}: not an SD or SDXL checkpoint in the single-file layout, nor a "
+                                 f"FLUX.1 transformer; a sidecar {name}{SIDECAR_SUFFIX} with "
+                                 f"{{\"family\": ...}} can name its family")
+    if family == "flux":
+        check_flux_transformer(path, names)
+    elif path.suffix.lower() == GGUF_SUFFIX:
+        raise UnusableModelError(f"{path}: a GGUF file of {family}: GGUF files are loaded as FLUX.1 "
+                                 f"transformers only")
     return family
 
 

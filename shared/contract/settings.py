@@ -83,8 +83,9 @@ class Settings(BaseSettings):
     model_names: Annotated[list[str], NoDecode] = [DEFAULT_MODEL_NAME]
     # What the API assumes of SLOTQ_MODEL while no worker says (a tiny model's family is known).
     model_family: Family | None = None
-    # A folder of models: each *.safetensors single file and diffusers folder in it is a model named
-    # after its stem, offered beside SLOTQ_MODEL_NAMES (shared/contract/checkpoints.py).
+    # A folder of models: each *.safetensors or *.gguf single file and diffusers folder in it is a model
+    # named after its stem, offered beside SLOTQ_MODEL_NAMES; a sidecar <stem>.json may force its family
+    # and name a VAE file and memory settings (shared/contract/checkpoints.py).
     models_dir: Path | None = None
     # Where a single-file checkpoint's layout (configs, tokenizers) comes from, by family: a diffusers
     # folder or a hub id, read from the local hub cache only. "sd=/configs/sd15,sdxl=..."; a family

@@ -19,7 +19,7 @@ from PIL import Image
 from redis import Redis
 
 from shared.contract import checkpoints
-from shared.contract.checkpoints import folder_models, header_names
+from shared.contract.checkpoints import FolderModel, folder_models, header_names
 from shared.contract.settings import Settings
 from tests.conftest import Process, app_client, post_job, start_worker, wait_for_status, waiting_ids
 
@@ -90,6 +90,148 @@ def test_the_family_comes_from_the_keys_or_a_sidecar(tmp_path: Path, models_dir:
     (tmp_path / "sd3.json").write_text(json.dumps({"family": "sd3"}))
     models = folder_models(tmp_path)
     assert {name: model.family for name, model in models.items()} == {"forced": "sdxl", "xl": "sdxl"}
+
+
+def _header(path: Path, *names: str) -> Path:
+    """A safetensors file holding these one-number tensors, written by hand: no torch needed."""
+    header = json.dumps({name: {"dtype": "F32", "shape": [1], "data_offsets": [4 * i, 4 * i + 4]}
+                         for i, name in enumerate(names)}).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(4 * len(names)))
+    return path
+
+
+FLUX_NAMES = ("double_blocks.0.img_attn.qkv.weight", "single_blocks.0.linear1.weight", "img_in.weight",
+              "final_layer.linear.weight")
+
+
+def test_the_header_tells_a_flux_transformer(tmp_path: Path, model_cache: Path,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    from worker.tiny_checkpoints import write_checkpoint
+    from worker.tiny_model import ensure_tiny_model
+
+    write_checkpoint(ensure_tiny_model(model_cache, "tiny-flux"), tmp_path / "tiny-flux.safetensors")
+    _header(tmp_path / "bfl.safetensors", *FLUX_NAMES)
+    _header(tmp_path / "comfy.safetensors", *(f"model.diffusion_model.{name}" for name in FLUX_NAMES))
+    # A full Flux checkpoint (transformer, VAE, text encoders in one file): rare, not loaded.
+    _header(tmp_path / "full.safetensors", *(f"model.diffusion_model.{name}" for name in FLUX_NAMES),
+            "vae.decoder.conv_in.weight", "cond_stage_model.transformer.text_model.final_layer_norm.weight")
+    with caplog.at_level(logging.WARNING):
+        models = folder_models(tmp_path)
+    assert {name: model.family for name, model in models.items()} == {
+        "bfl": "flux", "comfy": "flux", "tiny-flux": "flux"}
+    assert "full.safetensors: a Flux file with 2 weights outside a FLUX.1 transformer" in caplog.text
+    assert "a full Flux checkpoint" in caplog.text
+
+
+def _gguf(path: Path, *names: str) -> Path:
+    """A GGUF file written by hand: metadata of three kinds (a string, a number, an array of strings),
+    then each one-number tensor's name, shape, type (float32) and offset, then the numbers."""
+    def text(value: str) -> bytes:
+        return struct.pack("<Q", len(value.encode())) + value.encode()
+
+    header = struct.pack("<4sIQQ", b"GGUF", 3, len(names), 3)
+    header += text("general.architecture") + struct.pack("<I", 8) + text("flux")
+    header += text("general.quantization_version") + struct.pack("<II", 4, 2)
+    header += text("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, 2) + text("a") + text("b")
+    for index, name in enumerate(names):
+        header += text(name) + struct.pack("<IQIQ", 1, 1, 0, 32 * index)
+    path.write_bytes(header + bytes(32 * len(names)))
+    return path
+
+
+def test_a_gguf_file_is_offered_as_a_flux_transformer_only(tmp_path: Path,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    _gguf(tmp_path / "flux-q8.gguf", *FLUX_NAMES)
+    (tmp_path / "flux-q8.json").write_text(json.dumps({"memory": {"offload": "model"}}))
+    _gguf(tmp_path / "llama.gguf", "blk.0.attn_q.weight", "token_embd.weight")
+    _gguf(tmp_path / "sd.gguf", "cond_stage_model.transformer.text_model.final_layer_norm.weight")
+    (tmp_path / "cut.gguf").write_bytes(_gguf(tmp_path / "whole.gguf", *FLUX_NAMES).read_bytes()[:60])
+    (tmp_path / "whole.gguf").unlink()
+    with caplog.at_level(logging.WARNING):
+        models = folder_models(tmp_path)
+    assert list(models) == ["flux-q8"]
+    assert (models["flux-q8"].family, models["flux-q8"].memory) == ("flux", {"offload": "model"})
+    assert header_names(tmp_path / "flux-q8.gguf") == list(FLUX_NAMES)
+    assert "llama.gguf: not an SD or SDXL checkpoint in the single-file layout, nor a FLUX.1" in caplog.text
+    assert "sd.gguf: a GGUF file of sd: GGUF files are loaded as FLUX.1 transformers only" in caplog.text
+    assert "cut.gguf: not a readable GGUF file" in caplog.text
+
+
+@pytest.fixture
+def sidecar_dir(tmp_path: Path) -> Path:
+    """A folder with a model file, a diffusers folder (their layout only) and a VAE file, no sidecar yet."""
+    _header(tmp_path / "file.safetensors", "cond_stage_model.transformer.text_model.final_layer_norm.weight")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
+    (tmp_path / "vaes").mkdir()
+    _header(tmp_path / "vaes" / "ae.safetensors", "decoder.conv_in.weight", "encoder.conv_in.weight")
+    return tmp_path
+
+
+def test_a_sidecar_names_a_vae_file_and_memory_settings(sidecar_dir: Path) -> None:
+    unsaid = folder_models(sidecar_dir)["file"]
+    assert (unsaid.vae, unsaid.memory) == (None, {})
+    vae = sidecar_dir / "vaes" / "ae.safetensors"
+    (sidecar_dir / "file.json").write_text(json.dumps({"vae": "vaes/ae.safetensors",
+                                                       "memory": {"offload": "model", "vae_tiling": True}}))
+    (sidecar_dir / "folder.json").write_text(json.dumps({"vae": str(vae),
+                                                         "memory": {"quantize": "bnb-4bit"}}))
+    models = _read_afresh(sidecar_dir)
+    assert models["file"] == FolderModel(name="file", path=sidecar_dir / "file.safetensors", family="sd",
+                                         size=models["file"].size, vae=vae,
+                                         memory={"offload": "model", "vae_tiling": True})
+    assert (models["folder"].family, models["folder"].vae) == ("flux", vae)
+    assert models["folder"].memory == {"quantize": "bnb-4bit"}
+    settings = Settings(models_dir=sidecar_dir, quantize="torchao-int8", vae_slicing=True)
+    memory = settings.memory_of("file")  # the service's settings under the model's own
+    assert (memory.offload, memory.vae_tiling, memory.vae_slicing, memory.quantize) == (
+        "model", True, True, "torchao-int8")
+
+
+@pytest.mark.parametrize(("sidecar", "reason"), [
+    ({"vae": "vaes/absent.safetensors"}, '"vae" {dir}/vaes/absent.safetensors: no such file'),
+    ({"vae": "vaes/ae.ckpt"}, '"vae" {dir}/vaes/ae.ckpt: .ckpt files are pickles, which can run code'),
+    ({"vae": "vaes/ae.bin"}, ".bin files are pickles"),
+    ({"vae": "file.safetensors"}, "not a VAE (no decoder weights)"),
+    ({"vae": 3}, '"vae" is not a file name: 3'),
+    ({"memory": {"offload": "always"}}, '"memory" is not valid (offload: Input should be'),
+    ({"memory": {"cpu_offload": True}},
+     "(cpu_offload: Extra inputs are not permitted); its settings are offload, vae_slicing"),
+    ({"memory": {"vae_tiling": "sometimes"}}, "vae_tiling: Input should be a valid boolean"),
+    ({"memory": ["offload"]}, '"memory" is not an object'),
+])
+@pytest.mark.parametrize("model", ["file", "folder"])
+def test_a_sidecar_with_an_unusable_vae_or_memory_makes_its_model_not_offered(
+        model: str, sidecar: dict[str, object], reason: str, sidecar_dir: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    marker = sidecar_dir / "unpickled"
+    (sidecar_dir / "vaes" / "ae.ckpt").write_bytes(pickle.dumps({"state_dict": _Trap(marker)}))
+    (sidecar_dir / "vaes" / "ae.bin").write_bytes(pickle.dumps({"state_dict": _Trap(marker)}))
+    assert model in _read_afresh(sidecar_dir)  # offered without its sidecar
+    (sidecar_dir / f"{model}.json").write_text(json.dumps(sidecar))
+    with caplog.at_level(logging.WARNING):
+        models = _read_afresh(sidecar_dir)
+    assert model not in models and len(models) == 1
+    assert f"not offered: {sidecar_dir / model}.json: " in caplog.text
+    assert reason.format(dir=sidecar_dir) in caplog.text
+    assert not marker.exists()
+
+
+def _read_afresh(models_dir: Path) -> dict[str, FolderModel]:
+    """The folder's models, read again: a change within one tick of the file system's clock leaves the
+    folder's mtime as it was."""
+    checkpoints._listed.clear()
+    return folder_models(models_dir)
+
+
+class _Trap:
+    """Unpickling this touches a marker file: what a malicious VAE file could do instead."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (Path.touch, (self.marker,))
 
 
 # --- the door, no worker -----------------------------------------------------------------------------

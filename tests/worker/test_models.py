@@ -143,3 +143,16 @@ def test_a_job_of_a_dead_worker_runs_again_on_another_and_a_deadline_expires_on_
         assert (view["status"], view["attempt"], view["worker"]) == ("succeeded", 2, "second"), view
     finally:
         assert second.stop() == 0, second.output()
+
+
+@pytest.mark.parametrize(("setting", "says"), [
+    ({"offload": "model"}, "offload=model (SLOTQ_OFFLOAD or the model's sidecar \"memory\") moves weights"),
+    ({"quantize": "bnb-4bit"}, "quantize=bnb-4bit (SLOTQ_QUANTIZE or the model's sidecar \"memory\") runs on "
+                               "CUDA only"),
+])
+def test_a_memory_setting_the_device_cannot_do_stops_the_worker_at_start_saying_why(
+        two_models: Settings, tmp_path: Path, setting: dict[str, str], says: str) -> None:
+    worker = start_worker(two_models.model_copy(update=setting), tmp_path / "refused.log", wait=False)
+    assert worker.popen.wait(120) == 1
+    assert says in worker.output() and "cannot start" in worker.output()
+    assert "loading sd" not in worker.output()  # refused before any weight was read
