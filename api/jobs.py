@@ -160,9 +160,12 @@ class Jobs:
                 "by_priority": counts, "limits": {p: self.settings.waiting_limit(p) for p in PRIORITIES}}
 
     def workers(self) -> list[WorkerView]:
-        """The live workers of every model, by model and name."""
-        return [view for name in self.settings.offered_models
-                for view in workers.live_workers(self.queue.connection, self.settings.line_of(name))]
+        """The live workers of every model, by model and name; a worker serving several models once."""
+        listed: dict[str, WorkerView] = {}
+        for name in self.settings.offered_models:
+            for view in workers.live_workers(self.queue.connection, self.settings.line_of(name)):
+                listed.setdefault(view.name, view)
+        return list(listed.values())
 
     def models(self) -> list[ModelInfo]:
         """The models a job may name, the default first: as their live workers hold them, else as
