@@ -14,6 +14,7 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -121,7 +122,18 @@ def weight_bytes(pipeline: ImagePipeline) -> int:
 
 
 def available_memory() -> int:
-    """The host's memory available to new allocations, in bytes (Linux's MemAvailable; 0 where unknown)."""
+    """The memory this process may still take, in bytes: the host's available memory (Linux's
+    MemAvailable), or less where the container's cgroup limit leaves less; 0 where unknown."""
+    available = _meminfo_available()
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+    except (OSError, ValueError):
+        return available
+    return available if limit == "max" else min(available, int(limit) - used)
+
+
+def _meminfo_available() -> int:
     try:
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:

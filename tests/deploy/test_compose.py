@@ -2,6 +2,7 @@
 
 import functools
 import json
+import os
 import re
 import shlex
 import shutil
@@ -28,6 +29,9 @@ METRICS_SOURCES = [ROOT / "api" / "metrics.py", ROOT / "worker" / "metrics.py"]
 
 DEFAULT_SERVICES = {"redis", "api", "proxy", "worker"}
 MONITORING_SERVICES = {"prometheus", "grafana", "rq-dashboard"}
+# One GPU serving a folder of models: its worker, in a profile of its own.
+FOLDER_WORKER = "worker-folder"
+DOCKERIGNORE = ROOT / ".dockerignore"
 
 # What api/metrics.py and worker/metrics.py export, under the names Prometheus stores.
 _COUNTERS = ["slotq_admissions", "slotq_jobs_ended", "slotq_worker_jobs", "slotq_gpu_busy_seconds"]
@@ -91,17 +95,49 @@ def _depends_on(service: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def _mounts(service: dict[str, Any]) -> list[tuple[str, str, bool]]:
-    """Return a service's volumes as (source, target, read_only) tuples."""
+    """Return a service's volumes as (source, target, read_only) tuples, a source as written
+    (`${VAR:-default}` uninterpolated)."""
     mounts = []
     for volume in service.get("volumes") or []:
         if isinstance(volume, dict):
             mounts.append((str(volume.get("source", "")), volume["target"], bool(volume.get("read_only"))))
             continue
-        parts = volume.split(":")
+        parts = re.split(r":(?![^{]*\})", volume)  # not the colon of a ${VAR:-default}
         source, target = (parts[0], parts[1]) if len(parts) > 1 else ("", parts[0])
         mode = parts[2] if len(parts) > 2 else ""
         mounts.append((source, target, "ro" in mode.split(",")))
     return mounts
+
+
+def _interpolated(text: str) -> str:
+    """Return a compose value as Compose reads it with no such variable set (no .env, no shell
+    variable): `${VAR:-default}` and `${VAR-default}` give their default, `${VAR}` nothing."""
+    return re.sub(r"\$\{[A-Za-z_][A-Za-z0-9_]*(?::?-([^}]*))?\}", lambda found: found[1] or "", text)
+
+
+def _extended(name: str) -> dict[str, Any]:
+    """Return a service as `extends` makes it from its base service in this file: its environment
+    and its volumes (by target) over the base's, its other keys in place of the base's."""
+    service = _service(name)
+    if "extends" not in service:
+        return service
+    assert set(service["extends"]) == {"service"}, "extends from another file is not read here"
+    base = _extended(service["extends"]["service"])
+    volumes = {}
+    for each in (base, service):
+        entries = each.get("volumes") or []
+        volumes |= {target: volume for volume, (_, target, _) in zip(entries, _mounts(each), strict=True)}
+    return {**base, **service, "environment": _environment(base) | _environment(service),
+            "volumes": list(volumes.values())}
+
+
+def _settings_from(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Settings:
+    """Return the settings a process reads from this environment alone (raises on a bad value)."""
+    for key in [key for key in os.environ if key.startswith("SLOTQ_")]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return Settings()
 
 
 def _port_targets(service: dict[str, Any]) -> list[int]:
@@ -587,15 +623,89 @@ def test_compose_config_is_valid() -> None:
     command = _docker_compose()
     if command is None:
         pytest.skip("Docker Compose v2 is not installed here; the file is checked as YAML only")
-    for profile in ([], ["--profile", "monitoring"]):
+    for profile in ([], ["--profile", "monitoring"], ["--profile", "folder"]):
         result = subprocess.run(
             [*command, *profile, "config", "-q"], cwd=ROOT, capture_output=True, text=True, timeout=60
         )
         assert result.returncode == 0, result.stderr
-    services = subprocess.run(
-        [*command, "config", "--services"], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
-    assert set(services.stdout.split()) == DEFAULT_SERVICES
+    with_folder = DEFAULT_SERVICES | {FOLDER_WORKER}
+    for profile, expected in (([], DEFAULT_SERVICES), (["--profile", "folder"], with_folder)):
+        services = subprocess.run(
+            [*command, *profile, "config", "--services"], cwd=ROOT, capture_output=True, text=True, timeout=60
+        )
+        assert set(services.stdout.split()) == expected
+
+
+def test_folder_worker_only_in_its_profile() -> None:
+    """worker-folder is the worker, extended, started with --profile folder only; it waits for Redis and
+    Prometheus finds it as it finds the worker."""
+    folder = _service(FOLDER_WORKER)
+    assert folder.get("profiles") == ["folder"]
+    assert folder["extends"] == {"service": "worker"}
+    for name in DEFAULT_SERVICES:
+        assert FOLDER_WORKER not in _depends_on(_service(name)), f"{name} needs the folder's worker"
+    # Compose's extends does not carry depends_on over: stated again.
+    assert _depends_on(folder).get("redis", {}).get("condition") == "service_healthy"
+    assert "worker" in folder["networks"]["default"]["aliases"]
+    assert ("slotq-worker", "worker", 9101) in _scrape_targets()
+
+
+def test_folder_is_mounted_read_only_on_the_api_and_its_worker() -> None:
+    """The API and worker-folder mount one host folder read-only where their SLOTQ_MODELS_DIR says, apart
+    from the worker's hub cache; a plain `up` works without that folder, and no build carries it."""
+    mounted = set()
+    for name in ("api", FOLDER_WORKER):
+        service = _extended(name)
+        folder = _environment(service)["SLOTQ_MODELS_DIR"]
+        found = [(source, ro) for source, target, ro in _mounts(service) if target == folder]
+        assert found, f"{name}: nothing mounted at SLOTQ_MODELS_DIR={folder}"
+        [(source, read_only)] = found
+        assert read_only, f"{name} mounts the models read-write"
+        mounted.add((source, folder))
+    [(source, folder)] = mounted
+    # The short syntax: Compose creates a missing host folder (the long syntax's create_host_path is false),
+    # so the API of a plain `docker compose up` starts without one, offering no model of it.
+    [entry] = [volume for volume in _service("api")["volumes"] if str(volume).startswith(source)]
+    assert isinstance(entry, str), "the API's models folder in the long syntax"
+    assert entry.startswith("${"), "the host folder is not a variable"
+    default = _interpolated(source)
+    assert default.startswith("./"), f"default host folder {default!r} is not beside the compose file"
+    # The build context is the repository: checkpoints in the default folder must not be sent with it.
+    ignored = {line.strip().strip("/") for line in DOCKERIGNORE.read_text().splitlines() if line.strip()}
+    assert Path(default).parts[0] in ignored, f"{default} is not in .dockerignore"
+    # The hub cache (HF_HOME) stays the writable `models` volume: a single file's configs are read there.
+    hf_home = _env_instructions(WORKER_DOCKERFILE)["HF_HOME"]
+    assert ("models", hf_home, False) in _mounts(_extended(FOLDER_WORKER))
+    assert not Path(folder).is_relative_to(hf_home) and not Path(hf_home).is_relative_to(folder)
+
+
+def test_folder_worker_serves_every_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """With models in the folder and no .env, worker-folder serves each of them on CUDA, one pipeline kept
+    on the GPU, and the API offers them beside its named models."""
+    for name, pipeline in (("anime", "StableDiffusionPipeline"), ("photo", "StableDiffusionXLPipeline")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model_index.json").write_text(json.dumps({"_class_name": pipeline}))
+    env = {key: _interpolated(value) for key, value in _environment(_extended(FOLDER_WORKER)).items()}
+    assert env["SLOTQ_WORKER_MODELS"] == "*"
+    assert env["SLOTQ_MODEL_CACHE"] == str(Settings.model_fields["model_cache"].default)
+    settings = _settings_from(env | {"SLOTQ_MODELS_DIR": str(tmp_path)}, monkeypatch)
+    assert settings.served_models == ["anime", "photo"]
+    assert (settings.device, settings.model_cache) == ("cuda", 1)
+    api_env = {key: _interpolated(value) for key, value in _environment(_service("api")).items()}
+    offered = _settings_from(api_env | {"SLOTQ_MODELS_DIR": str(tmp_path)}, monkeypatch).offered_models
+    assert {"anime": "sd", "photo": "sdxl"}.items() <= offered.items()
+    # Without the folder (a plain `up`: Compose made it empty), the API offers its named models alone.
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    named = _settings_from(api_env | {"SLOTQ_MODELS_DIR": str(empty)}, monkeypatch).offered_models
+    assert list(named) == [entry.partition("=")[0] for entry in api_env["SLOTQ_MODEL_NAMES"].split(",")]
+
+
+@pytest.mark.parametrize(("text", "value"), [
+    ("${A:-./models}", "./models"), ("${A-1}", "1"), ("${A}", ""), ("x${A:-y}z", "xyz"), ("plain", "plain")])
+def test_interpolated(text: str, value: str) -> None:
+    """Compose variables read with nothing set give their defaults."""
+    assert _interpolated(text) == value
 
 
 def test_prometheus_mounts_its_config() -> None:
