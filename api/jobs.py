@@ -185,9 +185,9 @@ class Jobs:
         line = self.settings.line_of(name)
         info = workers.live_model(self.queue.connection, line, name)
         if info is None:  # no worker describes it: as the settings assume it, with who serves it
-            names, held = workers.serving(self.queue.connection, line, name)
+            names, held, capacity = workers.serving(self.queue.connection, line, name)
             adapters = available_adapters(self.settings.lora_dir_of(name))
-            info = model_info(name, family, adapters, None, names, held)
+            info = model_info(name, family, adapters, None, names, held, capacity)
         in_folder = self.settings.folder_model(name)
         return info.model_copy(update={"size": in_folder.size}) if in_folder else info
 

@@ -19,7 +19,19 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench import adapters, admission, batching, compat, edges, end_to_end, gpu, images, memory, streams
+from bench import (
+    adapters,
+    admission,
+    batching,
+    compat,
+    edges,
+    end_to_end,
+    gpu,
+    images,
+    memory,
+    models,
+    streams,
+)
 from slotq.harness import Service
 from slotq.localredis import free_port
 
@@ -42,6 +54,7 @@ def quick_sections(shared: Service) -> list[Section]:
             ("LoRA adapters",
              lambda: adapters.report(rounds=1, size=64, jobs=4, duty_jobs=2, duty_rounds=1,
                                      duty_ways=(gpu.LOOP, "slotq worker"))),
+            ("Several models", lambda: models.report(rounds=1, line_rounds=1, jobs=4)),
             # As many threads as streams and more: no call waits out its timeout.
             ("Event streams", lambda: streams.report(streams=4, threads=8, requests=5))]
 
@@ -66,6 +79,7 @@ def sections() -> list[Section]:
             ("Memory", memory.report),
             ("Image inputs", images.report),
             ("LoRA adapters", adapters.report),
+            ("Several models", models.report),
             ("Event streams", streams.report)]
 
 

@@ -48,6 +48,7 @@ from shared.store.connection import connect, job_queue
 from slotq.harness import slotq_env
 from slotq.localredis import running_redis
 from worker.adapters import Adapters
+from worker.capacity import Capacity
 from worker.previews import Previewer
 
 Sections = list[tuple[float, float]]
@@ -68,6 +69,7 @@ class NullPipeline:
     info: ModelInfo = field(default_factory=lambda: model_info("tiny", "sd"))  # what the jobs are checked for
     adapters: Adapters = field(default_factory=lambda: Adapters(None, 1))  # none: every job is bare
     previewer: Previewer = field(default_factory=lambda: Previewer("sd", 8))  # no job here asks for one
+    capacity: Capacity = field(default_factory=Capacity)  # no bound: the worker's heartbeat says none
 
     def generate_batch(self, requests: list[JobRequest], on_step: Callable[[int, int, None], None],
                        inputs: Sequence[Mapping[str, Image.Image]] = ()) -> list[list[Image.Image]]:

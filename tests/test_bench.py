@@ -43,6 +43,9 @@ ROWS = {
                       "load from disk, then unload", "switch between two resident",
                       "switch adapter <-> bare model", "affinity off (baseline)", "affinity on, max skip 8",
                       "in-process loop (ceiling)", "slotq worker"],
+    "Several models": ["sd diffusers folder (baseline)", "sd single file", "sdxl diffusers folder (baseline)",
+                       "sdxl single file", "from disk, cache 1 (baseline)", "on the device, cache 2",
+                       "affinity off, max skip 0 (baseline)", "affinity on, max skip 8"],
     # gthread's row with its streams open has no figure when every call timed out, as it should.
     "Event streams": ["gthread, POST /v1/jobs, no stream", "gevent, POST /v1/jobs, no stream",
                       "gevent, POST /v1/jobs, 4 streams", "gevent, GET /v1/queue, 4 streams"],
@@ -75,6 +78,8 @@ def test_quick_report_has_every_section_with_its_baseline() -> None:
     assert "202x40" in sections["Admission"] and "429x40" in sections["Admission"]
     assert len(re.findall(r"^api process \(pid \d+\)", sections["Memory"], re.MULTILINE)) == 2
     assert "10 refused (503)" in sections["Event streams"]  # past the bound, under gevent
+    # The switch back from host memory is measured where CUDA is, and said to be n/a elsewhere.
+    assert re.search(r"^from host memory, cache 1 +(n/a|\d+\.\d+)", sections["Several models"], re.MULTILINE)
     # Each image row says what a service doing only the least (each PNG encoded aside) would reach.
     edges = sections["Speed at the edges"]
     least = re.findall(r"the least a service does: (\d+\.\d+) of the loop at 1 thread", edges)

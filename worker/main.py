@@ -22,6 +22,7 @@ from rq.worker import WorkerStatus
 
 from shared.contract import keys, logs
 from shared.contract.errors import JobCanceledError, JobFailedError, WorkerFatalError
+from shared.contract.jobs import Tier
 from shared.contract.settings import Settings, get_settings
 from shared.store import endings, estimates, records, results, waiting
 from shared.store.claims import Claims
@@ -233,6 +234,7 @@ class SlotWorker(Outcomes):
             rendered = dict.fromkeys([job.id for job in live], exc)
         outcomes = [rendered.get(member.job.id, JobCanceledError()) for member in members]
         self.metrics.gpu_section.observe(time.perf_counter() - started)
+        self._describe_capacity()  # the execution's peak may move the fit
         done = []
         for member, outcome in zip(members, outcomes, strict=True):
             if isinstance(outcome, Exception):
@@ -264,6 +266,21 @@ class SlotWorker(Outcomes):
             job.meta["model_load"] = {"source": switch.source, "seconds": round(switch.seconds, 3)}
         self.metrics.switched(switch)
 
+    def _tier(self, job: Job, line: str) -> Tier:
+        """The tier a job runs in: the speed it asked, and for ``auto`` the fast tier while its line is
+        deeper than SLOTQ_DEGRADE_AT (degrade before shedding)."""
+        speed = job.kwargs["request"].get("speed", "normal")
+        if speed != "auto":
+            return "fast" if speed == "fast" else "normal"
+        at = self.settings.degrade_at
+        deeper = at is not None and sum(waiting.counts(self.connection, line).values()) > at
+        return "fast" if deeper else "normal"
+
+    def _describe_capacity(self) -> None:
+        """Say how large a job this worker can run now (its current model's fit)."""
+        capacity = current_pipeline().capacity
+        self.claims.describe_capacity(capacity.pixels, capacity.total, capacity.free_after_load)
+
     def _begin(self, taken: Taken, line: str) -> tuple[list[Member], str, float, set[str]]:
         """Start the claimed jobs that may start, each under the fence its claim set: RQ's start
         bookkeeping, the attempt, the worker's running entry and step 0 in one fenced transaction.
@@ -273,11 +290,13 @@ class SlotWorker(Outcomes):
             return [], "", 0.0, set()
         jobs = [job for job, _ in startable]
         cost, executions = sum(records.cost_of(job) for job in jobs), []
+        tier = self._tier(jobs[0], line)  # of the whole batch: its jobs asked the same speed
         try:
             with holding(*(fence for _, fence in startable)), \
                     self.connection.pipeline(transaction=False) as pipe:
                 for job in jobs:
                     records.begin_attempt(job)
+                    job.meta["tier"] = tier
                 executions = self.start(jobs, pipe)
                 running = estimates.mark_running(pipe, line, self.name, cost, at)
                 records.announce_start(jobs, pipe)  # step 0; its last answers: which were canceled
@@ -377,6 +396,7 @@ class SlotWorker(Outcomes):
         loaded = current_pipeline()
         self.claims.describe(self.hostname, self.pid, str(loaded.device), loaded.info.family,
                              loaded.info.loras)
+        self._describe_capacity()
         self.claims.beat()
         log.info("worker %s ready on %s (models %s)", self.name, ", ".join(self.claims.lines),
                  ", ".join(self.claims.models))

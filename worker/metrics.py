@@ -128,8 +128,9 @@ class DeviceCollector(Collector):
         if device.type == "cuda":
             yield GaugeMetricFamily("slotq_cuda_memory_allocated_bytes", "Device memory held by tensors now.",
                                     value=torch.cuda.memory_allocated(device))
-            yield GaugeMetricFamily("slotq_cuda_memory_peak_bytes", "The most device memory tensors have "
-                                    "held.", value=torch.cuda.max_memory_allocated(device))
+            peak = torch.cuda.max_memory_allocated(device)
+            yield GaugeMetricFamily("slotq_cuda_memory_peak_bytes", "The most device memory tensors held "
+                                    "during the last execution.", value=peak)
             yield GaugeMetricFamily("slotq_cuda_memory_reserved_bytes", "Device memory the caching allocator "
                                     "holds.", value=torch.cuda.memory_reserved(device))
 

@@ -45,18 +45,19 @@ class Models:
     def __init__(self, settings: Settings, first: ImagePipeline) -> None:
         self.settings = settings
         self.served = settings.served_models
-        self.on_device: OrderedDict[str, ImagePipeline] = OrderedDict({first.info.name: first})
+        # The first served model's, as loaded at start (a benchmark's stand-in may name itself otherwise).
+        self.current_model, self.current = self.served[0], first
+        self.on_device: OrderedDict[str, ImagePipeline] = OrderedDict({self.current_model: first})
         self.in_host: OrderedDict[str, ImagePipeline] = OrderedDict()
-        self.current = first
         set_current_pipeline(first)
 
     @property
     def holding(self) -> Holding:
         """What the next claim prefers: the current model and its adapters, and the models on the device."""
         adapters, resident = self.current.adapters.holding
-        on_device = (self.current.info.name, *(name for name in reversed(self.on_device)
-                                               if name != self.current.info.name))
-        return Holding(self.current.info.name, adapters, resident, on_device)
+        on_device = (self.current_model, *(name for name in reversed(self.on_device)
+                                           if name != self.current_model))
+        return Holding(self.current_model, adapters, resident, on_device)
 
     def use(self, model: str) -> Switch:
         """Make the model's pipeline the current one: it is on the device already, or it comes back
@@ -73,7 +74,7 @@ class Models:
         if pipeline is not self.current:
             # The device's time is one account whichever pipeline runs (the duty cycle, busy seconds).
             pipeline.sections, pipeline.busy_s = self.current.sections, self.current.busy_s
-            self.current = pipeline
+            self.current_model, self.current = model, pipeline
             set_current_pipeline(pipeline)
         switch = Switch(model, source, 0.0 if source == "device" else time.perf_counter() - began)
         if source != "device":

@@ -29,6 +29,7 @@ from shared.contract.models import PIPELINE_CLASSES, TINY_MODELS, Family, ModelI
 from shared.contract.settings import Settings
 from worker import memory
 from worker.adapters import Adapters
+from worker.capacity import Capacity
 from worker.checkpoints import is_single_file, load_folder_model
 from worker.previews import Previewer, load_decoder
 from worker.samplers import Samplers
@@ -72,6 +73,7 @@ class ImagePipeline:
     previewer: Previewer
     variants: dict[JobKind, DiffusionPipeline] = field(default_factory=dict)
     memory: MemoryOptions = field(default_factory=MemoryOptions)  # how its weights are held
+    capacity: Capacity = field(default_factory=Capacity)  # how large an execution it can run
     threads: ThreadChoice = field(default_factory=lambda: ThreadChoice(0, 0))  # torch's CPU threads
     # When each recent GPU section (denoising and decoding) began and ended, by time.perf_counter():
     # what the duty cycle is computed from.
@@ -113,6 +115,8 @@ class ImagePipeline:
         self.adapters.use(self.pipe, first.loras)  # into the modules its twins share
         self.threads.use(work_of(requests))
         arguments = self._arguments(pipe, requests, inputs)
+        if self.device.type == "cuda":  # this execution's peak, for the capacity admission reads
+            torch.cuda.reset_peak_memory_stats(self.device)
         began = self.running_since = time.perf_counter()
         try:
             with torch.inference_mode():
@@ -120,6 +124,8 @@ class ImagePipeline:
                               callback_on_step_end=step_end)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the section ends when the device is done
+                pixels = sum(r.width * r.height * r.num_images for r in requests)
+                self.capacity.observe(pixels, torch.cuda.max_memory_allocated(self.device))
         finally:  # a canceled or failed execution held the device too
             ended = time.perf_counter()
             self.sections.append((began, ended))
@@ -223,6 +229,7 @@ def load_pipeline(settings: Settings, model: str | None = None, threads: ThreadC
     loaded = ImagePipeline(pipe=pipe, device=device, samplers=Samplers(pipe.scheduler), info=info,
                            adapters=Adapters(lora_dir, settings.lora_cache),
                            previewer=Previewer(info.family, pipe.vae_scale_factor, decoder), memory=options)
+    loaded.capacity = Capacity.of(device, settings.capacity_pixels)  # the weights loaded, no job yet
     loaded.threads = _warm_up(loaded, threads)
     log.info("loaded %s on %s as %s: %s", model, device, dtype, loaded.threads)
     return loaded

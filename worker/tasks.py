@@ -144,12 +144,17 @@ def _validated(job: Job) -> JobRequest | Exception:
                                    max_steps=settings.max_steps, side_multiple=info.side_multiple)
     except (ValidationError, KeyError) as exc:
         return JobFailedError("invalid_request", f"the stored request is invalid: {exc}")
-    if request.model not in (None, info.name):  # the worker made its model's pipeline current
-        return JobFailedError("unknown_model", f"this worker runs {info.name}, not {request.model}")
+    # The tier the worker chose as it started the job ("auto" resolved); a plain RQ worker chooses none.
+    speed = job.meta.get("tier") or ("normal" if request.speed == "auto" else request.speed)
+    if speed != request.speed:
+        request = request.model_copy(update={"speed": speed})
+    served = settings.served_models
+    if request.model not in (None, *served):  # never claimed from another model's line
+        return JobFailedError("unknown_model", f"this worker serves {', '.join(served)}, not {request.model}")
     if request.scheduler is not None and request.scheduler not in info.schedulers:
         return JobFailedError("invalid_request", f"a {info.family} model cannot use the "
                               f"{request.scheduler} sampler; it takes {', '.join(info.schedulers)}")
-    held = available_adapters(settings.lora_dir_of(info.name))
+    held = available_adapters(settings.lora_dir_of(request.model or served[0]))
     missing = sorted({lora.name for lora in request.loras} - set(held))
     if missing:  # removed from the folder since its admission, or not mounted on this worker
         return JobFailedError("unknown_lora", f"this worker has no LoRA adapter named {', '.join(missing)}")

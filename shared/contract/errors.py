@@ -102,6 +102,11 @@ class UnknownModelError(ServiceError):
     status, code, message = 422, "unknown_model", "No model of this name is in SLOTQ_MODEL_NAMES."
 
 
+class TooLargeForWorkersError(ServiceError):
+    status, code = 422, "too_large_for_workers"
+    message = "No live worker of this model can run a job this large."
+
+
 class QueueFullError(ServiceError):
     status, code, message = 429, "queue_full", "The queue is full; retry later."
 

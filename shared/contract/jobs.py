@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,7 +22,13 @@ from pydantic import (
 )
 
 from shared.contract.adapters import MAX_LORAS, LoraRef, adapters_key
-from shared.contract.errors import InvalidImageError, InvalidRequestError, UnknownLoraError, UnknownModelError
+from shared.contract.errors import (
+    InvalidImageError,
+    InvalidRequestError,
+    TooLargeForWorkersError,
+    UnknownLoraError,
+    UnknownModelError,
+)
 from shared.contract.images import INPUT_NAMES, ImageRef, InputName, read_data_url
 from shared.contract.models import MODEL_NAME_PATTERN, ModelInfo, Scheduler, model_info
 
@@ -29,6 +36,8 @@ MAX_SEED = 2**32 - 1
 MAX_IMAGES = 4  # per job
 
 Priority = Literal["high", "normal", "low"]
+Speed = Literal["normal", "fast", "auto"]  # as a job asks
+Tier = Literal["normal", "fast"]  # as it runs
 PRIORITIES: tuple[Priority, ...] = get_args(Priority)  # the order a worker serves them in
 WebhookEvent = Literal["started", "completed"]  # completed: succeeded, failed, canceled or expired
 MAX_URL = 2048
@@ -113,6 +122,8 @@ class JobRequest(BaseModel):
                                  description="LoRA adapters at their scales; none: the bare model")
     previews: bool = Field(False, description="send `preview` events (GET /v1/jobs/<id>/events) "
                            "and keep the latest at GET /v1/jobs/<id>/preview while it runs")
+    speed: Speed = Field("normal", description="`fast`: with step caching, faster and a little different; "
+                         "`auto`: fast while the model's line is deeper than the service's SLOTQ_DEGRADE_AT")
     deadline_s: float | None = Field(None, gt=0, le=86_400, allow_inf_nan=False)
     priority: Priority = "normal"
     # The pattern documents the URL's shape in the schema; the validator below checks the rest.
@@ -202,10 +213,10 @@ class JobRequest(BaseModel):
     @property
     def batch_key(self) -> str:
         """Jobs with equal keys can run as one batch: same kind, size, steps, strength, guidance,
-        sampler, adapters and images each."""
+        sampler, speed, adapters and images each."""
         strength = f"{self.strength!r}" if self.image is not None else ""
         return (f"{self.width}x{self.height}/{self.steps}/{self.guidance_scale!r}/{self.scheduler or ''}"
-                f"/{self.kind}{strength}/{self.adapters_key}/{self.num_images}")
+                f"/{self.kind}{strength}/{self.speed}/{self.adapters_key}/{self.num_images}")
 
     @property
     def adapters_key(self) -> str:
@@ -287,7 +298,23 @@ def validate_submission(data: Any, *, max_side: int, max_steps: int, max_image_b
     if unknown:
         offered = ", ".join(adapters) or "none"
         raise UnknownLoraError(f"No LoRA adapter named {', '.join(unknown)}; this service has {offered}.")
+    _check_fits(request, model, max_side)
     return Submission(request, inputs)
+
+
+def _check_fits(request: JobRequest, model: ModelInfo, max_side: int) -> None:
+    """Refuse a job larger than every live worker of its model said it can run: rather than wait in
+    line and fail ``out_of_memory``; the message names the largest square that fits."""
+    capacity, pixels = model.capacity_pixels, request.width * request.height * request.num_images
+    if capacity is None or pixels <= capacity:
+        return
+    images = request.num_images
+    side = min(math.isqrt(capacity // images), max_side)
+    side -= side % model.side_multiple
+    fits = f"{side}x{side} for {images} image(s)" if side >= model.side_multiple else "none this many images"
+    raise TooLargeForWorkersError(f"A {request.width}x{request.height} job of {images} image(s) is {pixels} "
+                                  f"pixels; the live workers of {model.name} run at most {capacity} pixels a "
+                                  f"job: {fits}, or fewer images.")
 
 
 def requested_model(data: Any, offered: Sequence[str]) -> str:
@@ -367,4 +394,6 @@ class JobView(BaseModel):
     preview: str | None = Field(None, description="while it runs with previews: its latest preview, a JPEG")
     model_load: ModelLoad | None = Field(None, description="how its worker made its model current before "
                                                            "it ran; null until then")
+    tier: Tier | None = Field(None, description="the tier it runs or ran in (`fast`: with step caching); "
+                                                "null until it starts")
     request: JobRequest

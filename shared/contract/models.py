@@ -68,6 +68,10 @@ class ModelInfo(BaseModel):
     held_by: list[str] = Field(default_factory=list, description="those of them that have it on their "
                                                                  "device now (a worker serving several "
                                                                  "models switches between them)")
+    capacity_pixels: int | None = Field(None, description="the most pixels x images one job may make on "
+                                                          "the live workers, as they report it; null "
+                                                          "where one reports no bound (no live worker, "
+                                                          "a CPU worker)")
     loras: list[str] = Field(default_factory=list, description="the LoRA adapters a job on it may name")
 
     def within(self, max_side: int) -> ModelInfo:
@@ -89,9 +93,11 @@ _FAMILY_INFO: dict[Family, tuple[tuple[Scheduler, ...], ModelDefaults, int]] = {
 
 
 def model_info(name: str, family: Family, loras: list[str] | None = None, checkpoint: str | None = None,
-               worker_names: list[str] | None = None, held_by: list[str] | None = None) -> ModelInfo:
+               worker_names: list[str] | None = None, held_by: list[str] | None = None,
+               capacity_pixels: int | None = None) -> ModelInfo:
     """What the service publishes of a model of this family, served by these live workers."""
     schedulers, defaults, multiple = _FAMILY_INFO[family]
     return ModelInfo(name=name, family=family, checkpoint=checkpoint, schedulers=list(schedulers),
                      defaults=defaults, side_multiple=multiple, workers=len(worker_names or []),
-                     worker_names=worker_names or [], loras=loras or [], held_by=held_by or [])
+                     worker_names=worker_names or [], loras=loras or [], held_by=held_by or [],
+                     capacity_pixels=capacity_pixels)

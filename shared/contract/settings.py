@@ -105,6 +105,17 @@ class Settings(BaseSettings):
     vae_slicing: bool = False
     vae_tiling: bool = False
     quantize: Quantize = "none"
+    # torch.compile of each model: off, regional (the denoiser's repeated blocks) or full (the denoiser
+    # and the VAE's decoder); the sizes ("512x512,1024x1024") compiled at start, before the worker
+    # says it is ready (docs/gpus.md).
+    compile: Literal["off", "regional", "full"] = "off"
+    compile_sizes: Annotated[list[str], NoDecode] = []
+    # Jobs asking "speed": "auto" run in the fast tier while their line is deeper than this; unset: never.
+    degrade_at: int | None = Field(None, ge=0, le=1_000_000)
+    # The pixels x images one execution may make on this worker, as its heartbeat reports it; unset:
+    # measured on a GPU (device memory against the peaks of its jobs), none on the CPU. The API refuses
+    # a job no live worker of its model can run (422 too_large_for_workers).
+    capacity_pixels: int | None = Field(None, ge=4096)
     device: str = "auto"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     # torch's CPU threads in the worker, every execution; 0: on the CPU 1 or torch's default by each
@@ -271,7 +282,7 @@ class Settings(BaseSettings):
             raise ValueError("must start with redis://, rediss:// or unix://")
         return value
 
-    @field_validator("redis_sentinels", "model_names", "worker_models", mode="before")
+    @field_validator("redis_sentinels", "model_names", "worker_models", "compile_sizes", mode="before")
     @classmethod
     def _text_list(cls, value: object) -> object:
         if isinstance(value, str):
@@ -301,6 +312,20 @@ class Settings(BaseSettings):
                 raise ValueError(f"{entry!r} is not family=source (the family one of {', '.join(FAMILIES)})")
             given[family] = source
         return CHECKPOINT_CONFIGS | given  # a family left out keeps its default
+
+    @field_validator("compile_sizes")
+    @classmethod
+    def _sizes(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            if not re.fullmatch(r"[1-9][0-9]{1,4}x[1-9][0-9]{1,4}", entry):
+                raise ValueError(f"{entry!r} is not WIDTHxHEIGHT (512x512)")
+        return value
+
+    @property
+    def warm_sizes(self) -> list[tuple[int, int]]:
+        """SLOTQ_COMPILE_SIZES as (width, height) pairs."""
+        pairs = (entry.split("x") for entry in self.compile_sizes)
+        return [(int(width), int(height)) for width, height in pairs]
 
     @field_validator("redis_sentinels")
     @classmethod

@@ -66,7 +66,16 @@ class Claims:
             name=self.worker, queue=self.queue.name, host=host, pid=pid, device=device, model=first,
             checkpoint=self.settings.source_of(first), family=family, loras=loras,
             models=self.models if len(self.models) > 1 else [],
-            on_device=on_device if on_device is not None else [first])
+            on_device=on_device if on_device is not None else [first], compile=self.settings.compile)
+
+    def describe_capacity(self, pixels: int | None, device_memory: int | None, free_after_load: int | None
+                          ) -> None:
+        """Say how large a job this worker can run (worker/capacity.py; the next heartbeat carries it)."""
+        facts = {"capacity_pixels": pixels, "device_memory": device_memory,
+                 "free_after_load": free_after_load}
+        if self.identity is not None and any(getattr(self.identity, name) != value
+                                             for name, value in facts.items()):
+            self.identity = self.identity.model_copy(update=facts)
 
     def describe_holding(self, on_device: tuple[str, ...]) -> None:
         """Say which models are on this worker's device now (the next heartbeat carries it)."""

@@ -96,6 +96,7 @@ def job_view(job: Job, position: int | None = None) -> JobView:
         images=[f"/v1/jobs/{job.id}/images/{index}" for index in range(images)],
         preview=f"/v1/jobs/{job.id}/preview" if request.previews and status is JobStatus.RUNNING else None,
         model_load=ModelLoad(**meta["model_load"]) if meta.get("model_load") else None,
+        tier=meta.get("tier"),
         request=request,
     )
 

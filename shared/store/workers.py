@@ -39,6 +39,14 @@ class WorkerIdentity(BaseModel):
                                                                 "several (SLOTQ_WORKER_MODELS); else empty.")
     on_device: list[str] = Field(default_factory=list, description="The models on its device now, the one "
                                                                    "it ran last first.")
+    compile: str = Field("off", description="Its SLOTQ_COMPILE: `off`, `regional` or `full`.")
+    capacity_pixels: int | None = Field(None, description="The most pixels x images one execution may make "
+                                                          "on it (SLOTQ_CAPACITY_PIXELS, or fitted on a "
+                                                          "GPU from its jobs' peak memory); null: no bound "
+                                                          "known.")
+    device_memory: int | None = Field(None, description="Its device's memory in bytes (a GPU's), if any.")
+    free_after_load: int | None = Field(None, description="The device memory free once its model was "
+                                                          "loaded, in bytes.")
 
     @property
     def lines(self) -> list[str]:
@@ -94,14 +102,23 @@ def live_model(connection: Redis, line: str, name: str) -> ModelInfo | None:
         return None
     loras = sorted({lora for view in own for lora in view.loras})
     return model_info(name, own[0].family or "sd", loras, own[0].checkpoint, [view.name for view in views],
-                      held_by(views, name))
+                      held_by(views, name), capacity_of(views))
 
 
-def serving(connection: Redis, line: str, name: str) -> tuple[list[str], list[str]]:
-    """The live workers that serve the model of this name, and those of them that hold it on their
-    device now."""
+def serving(connection: Redis, line: str, name: str) -> tuple[list[str], list[str], int | None]:
+    """The live workers that serve the model of this name, those of them that hold it on their
+    device now, and the largest job they can run (:func:`capacity_of`)."""
     views = [view for view in live_workers(connection, line) if view.family is not None]
-    return [view.name for view in views], held_by(views, name)
+    return [view.name for view in views], held_by(views, name), capacity_of(views)
+
+
+def capacity_of(views: list[WorkerView]) -> int | None:
+    """The most pixels x images one job may make on any of these workers; None where one of them
+    reports no bound, or none lives (admission then refuses nothing for size)."""
+    bounds = [view.capacity_pixels for view in views]
+    if not bounds or None in bounds:
+        return None
+    return max(bound for bound in bounds if bound is not None)
 
 
 def held_by(views: list[WorkerView], name: str) -> list[str]:
