@@ -11,6 +11,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from shared.contract.models import PIPELINE_CLASSES, TINY_MODELS, Family, ModelI
 from shared.contract.settings import Settings
 from worker import memory
 from worker.adapters import Adapters
+from worker.caching import fast_tier
 from worker.capacity import Capacity
 from worker.checkpoints import is_single_file, load_folder_model
 from worker.previews import Previewer, load_decoder
@@ -119,7 +121,7 @@ class ImagePipeline:
             torch.cuda.reset_peak_memory_stats(self.device)
         began = self.running_since = time.perf_counter()
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), self._tier(pipe, first):
                 output = pipe(**arguments, generator=generators, output_type="np",
                               callback_on_step_end=step_end)
             if self.device.type == "cuda":
@@ -136,6 +138,13 @@ class ImagePipeline:
         if first.kind == "inpaint":  # every pixel was decoded from latents: the kept ones too, altered
             made = [_kept_outside_mask(images, each) for images, each in zip(made, inputs, strict=True)]
         return made
+
+    def _tier(self, pipe: DiffusionPipeline, request: JobRequest) -> AbstractContextManager[None]:
+        """The fast tier's step caching for a request that runs in it (its speed is the tier its worker
+        chose); nothing for the normal tier."""
+        if request.speed != "fast":
+            return nullcontext()
+        return fast_tier(pipe, self.info.family, tiny=self.info.checkpoint in TINY_MODELS)
 
     def _pipeline_for(self, kind: JobKind) -> DiffusionPipeline:
         """The loaded pipeline, or its image-to-image or inpainting twin over the same modules."""

@@ -128,6 +128,18 @@ def test_text_to_image_with_progress_and_the_same_seed_twice(client: FlaskClient
     assert pixels(client, first) != pixels(client, run(client, **{**body, "seed": 22}))
 
 
+def test_a_fast_job_runs_in_the_fast_tier_near_the_normal_image(client: FlaskClient) -> None:
+    body = {"prompt": "a lighthouse", "width": 128, "height": 128, "steps": 12, "seed": 4}
+    normal, fast = run(client, **body), run(client, **body, speed="fast")
+    other = run(client, **(body | {"seed": 5}))
+    assert (normal["tier"], fast["tier"], fast["request"]["speed"]) == ("normal", "fast", "fast")
+    as_array = [np.asarray(picture(client, view), dtype=np.float64) for view in (normal, fast, other)]
+    cost, scale = np.abs(as_array[1] - as_array[0]).mean(), np.abs(as_array[2] - as_array[0]).mean()
+    # Step caching changes the image a little: far less than another seed does.
+    assert 0 < cost < scale / 5, (cost, scale)
+    assert pixels(client, run(client, **body)) == pixels(client, normal)  # the normal tier is as it was
+
+
 def test_image_to_image_keeps_the_size_counts_the_steps_run_and_repeats(client: FlaskClient) -> None:
     body = {"image": data_url(start_image(256, 256)), "strength": 0.6, "steps": 5, "seed": 3}
     view = run(client, **body)
