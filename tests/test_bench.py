@@ -5,10 +5,12 @@ A smoke run: the figures are not asserted, only that every section ran and print
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -109,3 +111,43 @@ def test_side_work_cpu_is_read_per_process_and_without_its_main_thread() -> None
             assert main_thread < 0.25, main_thread
         finally:
             child.kill()
+
+
+FULLSIZE_FAMILIES = {"sd": "SD 1.5", "sdxl": "SDXL", "flux": "Flux.1-dev"}
+
+
+# A guard against a hang: the run takes about 10 s on 2 cores, most of it importing torch and diffusers.
+@pytest.mark.timeout(240)
+def test_fullsize_tiny_times_each_family_bare_and_through_the_worker_beside_the_published_figures(
+        tmp_path: Path) -> None:
+    # bench.fullsize is for GPU hosts and not in `python -m bench`; --tiny is its smoke run on the CPU.
+    figures_file = tmp_path / "fullsize.json"
+    done = subprocess.run([sys.executable, "-m", "bench.fullsize", "--tiny", "--repeat", "2",
+                           "--json", str(figures_file)], capture_output=True, text=True, timeout=220,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout + done.stderr[-5000:]
+    _, *parts = re.split(r"^== (.+) ==$", done.stdout, flags=re.MULTILINE)
+    sections = dict(zip(parts[::2], parts[1::2], strict=True))
+    assert list(sections) == [f"{title} (tiny): 64x64, 2 steps, float32 on cpu"
+                              for title in FULLSIZE_FAMILIES.values()], done.stdout
+    for (family, title), text in zip(FULLSIZE_FAMILIES.items(), sections.values(), strict=True):
+        assert re.search(r"^built in \d+\.\d s on the device: [\d,.]+ M parameters", text, re.MULTILINE), text
+        assert has_row(text, "eager"), f"{title}: no eager row\n{text}"
+        assert has_row(text, "fast tier"), f"{title}: no fast tier row\n{text}"
+        if family == "sd":  # the one family batched by default, in images a second
+            assert has_row(text, "batch of 4, eager"), text
+        else:
+            assert re.search(r"^batch of 4, eager +skipped \(not in --batch-families\)$", text, re.MULTILINE)
+        for way in ("compiled, full", "compiled, regional"):  # --tiny compiles nothing unless asked
+            assert re.search(rf"^{way} +skipped \(not in --ways\)$", text, re.MULTILINE), text
+        assert len(re.findall(r"^published, ", text, re.MULTILINE)) == {"sdxl": 2}.get(family, 1), text
+    for source in ("alexeigor/sd-benchmarks", "stabilityai/stable-diffusion-xl-1.0-tensorrt",
+                   "huggingface/flux-fast"):
+        assert source in done.stdout, done.stdout
+    figures = json.loads(figures_file.read_text())
+    assert [each["family"] for each in figures["families"]] == list(FULLSIZE_FAMILIES)
+    for each in figures["families"]:
+        eager = next(row for row in each["rows"] if row["way"] == "eager")
+        assert len(eager["bare_s"]) == len(eager["worker_s"]) == 2, eager
+        assert min(eager["bare_s"] + eager["worker_s"]) > 0, eager
+        assert each["parameters"] > 0 and each["side"] == 64 and each["steps"] == 2
