@@ -34,6 +34,7 @@ from worker.caching import fast_tier
 from worker.capacity import Capacity
 from worker.checkpoints import is_single_file, load_folder_model
 from worker.previews import Previewer, load_decoder
+from worker.prompts import weighted_arguments
 from worker.samplers import Samplers
 from worker.threads import CALIBRATION_STEPS, ThreadChoice, work_of
 from worker.threads import TORCH_DEFAULT_THREADS as TORCH_DEFAULT_THREADS  # re-exported: bench reads it here
@@ -179,6 +180,11 @@ class ImagePipeline:
         accepted = _parameters(type(pipe))
         if arguments["negative_prompt"] is not None and "negative_prompt" not in accepted:
             raise ValueError(f"a {self.info.family} model takes no negative_prompt")
+        if first.prompt_syntax == "weighted":  # the embeddings instead of the words (worker/prompts.py)
+            del arguments["prompt"], arguments["negative_prompt"]
+            arguments |= weighted_arguments(pipe, self.info.family, [r.prompt for r in requests],
+                                            negatives if any(negatives) else None, first.num_images)
+            arguments["num_images_per_prompt"] = 1  # a row an image already
         return {name: value for name, value in arguments.items() if name in accepted}
 
     def release_memory(self) -> None:

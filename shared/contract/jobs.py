@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import secrets
 from collections.abc import Sequence
@@ -122,6 +123,9 @@ class JobRequest(BaseModel):
                                  description="LoRA adapters at their scales; none: the bare model")
     previews: bool = Field(False, description="send `preview` events (GET /v1/jobs/<id>/events) "
                            "and keep the latest at GET /v1/jobs/<id>/preview while it runs")
+    prompt_syntax: Literal["plain", "weighted"] = Field(
+        "plain", description="`weighted`: AUTOMATIC1111's emphasis in the prompts, `(word:1.2)`, `(word)`, "
+        "`[word]`, `\\(` for a bracket; `plain`: brackets are text")
     speed: Speed = Field("normal", description="`fast`: with step caching, faster and a little different; "
                          "`auto`: fast while the model's line is deeper than the service's SLOTQ_DEGRADE_AT")
     deadline_s: float | None = Field(None, gt=0, le=86_400, allow_inf_nan=False)
@@ -213,10 +217,19 @@ class JobRequest(BaseModel):
     @property
     def batch_key(self) -> str:
         """Jobs with equal keys can run as one batch: same kind, size, steps, strength, guidance,
-        sampler, speed, adapters and images each."""
+        sampler, speed, adapters and images each (and weighted prompts, the same prompts)."""
         strength = f"{self.strength!r}" if self.image is not None else ""
         return (f"{self.width}x{self.height}/{self.steps}/{self.guidance_scale!r}/{self.scheduler or ''}"
-                f"/{self.kind}{strength}/{self.speed}/{self.adapters_key}/{self.num_images}")
+                f"/{self.kind}{strength}/{self.speed}{self._syntax_key}/{self.adapters_key}/{self.num_images}")
+
+    @property
+    def _syntax_key(self) -> str:
+        """'' for plain prompts; for weighted ones, the prompts themselves: their embeddings are padded
+        to the batch's longest, which would change a shorter prompt's image, so only equal ones batch."""
+        if self.prompt_syntax == "plain":
+            return ""
+        words = f"{self.prompt}\n{self.negative_prompt or ''}".encode()
+        return ":w" + hashlib.sha256(words).hexdigest()[:16]
 
     @property
     def adapters_key(self) -> str:

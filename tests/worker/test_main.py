@@ -70,6 +70,21 @@ def test_same_request_and_seed_give_the_same_png(worker_client: FlaskClient) -> 
     assert first != other
 
 
+def test_a_weighted_prompt_weighs_its_words_and_at_weight_1_is_the_plain_prompt(
+        worker_client: FlaskClient) -> None:
+    body = {"width": 64, "height": 64, "steps": 3, "seed": 31}
+
+    def pixels(prompt: str, syntax: str) -> bytes:
+        view = run_job(worker_client, prompt=prompt, prompt_syntax=syntax, **body)
+        assert view["status"] == "succeeded", view
+        return Image.open(io.BytesIO(worker_client.get(view["images"][0]).data)).tobytes()
+
+    plain = pixels("a red barn", "plain")
+    assert pixels("(a red barn:1.0)", "weighted") == plain
+    assert pixels("a (red:1.8) barn", "weighted") != plain
+    assert pixels("(a red barn:1.0)", "plain") != plain  # plain: the brackets are words
+
+
 def test_a_sampler_per_job_is_reproducible_and_its_own(worker_client: FlaskClient) -> None:
     body = {"width": 64, "height": 64, "steps": 4, "seed": 77}
 
