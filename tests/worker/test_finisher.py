@@ -61,7 +61,7 @@ def started_batch(client: FlaskClient, finishing: Finishing, count: int) -> Batc
     works = [Work.of(job, execution, fence, (JobRequest.model_validate(job.kwargs["request"]),
                                               [Image.new("RGB", (64, 64), (seed, 0, 0))]))
              for seed, (job, execution, fence) in enumerate(zip(jobs, executions, fences, strict=True))]
-    return Batch(works, running="", cost=1.0, seconds=0.1)
+    return Batch(works, running="", cost=1.0, seconds=0.1, line=finishing.settings.line)
 
 
 @pytest.fixture
@@ -124,7 +124,7 @@ def test_the_pngs_are_compressed_at_the_set_level_and_lossless(client: FlaskClie
     side = Finishing(job_queue(connection, settings), leveled, NAME)
     side.register_birth()
     (work,) = started_batch(client, side, 1).works
-    side.finish(Batch([work], running="", cost=1.0, seconds=0.1))
+    side.finish(Batch([work], running="", cost=1.0, seconds=0.1, line=settings.line))
     png = client.get(f"/v1/jobs/{work.job_id}/images/0").data
     raw = 64 * 64 * 3  # a flat colour: zlib's level 0 stores it, 9 shrinks it to almost nothing
     assert (len(png) > raw) if level == 0 else (len(png) < raw // 20)
