@@ -15,6 +15,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 # /models and /var/lib/slotq/results are created and owned by the runtime user here: Docker
 # copies this ownership into a fresh named volume, so the non-root worker can write its model
 # cache and its results.
+# A C compiler: torch.compile's Triton builds its launchers with one (SLOTQ_COMPILE, docs/compile.md),
+# and the runtime image has none.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin slotq \
     && mkdir -p /models/slotq /var/lib/slotq/results \
     && chown -R slotq:slotq /models /var/lib/slotq

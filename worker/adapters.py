@@ -12,9 +12,12 @@ import logging
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shared.contract.adapters import LoraRef, adapter_path, adapters_key
+
+if TYPE_CHECKING:
+    from worker.compile import AdapterSlots
 
 log = logging.getLogger(__name__)
 
@@ -28,17 +31,25 @@ class Adapters:
         self.loads = 0  # adapters loaded from disk since start
         self._active: tuple[tuple[str, float], ...] = ()
         self._last = ""
+        # A compiled pipeline's adapters are swapped into fixed slots instead (worker/compile.py):
+        # loading one by name would recompile.
+        self.slots: AdapterSlots | None = None
 
     @property
     def holding(self) -> tuple[str, tuple[str, ...]]:
         """The adapters key of the set that ran last ('' for the bare model) and the resident names:
         what the claim's affinity prefers (shared/store/lua/lib/line.lua)."""
+        if self.slots is not None:
+            return self._last, tuple(name for name in self.slots.held if name is not None)
         return self._last, tuple(self.resident)
 
     def use(self, pipe: Any, loras: list[LoraRef]) -> None:
         """Make ``pipe`` run with exactly these adapters at these scales (none: the bare model)."""
         wanted = tuple((lora.name, lora.scale) for lora in loras)
         self._last = adapters_key(loras)
+        if self.slots is not None:
+            self.slots.use(loras)
+            return
         for lora in loras:
             self._resident(pipe, lora.name, keep={name for name, _ in wanted})
         if wanted == self._active:

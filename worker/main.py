@@ -30,6 +30,7 @@ from shared.store.connection import job_queue
 from shared.store.fencing import Fence, StaleAttemptError, connect_worker, holding
 from shared.store.waiting import Claimed
 from worker import batching, lifecycle, memory, tasks
+from worker.compile import CompileError
 from worker.finisher import Finisher
 from worker.messages import Batch, Work
 from worker.metrics import WorkerMetrics
@@ -435,7 +436,7 @@ def run_worker(settings: Settings | None = None, *, burst: bool = False) -> int:
         for model in settings.served_models:  # each model's memory settings, before any is loaded
             memory.check(settings.memory_of(model), device)
         set_current_pipeline(load_pipeline(settings))  # the first model; the others when a job needs them
-    except memory.MemorySettingError as exc:
+    except (memory.MemorySettingError, CompileError) as exc:
         log.critical("cannot start: %s", exc)
         return 1
     except Exception:

@@ -33,6 +33,8 @@ from worker.adapters import Adapters
 from worker.caching import fast_tier
 from worker.capacity import Capacity
 from worker.checkpoints import is_single_file, load_folder_model
+from worker.compile import AdapterSlots, inductor_cache, prepare
+from worker.compile import warm_up as compile_sizes
 from worker.previews import Previewer, load_decoder
 from worker.prompts import weighted_arguments
 from worker.samplers import Samplers
@@ -240,12 +242,18 @@ def load_pipeline(settings: Settings, model: str | None = None, threads: ThreadC
     pipe.set_progress_bar_config(disable=True)
     lora_dir = settings.lora_dir_of(model)
     info = model_info(model, family_of(pipe), available_adapters(lora_dir), source)
+    adapters = Adapters(lora_dir, settings.lora_cache)
+    if settings.compile != "off":
+        inductor_cache(settings.cache_dir)  # compiled artefacts kept across restarts
+        if lora_dir is not None and info.loras:  # slots filled before compiling: no adapter recompiles
+            adapters.slots = AdapterSlots.ready(pipe, lora_dir)
+        prepare(pipe, settings.compile, adapters=adapters.slots is not None)
     decoder = load_decoder(settings.preview_decoder, device, dtype) if settings.preview_decoder else None
     loaded = ImagePipeline(pipe=pipe, device=device, samplers=Samplers(pipe.scheduler), info=info,
-                           adapters=Adapters(lora_dir, settings.lora_cache),
+                           adapters=adapters,
                            previewer=Previewer(info.family, pipe.vae_scale_factor, decoder), memory=options)
     loaded.capacity = Capacity.of(device, settings.capacity_pixels)  # the weights loaded, no job yet
-    loaded.threads = _warm_up(loaded, threads)
+    loaded.threads = _warm_up(loaded, threads, settings)
     log.info("loaded %s on %s as %s: %s", model, device, dtype, loaded.threads)
     return loaded
 
@@ -261,11 +269,18 @@ def _from_disk(settings: Settings, model: str, source: str, dtype: torch.dtype) 
     return DiffusionPipeline.from_pretrained(where, dtype=dtype)
 
 
-def _warm_up(loaded: ImagePipeline, threads: ThreadChoice) -> ThreadChoice:
+def _warm_up(loaded: ImagePipeline, threads: ThreadChoice, settings: Settings) -> ThreadChoice:
     """Run a one-step image (a pipeline's first call is slow); the thread choice, its threshold
-    calibrated with a few more images where it is automatic."""
+    calibrated with a few more images where it is automatic. A compiled pipeline is run at
+    SLOTQ_COMPILE_SIZES instead, which compiles it; with none, nothing runs before the first job (which
+    compiles it)."""
     side = max(64, loaded.info.side_multiple * 4)
     warm_up = JobRequest(prompt="warm-up", width=side, height=side, steps=1, seed=0)
+    if settings.compile != "off":
+        if settings.warm_sizes:
+            compile_sizes(lambda width, height, images: loaded.generate(warm_up.model_copy(
+                update={"width": width, "height": height, "num_images": images})), settings.warm_sizes)
+        return threads  # timing threads on a pipeline that may still compile would time the compiler
     loaded.generate(warm_up)
     if not threads.automatic or threads.calibration_s is not None:  # calibrated by the first model
         return threads
