@@ -255,8 +255,10 @@ def translate(call: Call) -> Call:
     prompt, loras, ignored = loras_in(str(body.get("prompt") or ""))
     call.seed, call.not_applied = seed_of(body), unapplied(body) + ignored
     scheduler = choose_sampler(call)
+    # A1111's prompts weigh their words: (word:1.3), (word), [word] (weighted prompts, docs/models.md).
     job: dict[str, Any] = {"prompt": prompt, "model": call.model.name, "seed": call.seed,
-                           "num_images": images_of(body), "loras": loras, "previews": True}
+                           "num_images": images_of(body), "loras": loras, "previews": True,
+                           "prompt_syntax": "weighted"}
     if scheduler is not None:
         job["scheduler"] = scheduler
     if body.get("negative_prompt"):

@@ -219,6 +219,19 @@ def test_a_lora_in_the_prompt_changes_the_image_and_at_weight_0_is_the_bare_mode
     assert status == 422 and body["code"] == "unknown_lora" and "ghost" in body["detail"]
 
 
+def test_the_prompt_weighs_its_words_as_a1111s_does(api: Process) -> None:
+    client = webui(api)
+
+    def made(prompt: str) -> np.ndarray:
+        return pixels(client.txt2img(prompt=prompt, seed=12, **SMALL).images[0])
+
+    plain = made("a red fox")
+    assert np.array_equal(made("(a red fox:1.0)"), plain)  # brackets at weight 1: the same words
+    assert not np.array_equal(made("a (red:1.8) fox"), plain)
+    weighed = client.txt2img(prompt="a [red] fox", seed=12, **SMALL)
+    assert job(api, weighed.info["job_id"])["request"]["prompt_syntax"] == "weighted"
+
+
 # --- img2img -----------------------------------------------------------------------------------------
 
 def test_img2img_repaints_the_mask_and_keeps_the_pixels_outside_it(api: Process) -> None:
@@ -429,7 +442,7 @@ def test_a_clients_whole_recorded_body_becomes_the_job_it_asks_for(settings: Set
         size = (request["image"]["width"], request["image"]["height"]) if "init_images" in body else (
             request["width"], request["height"])
         assert size == (body["width"], body["height"]) and request["steps"] == body["steps"]
-        assert request["prompt"] == body["prompt"]
+        assert request["prompt"] == body["prompt"] and request["prompt_syntax"] == "weighted"
         assert request["negative_prompt"] == (body.get("negative_prompt") or None)
         assert request["guidance_scale"] == body.get("cfg_scale", 7.5)  # absent: the model's own
         assert request["scheduler"] == SAMPLERS_RUN.get(name, "euler_a")
