@@ -158,7 +158,8 @@ class SlotWorker(Outcomes):
             return None
         batch = [claimed]  # with claimed.at: batching's gather is part of the wait
         try:
-            batch += batching.gather(self.claims, self.settings, claimed)
+            capacity = current_pipeline().capacity.pixels  # none known: the settings' bound alone
+            batch += batching.gather(self.claims, self.settings, claimed, capacity)
             return Taken(batch, self._fenced(batch), claimed.at, claimed_at)
         except BaseException:
             for member in batch:  # not started: leftovers for recovery

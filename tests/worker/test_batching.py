@@ -110,6 +110,9 @@ def test_a_batch_never_holds_more_pixels_than_the_largest_single_job(batch_setti
     assert batching.room(roomy, first(width=64, height=64, num_images=1)) == 63  # capped by max_batch
     assert batching.room(roomy.model_copy(update={"max_batch": 1}), first(width=64, height=64)) == 0
     assert batching.room(batch_settings, first(width=256, height=256, num_images=2)) == 3
+    # A worker that knows its capacity batches no more than it can run in one execution.
+    assert batching.room(roomy, first(width=512, height=512, num_images=1), capacity=2 * 512 * 512) == 1
+    assert batching.room(roomy, first(width=512, height=512, num_images=1), capacity=512 * 512) == 0
 
 
 def test_batch_keys_separate_what_cannot_share_an_execution() -> None:
