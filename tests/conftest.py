@@ -160,6 +160,19 @@ def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """torch on one thread for a module of in-process images, the count restored after it: the images
+    take milliseconds, and while another process keeps the two cores busy OpenMP's waiting threads
+    slowed such a module from 7 s to 45-90 s. Its modules ask for it with ``pytestmark``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Where the tiny model is written once for the session."""

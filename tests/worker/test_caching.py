@@ -20,14 +20,7 @@ from worker.caching import UNET_INTERVAL, fast_tier
 
 SIDE, STEPS = 64, 12
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Torch on one thread for this module (images of milliseconds), the count restored after it."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

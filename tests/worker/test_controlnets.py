@@ -4,7 +4,6 @@ with from_pipe over the loaded pipeline, and the canny preprocessor."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,9 @@ from shared.contract.jobs import JobKind
 from worker.controlnets import ControlNets, canny, control_arguments, controlled
 from worker.tiny_controlnets import CONTROLNETS, SINGLE_FILE, ensure_tiny_controlnets
 from worker.tiny_model import ensure_tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 VISIBLE = 0.02  # mean absolute pixel difference (pixels in [0, 1]) that no rounding noise reaches
 # At scale 0 a ControlNet adds 0 x its residuals to the UNet's: measured equal to the bit on this CPU
@@ -52,13 +54,6 @@ class Control:
     end: float = 1.0
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Run torch on one thread for this module (images of milliseconds), and restore the count after it."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +22,9 @@ from shared.contract.memory import MemoryOptions
 from shared.contract.models import TINY_MODELS
 from worker.memory import MemorySettingError, check, place, unplace
 from worker.tiny_model import ensure_tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")  # a device by name: check() reads its type, nothing runs on it
@@ -41,13 +44,6 @@ def load(model_cache: Path) -> Load:
     return loaded
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """torch on one thread, as the suite's workers run: two cores are shared by the whole suite."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def image(pipe: DiffusionPipeline, side: int = 64, seed: int = 0) -> np.ndarray:

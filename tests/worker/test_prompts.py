@@ -4,7 +4,6 @@ batch of prompts of different lengths and negatives work, and a family it cannot
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -24,6 +23,8 @@ SAME = 1e-4
 # The least a weight must change an image: (red:1.6) moves tiny Flux's, the least moved, by 8.7e-4.
 CHANGED = 5e-4
 LONG = "a red barn in a field, " * 5  # 115 tokens of the tiny models' one-character tokenizer: two chunks
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.mark.parametrize(("prompt", "fragments"), [
@@ -49,13 +50,6 @@ def test_a_weight_that_is_no_number_is_refused() -> None:
         parse_weighted("(red:1.2.3) barn")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Torch on one thread for this module (images of milliseconds), the count restored after it."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

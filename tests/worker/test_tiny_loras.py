@@ -16,20 +16,13 @@ from diffusers import DiffusionPipeline
 from worker.tiny_loras import ADAPTERS, RECIPES, ensure_tiny_loras
 from worker.tiny_model import TINY_MODELS, ensure_tiny_model
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
 NAMES = list(ADAPTERS)
 VISIBLE = 0.02  # mean absolute pixel difference (pixels in [0, 1]) that no rounding noise reaches
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Run torch on one thread for this module, and restore the count after it."""
-    # These images take milliseconds: a second thread gains nothing, and while another process
-    # keeps the cores busy (a worker of another test) OpenMP's waiting threads slowed the module
-    # from 7 s to 45-90 s on two cores.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
