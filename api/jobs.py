@@ -15,6 +15,7 @@ from rq import Queue
 from api import longpoll
 from api.longpoll import Waits
 from shared.contract.adapters import available_adapters
+from shared.contract.controlnets import available_controlnets
 from shared.contract.errors import InvalidRequestError
 from shared.contract.images import ImageRef, InputName
 from shared.contract.jobs import (
@@ -71,7 +72,8 @@ class Jobs:
         try:
             return validate_submission(body, max_side=settings.max_side, max_steps=settings.max_steps,
                                        max_image_bytes=settings.max_image_bytes, model=self.model(name),
-                                       adapters=available_adapters(settings.lora_dir_of(name)))
+                                       adapters=available_adapters(settings.lora_dir_of(name)),
+                                       controlnets=available_controlnets(settings.controlnet_dir, name))
         except ValidationError as exc:
             details = [{"loc": list(error["loc"]), "msg": error["msg"]}
                        for error in exc.errors(include_url=False, include_input=False)]
@@ -188,8 +190,10 @@ class Jobs:
             names, held, capacity = workers.serving(self.queue.connection, line, name)
             adapters = available_adapters(self.settings.lora_dir_of(name))
             info = model_info(name, family, adapters, None, names, held, capacity)
-        in_folder = self.settings.folder_model(name)
-        return info.model_copy(update={"size": in_folder.size}) if in_folder else info
+        update: dict[str, object] = {"controlnets": available_controlnets(self.settings.controlnet_dir, name)}
+        if (in_folder := self.settings.folder_model(name)) is not None:
+            update["size"] = in_folder.size
+        return info.model_copy(update=update)
 
     def model(self, name: str) -> ModelInfo:
         """The model of this name (of SLOTQ_MODEL_NAMES or SLOTQ_MODELS_DIR), that a job for it is

@@ -13,6 +13,7 @@ from api.routes import DEFAULT_LIMIT, MAX_IDEMPOTENCY_KEY, MAX_LIMIT
 from api.streams import EVENT_ID
 from shared.contract import errors
 from shared.contract.adapters import available_adapters
+from shared.contract.controlnets import available_controlnets
 from shared.contract.images import FORMATS, INPUT_NAMES
 from shared.contract.jobs import MIN_SIDE, PRIORITIES, JobRequest, JobStatus, JobView
 from shared.contract.models import ModelInfo, model_info
@@ -102,12 +103,15 @@ def openapi_document(settings: Settings) -> dict[str, Any]:
     side multiple, the samplers and adapters they all have): a job valid by it is valid for any model.
     """
     webhooks = settings.webhook_secret is not None
-    offered = [model_info(name, family, available_adapters(settings.lora_dir_of(name)))
+    offered = [model_info(name, family, available_adapters(settings.lora_dir_of(name))).model_copy(update={
+        "controlnets": available_controlnets(settings.controlnet_dir, name) if family != "flux" else []})
                for name, family in settings.offered_models.items()]
     common = offered[0].model_copy(update={
         "side_multiple": max(info.side_multiple for info in offered),
         "schedulers": [s for s in offered[0].schedulers if all(s in info.schedulers for info in offered)],
-        "loras": [lora for lora in offered[0].loras if all(lora in info.loras for info in offered)]})
+        "loras": [lora for lora in offered[0].loras if all(lora in info.loras for info in offered)],
+        "controlnets": [name for name in offered[0].controlnets
+                        if all(name in info.controlnets for info in offered)]})
     return copy.deepcopy(_document(settings.max_side, settings.max_steps, webhooks,
                                    tuple(info.name for info in offered), common.model_dump_json()))
 
@@ -319,6 +323,8 @@ def _model_schemas(max_side: int, max_steps: int, webhooks: bool, model: ModelIn
     fields = schemas["JobRequest"]["properties"]
     for name in limits.keys() & fields.keys():
         fields[name] = {**fields[name], **limits[name]}
+    hires_steps = schemas["HiresRequest"]["properties"]["steps"]["anyOf"][0]
+    hires_steps["maximum"] = max_steps
     # Models of families without a sampler in common (SD and Flux) take only their own: none named.
     samplers = [{"enum": model.schedulers, "type": "string"}] if model.schedulers else []
     fields["scheduler"] = {**fields["scheduler"], "anyOf": [*samplers, {"type": "null"}]}
@@ -333,6 +339,14 @@ def _model_schemas(max_side: int, max_steps: int, webhooks: bool, model: ModelIn
     else:
         fields["loras"] = {**fields["loras"], "maxItems": 0,
                            "description": "Always empty: this service has no LoRA adapters (SLOTQ_LORA_DIR)."}
+    # Likewise the ControlNets of SLOTQ_CONTROLNET_DIR.
+    if model.controlnets:
+        named = {"properties": {"name": {"enum": model.controlnets}}}
+        fields["controlnets"] = {**fields["controlnets"],
+                                 "items": {"allOf": [fields["controlnets"]["items"], named]}}
+    else:
+        fields["controlnets"] = {**fields["controlnets"], "maxItems": 0, "description": "Always empty: "
+                                 "this service has no ControlNets for these models (SLOTQ_CONTROLNET_DIR)."}
     # A mask repaints an image: sent without one, it is refused.
     schemas["JobRequest"]["dependentSchemas"] = {"mask": {"anyOf": [
         {"properties": {"mask": {"type": "null"}}},

@@ -116,9 +116,9 @@ def get_preview(job_id: str) -> Response:
 
 @bp.get("/v1/jobs/<job_id>/inputs/<name>")
 def get_input(job_id: str, name: str) -> Response:
-    """One input image of a job (``image`` or ``mask``), as the client sent it."""
+    """One input image of a job (``image``, ``mask``, a control's ``control0``...), as the client sent it."""
     if name not in INPUT_NAMES:
-        raise NotFoundError("A job's inputs are `image` and `mask`.")
+        raise NotFoundError(f"A job's inputs are {', '.join(f'`{each}`' for each in INPUT_NAMES)}.")
     data, media_type = _jobs().input(job_id, name, _tenant())
     return Response(data, mimetype=media_type, headers={"Cache-Control": "private, max-age=3600"})
 

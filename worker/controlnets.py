@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 # The AutoPipeline of each kind picks the ControlNet pipeline of the loaded one's family.
 AUTO_PIPELINES = {"text": AutoPipelineForText2Image, "image": AutoPipelineForImage2Image,
                   "inpaint": AutoPipelineForInpainting}
+CPU = torch.device("cpu")
 SIDECAR_SUFFIX = ".json"  # beside a single file: its diffusers configuration, where not the base UNet's
 # What the ControlNet pipelines make of a control image (their control_image_processor): RGB in [0, 1].
 CONTROL_IMAGES = VaeImageProcessor(do_convert_rgb=True, do_normalize=False)
@@ -50,8 +51,8 @@ CONTROL_IMAGES = VaeImageProcessor(do_convert_rgb=True, do_normalize=False)
 class ControlNets:
     """The ControlNet models a worker holds for one of its models, most recently used last."""
 
-    def __init__(self, folder: Path | None, model: str, capacity: int, device: torch.device,
-                 dtype: torch.dtype, unet: Any) -> None:
+    def __init__(self, folder: Path | None = None, model: str = "", capacity: int = 2,
+                 device: torch.device = CPU, dtype: torch.dtype = torch.float32, unet: Any = None) -> None:
         self.folder, self.model, self.capacity = folder, model, capacity
         self.device, self.dtype, self.unet = device, dtype, unet  # the base's: a single file's default layout
         self.resident: OrderedDict[str, ControlNetModel] = OrderedDict()

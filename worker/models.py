@@ -54,7 +54,7 @@ class Models:
     @property
     def holding(self) -> Holding:
         """What the next claim prefers: the current model and its adapters, and the models on the device."""
-        adapters, resident = self.current.adapters.holding
+        adapters, resident = self.current.holding
         on_device = (self.current_model, *(name for name in reversed(self.on_device)
                                            if name != self.current_model))
         return Holding(self.current_model, adapters, resident, on_device)

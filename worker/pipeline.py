@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,7 +25,7 @@ from PIL import Image
 
 from shared.contract.adapters import available_adapters
 from shared.contract.errors import JobFailedError
-from shared.contract.jobs import JobKind, JobRequest
+from shared.contract.jobs import ControlRequest, JobKind, JobRequest
 from shared.contract.memory import MemoryOptions
 from shared.contract.models import PIPELINE_CLASSES, TINY_MODELS, Family, ModelInfo, model_info
 from shared.contract.settings import Settings
@@ -35,6 +36,7 @@ from worker.capacity import Capacity
 from worker.checkpoints import is_single_file, load_folder_model
 from worker.compile import AdapterSlots, inductor_cache, prepare
 from worker.compile import warm_up as compile_sizes
+from worker.controlnets import ControlNets, canny, control_arguments, controlled
 from worker.previews import Previewer, load_decoder
 from worker.prompts import weighted_arguments
 from worker.samplers import Samplers
@@ -49,6 +51,8 @@ log = logging.getLogger(__name__)
 StepCallback = Callable[[int, int, "torch.Tensor | None"], None]
 Inputs = Mapping[str, Image.Image]  # a request's decoded input images: "image" (RGB), "mask" (L)
 VARIANTS = {"image": AutoPipelineForImage2Image, "inpaint": AutoPipelineForInpainting}
+# What the first pass of a hires job returns: latents to upscale, or images (tensors in [0, 1]).
+_FIRST_PASS = {"latent": "latent", "lanczos": "pil"}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -80,6 +84,8 @@ class ImagePipeline:
     memory: MemoryOptions = field(default_factory=MemoryOptions)  # how its weights are held
     capacity: Capacity = field(default_factory=Capacity)  # how large an execution it can run
     threads: ThreadChoice = field(default_factory=lambda: ThreadChoice(0, 0))  # torch's CPU threads
+    controlnets: ControlNets = field(default_factory=ControlNets)  # those loaded for this model
+    last_affinity: str = ""  # the affinity key of the last execution (JobRequest.affinity_key)
     # When each recent GPU section (denoising and decoding) began and ended, by time.perf_counter():
     # what the duty cycle is computed from.
     sections: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=10_000))
@@ -97,40 +103,37 @@ class ImagePipeline:
 
     def generate_batch(self, requests: list[JobRequest], on_step: StepCallback | None = None,
                        inputs: Sequence[Inputs] = ()) -> list[list[Image.Image] | JobFailedError]:
-        """Run requests of one batch key (kind, size, steps, strength, guidance, sampler, adapters, images)
-        as one execution; the images of each, or for a request whose images hold NaN the failure that
-        ends it (``nan_output``). Each image keeps its own generator, so it is the one it would be
-        alone. ``inputs`` holds each request's input images, in order, for an image job."""
+        """Run requests of one batch key (kind, size, steps, strength, guidance, sampler, adapters,
+        controls, hires pass, images) as one execution; the images of each, or for a request whose
+        images hold NaN the failure that ends it (``nan_output``). Each image keeps its own generator, so
+        it is the one it would be alone. ``inputs`` holds each request's input images, in order: its
+        start image and mask, its controls' images (``control0``...)."""
         first = requests[0]
         assert all(r.batch_key == first.batch_key and r.seed is not None for r in requests), requests
-        pipe = self._pipeline_for(first.kind)
-
-        def step_end(pipe: DiffusionPipeline, step: int, timestep: object, kwargs: dict) -> dict:
-            if on_step is not None:
-                on_step(step + 1, first.steps_run, kwargs.get("latents"))
-            return kwargs  # diffusers expects the callback's tensors back
-
+        inputs = list(inputs) or [{} for _ in requests]
         # One CPU generator per image, in diffusers' order (each prompt's images together): image i
         # of a job is reproducible from its seed + i, on any device and in any batch.
         generators = [torch.Generator("cpu").manual_seed(r.seed + index)  # type: ignore[operator]
                       for r in requests for index in range(r.num_images)]
-        scheduler = self.samplers.get(first.scheduler)
-        if pipe.scheduler is not scheduler:  # setting a module rewrites the pipeline's config: 0.2 ms
-            pipe.scheduler = scheduler
         self.adapters.use(self.pipe, first.loras)  # into the modules its twins share
+        self.last_affinity = first.affinity_key
         self.threads.use(work_of(requests))
-        arguments = self._arguments(pipe, requests, inputs)
+        pipe = self._pipeline_for(first.kind, first.controlnets)
+        arguments = self._arguments(pipe, requests, inputs, first.kind, (first.width, first.height))
         if self.device.type == "cuda":  # this execution's peak, for the capacity admission reads
             torch.cuda.reset_peak_memory_stats(self.device)
         began = self.running_since = time.perf_counter()
         try:
             with torch.inference_mode(), self._tier(pipe, first):
-                output = pipe(**arguments, generator=generators, output_type="np",
-                              callback_on_step_end=step_end)
+                output = self._denoise(pipe, first, arguments, generators, on_step, 0,
+                                       "np" if first.hires is None else _FIRST_PASS[first.hires.upscaler])
+            if first.hires is not None:
+                output = self._hires_pass(requests, inputs, output, generators, on_step)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the section ends when the device is done
-                pixels = sum(r.width * r.height * r.num_images for r in requests)
-                self.capacity.observe(pixels, torch.cuda.max_memory_allocated(self.device))
+                width, height = first.output_size(self.info.side_multiple)
+                self.capacity.observe(width * height * first.num_images * len(requests),
+                                      torch.cuda.max_memory_allocated(self.device))
         finally:  # a canceled or failed execution held the device too
             ended = time.perf_counter()
             self.sections.append((began, ended))
@@ -142,6 +145,35 @@ class ImagePipeline:
             made = [_kept_outside_mask(images, each) for images, each in zip(made, inputs, strict=True)]
         return made
 
+    def _denoise(self, pipe: DiffusionPipeline, first: JobRequest, arguments: dict[str, object],
+                 generators: list[torch.Generator], on_step: StepCallback | None, done: int,
+                 output_type: str) -> Any:
+        """One pass of the pipeline; ``on_step`` counts its steps after the ``done`` of earlier passes."""
+        def step_end(pipe: DiffusionPipeline, step: int, timestep: object, kwargs: dict) -> dict:
+            if on_step is not None:
+                on_step(done + step + 1, first.steps_run, kwargs.get("latents"))
+            return kwargs  # diffusers expects the callback's tensors back
+
+        scheduler = self.samplers.get(first.scheduler)
+        if pipe.scheduler is not scheduler:  # setting a module rewrites the pipeline's config: 0.2 ms
+            pipe.scheduler = scheduler
+        return pipe(**arguments, generator=generators, output_type=output_type, callback_on_step_end=step_end)
+
+    def _hires_pass(self, requests: list[JobRequest], inputs: Sequence[Inputs], first_pass: Any,
+                    generators: list[torch.Generator], on_step: StepCallback | None) -> Any:
+        """The second pass of a hires batch: the first pass's latents or images upscaled to the larger
+        size, then image-to-image there (with the batch's controls), its steps counted after the first's."""
+        first = requests[0]
+        hires, size = first.hires, first.output_size(self.info.side_multiple)
+        assert hires is not None
+        pipe = self._pipeline_for("image", first.controlnets)
+        arguments = self._arguments(pipe, requests, inputs, "image", size)
+        arguments["image"] = upscaled(first_pass.images, size, hires.upscaler, self.pipe.vae_scale_factor)
+        arguments["strength"] = hires.denoise
+        arguments["num_inference_steps"] = hires.steps or first.steps
+        with self._tier(pipe, first):
+            return self._denoise(pipe, first, arguments, generators, on_step, first.first_steps_run, "np")
+
     def _tier(self, pipe: DiffusionPipeline, request: JobRequest) -> AbstractContextManager[None]:
         """The fast tier's step caching for a request that runs in it (its speed is the tier its worker
         chose); nothing for the normal tier."""
@@ -149,8 +181,11 @@ class ImagePipeline:
             return nullcontext()
         return fast_tier(pipe, self.info.family, tiny=self.info.checkpoint in TINY_MODELS)
 
-    def _pipeline_for(self, kind: JobKind) -> DiffusionPipeline:
-        """The loaded pipeline, or its image-to-image or inpainting twin over the same modules."""
+    def _pipeline_for(self, kind: JobKind, controls: Sequence[ControlRequest] = ()) -> DiffusionPipeline:
+        """The loaded pipeline, or its image-to-image or inpainting twin over the same modules; with
+        controls, the ControlNet pipeline of the kind over them (made per call: it holds no ControlNet)."""
+        if controls:
+            return controlled(self.pipe, kind, [self.controlnets.get(control.name) for control in controls])
         if kind == "text":
             return self.pipe
         if kind not in self.variants:
@@ -159,26 +194,30 @@ class ImagePipeline:
             self.variants[kind] = variant
         return self.variants[kind]
 
-    def _arguments(self, pipe: DiffusionPipeline, requests: list[JobRequest],
-                   inputs: Sequence[Inputs]) -> dict[str, object]:
-        """The call's arguments that this pipeline takes, from requests of one batch key."""
+    def _arguments(self, pipe: DiffusionPipeline, requests: list[JobRequest], inputs: Sequence[Inputs],
+                   kind: JobKind, size: tuple[int, int]) -> dict[str, object]:
+        """The call's arguments that this pipeline takes, from requests of one batch key, for a pass of
+        this kind at this size."""
         first = requests[0]
         negatives = [r.negative_prompt or "" for r in requests]  # "" is what diffusers uses for none
         arguments: dict[str, object] = {
             "prompt": [r.prompt for r in requests],
             "negative_prompt": negatives if any(negatives) else None,
-            # Always the request's size: Flux's image-to-image would otherwise make 1024x1024.
-            "width": first.width,
-            "height": first.height,
+            # Always the pass's size: Flux's image-to-image would otherwise make 1024x1024.
+            "width": size[0],
+            "height": size[1],
             "num_inference_steps": first.steps,
             "guidance_scale": first.guidance_scale,
             "num_images_per_prompt": first.num_images,
         }
-        if first.kind != "text":
-            arguments["image"] = [each["image"] for each in inputs]
+        if kind != "text":
+            arguments["image"] = [each.get("image") for each in inputs]
             arguments["strength"] = first.strength
-        if first.kind == "inpaint":
+        if kind == "inpaint":
             arguments["mask_image"] = [each["mask"] for each in inputs]
+        if first.controlnets:
+            images = [control_images(first.controlnets, each) for each in inputs]
+            arguments |= control_arguments(kind, first.controlnets, images, *size)
         accepted = _parameters(type(pipe))
         if arguments["negative_prompt"] is not None and "negative_prompt" not in accepted:
             raise ValueError(f"a {self.info.family} model takes no negative_prompt")
@@ -188,6 +227,13 @@ class ImagePipeline:
                                             negatives if any(negatives) else None, first.num_images)
             arguments["num_images_per_prompt"] = 1  # a row an image already
         return {name: value for name, value in arguments.items() if name in accepted}
+
+    @property
+    def holding(self) -> tuple[str, tuple[str, ...]]:
+        """What the claim's affinity prefers (shared/store/lua/lib/line.lua): the affinity key of the
+        last execution, and the resident adapters and ControlNets (``@name``)."""
+        _, adapters = self.adapters.holding
+        return self.last_affinity, (*adapters, *(f"@{name}" for name in self.controlnets.holding))
 
     def release_memory(self) -> None:
         """Give cached device memory back after a failure such as out-of-memory."""
@@ -214,6 +260,24 @@ def _kept_outside_mask(made: list[Image.Image] | JobFailedError, inputs: Inputs
     if isinstance(made, JobFailedError):
         return made
     return [Image.composite(image, inputs["image"], inputs["mask"]) for image in made]
+
+
+def upscaled(first_pass: Any, size: tuple[int, int], upscaler: str, vae_scale_factor: int
+             ) -> torch.Tensor | list[Image.Image]:
+    """A hires job's first pass at the larger size: its latents resized bilinearly (as AUTOMATIC1111's
+    "Latent" upscaler does), or its images with Lanczos."""
+    width, height = size
+    if upscaler == "latent":
+        sides = (height // vae_scale_factor, width // vae_scale_factor)
+        return torch.nn.functional.interpolate(first_pass, size=sides, mode="bilinear", align_corners=False)
+    return [image.resize((width, height), Image.Resampling.LANCZOS) for image in first_pass]
+
+
+def control_images(controls: Sequence[ControlRequest], inputs: Inputs) -> list[Image.Image]:
+    """One request's control images in its controls' order, each preprocessed as its control asks."""
+    images = [inputs[f"control{index}"] for index in range(len(controls))]
+    return [canny(image) if control.preprocess == "canny" else image
+            for control, image in zip(controls, images, strict=True)]
 
 
 def nan_rows(latents: torch.Tensor) -> list[bool]:
@@ -249,8 +313,10 @@ def load_pipeline(settings: Settings, model: str | None = None, threads: ThreadC
             adapters.slots = AdapterSlots.ready(pipe, lora_dir)
         prepare(pipe, settings.compile, adapters=adapters.slots is not None)
     decoder = load_decoder(settings.preview_decoder, device, dtype) if settings.preview_decoder else None
+    controlnets = ControlNets(settings.controlnet_dir, model, settings.controlnet_cache, device, dtype,
+                              getattr(pipe, "unet", None))
     loaded = ImagePipeline(pipe=pipe, device=device, samplers=Samplers(pipe.scheduler), info=info,
-                           adapters=adapters,
+                           adapters=adapters, controlnets=controlnets,
                            previewer=Previewer(info.family, pipe.vae_scale_factor, decoder), memory=options)
     loaded.capacity = Capacity.of(device, settings.capacity_pixels)  # the weights loaded, no job yet
     loaded.threads = _warm_up(loaded, threads, settings)

@@ -19,6 +19,7 @@ from rq.job import Job
 
 from shared.contract import images
 from shared.contract.adapters import available_adapters
+from shared.contract.controlnets import available_controlnets
 from shared.contract.errors import (
     InvalidImageError,
     JobCanceledError,
@@ -38,6 +39,9 @@ from worker.previews import Previewer
 log = logging.getLogger(__name__)
 
 
+# The input images each kind of job is run with, and Pillow's mode for each.
+INPUT_MODES: dict[str, dict[str, str]] = {"text": {}, "image": {"image": "RGB"},
+                                          "inpaint": {"image": "RGB", "mask": "L"}}
 RenderResult = Rendered | Exception  # a member of a batch either has its images or the error that ended it
 
 
@@ -78,7 +82,7 @@ def render(jobs: list[Job], announced: bool = False,
     running = Running(jobs, outcomes, members, requests[0].num_images)
     settings, pipeline = get_settings(), current_pipeline()
     faults, cadence = settings.fault_injection, progress.Cadence(settings.progress_interval_ms / 1000)
-    show = PreviewOffers(pipeline.previewer, settings, requests)
+    show = PreviewOffers(pipeline.previewer, settings, requests, pipeline.info.side_multiple)
 
     def on_step(step: int, total: int, latents: torch.Tensor | None = None) -> None:
         running.step_done(step, total, cadence.due(step, total), latents)
@@ -107,8 +111,10 @@ def render(jobs: list[Job], announced: bool = False,
 class PreviewOffers:
     """Which rows of a batch's latents go to the preview thread, and when."""
 
-    def __init__(self, previewer: Previewer, settings: Settings, requests: list[JobRequest]) -> None:
+    def __init__(self, previewer: Previewer, settings: Settings, requests: list[JobRequest],
+                 side_multiple: int = 8) -> None:
         self.previewer, self.requests = previewer, requests
+        self.larger = requests[0].output_size(side_multiple)
         self.cadence = previews.Cadence(settings.preview_interval_ms / 1000)
         self.wanted = any(request.previews for request in requests)
 
@@ -122,7 +128,9 @@ class PreviewOffers:
             return
         per_job, first = self.requests[0].num_images, self.requests[0]
         rows = [place * per_job for place, _ in wanted]  # diffusers orders a prompt's images together
-        self.previewer.offer([job for _, job in wanted], step, latents[rows], first.width, first.height)
+        # A hires job's second pass denoises at the larger size.
+        width, height = (first.width, first.height) if step <= first.first_steps_run else self.larger
+        self.previewer.offer([job for _, job in wanted], step, latents[rows], width, height)
 
     def flush(self) -> None:
         """Once the execution is over, before its end is recorded: so that no preview follows it."""
@@ -154,22 +162,30 @@ def _validated(job: Job) -> JobRequest | Exception:
     if request.scheduler is not None and request.scheduler not in info.schedulers:
         return JobFailedError("invalid_request", f"a {info.family} model cannot use the "
                               f"{request.scheduler} sampler; it takes {', '.join(info.schedulers)}")
-    held = available_adapters(settings.lora_dir_of(request.model or served[0]))
+    model = request.model or served[0]
+    held = available_adapters(settings.lora_dir_of(model))
     missing = sorted({lora.name for lora in request.loras} - set(held))
     if missing:  # removed from the folder since its admission, or not mounted on this worker
         return JobFailedError("unknown_lora", f"this worker has no LoRA adapter named {', '.join(missing)}")
+    missing = sorted({control.name for control in request.controlnets}
+                     - set(available_controlnets(settings.controlnet_dir, model)))
+    if missing:
+        names = ", ".join(missing)
+        return JobFailedError("unknown_controlnet", f"this worker has no ControlNet named {names}"
+                              " (SLOTQ_CONTROLNET_DIR)")
     return request
 
 
 def _with_inputs(job: Job, request: JobRequest) -> tuple[JobRequest, Inputs] | Exception:
     """A request with its input images decoded, or the failure of a job whose inputs are gone or bad."""
-    if request.kind == "text":
+    controls = {f"control{index}": "RGB" for index in range(len(request.controlnets))}
+    modes = INPUT_MODES[request.kind] | controls
+    if not modes:
         return request, {}
     try:
         stored = results.of(get_settings()).inputs(job)
     except StorageUnavailableError as exc:  # a read: the job fails now (a write is retried)
         return JobFailedError("storage_unavailable", str(exc))
-    modes = {"image": "RGB", "mask": "L"} if request.kind == "inpaint" else {"image": "RGB"}
     if set(modes) - set(stored):
         return JobFailedError("inputs_missing", "the job's input images are no longer stored")
     settings = get_settings()
@@ -178,7 +194,8 @@ def _with_inputs(job: Job, request: JobRequest) -> tuple[JobRequest, Inputs] | E
                    for name, mode in modes.items()}
     except InvalidImageError as exc:
         return JobFailedError("invalid_image", str(exc))
-    if any(image.size != (request.width, request.height) for image in decoded.values()):
+    # A control image may have any size (the pipeline resizes it); a start image and mask are the job's.
+    if any(decoded[name].size != (request.width, request.height) for name in INPUT_MODES[request.kind]):
         return JobFailedError("invalid_image", "the stored input images do not have the job's size")
     return request, decoded
 

@@ -98,6 +98,11 @@ class UnknownLoraError(ServiceError):
     status, code, message = 422, "unknown_lora", "No LoRA adapter of this name is in SLOTQ_LORA_DIR."
 
 
+class UnknownControlNetError(ServiceError):
+    status, code = 422, "unknown_controlnet"
+    message = "No ControlNet of this name is in SLOTQ_CONTROLNET_DIR."
+
+
 class UnknownModelError(ServiceError):
     status, code, message = 422, "unknown_model", "No model of this name is in SLOTQ_MODEL_NAMES."
 

@@ -23,8 +23,9 @@ from pydantic import BaseModel, ConfigDict
 
 from shared.contract.errors import InvalidImageError
 
-InputName = Literal["image", "mask"]
-INPUT_NAMES: tuple[InputName, ...] = ("image", "mask")
+# A job's start image and mask, and the images of its ControlNets in order (``controlnets[i].image``).
+InputName = Literal["image", "mask", "control0", "control1"]
+INPUT_NAMES: tuple[InputName, ...] = ("image", "mask", "control0", "control1")
 # Pillow's format names for the media types a job may send.
 FORMATS = {"image/png": "PNG", "image/jpeg": "JPEG", "image/webp": "WEBP"}
 # What Pillow raises on a file it cannot read: not an image, truncated, corrupt, too many pixels.
@@ -52,8 +53,9 @@ class InputImage:
     ref: ImageRef
 
 
-def read_data_url(name: InputName, url: str, *, max_bytes: int, max_pixels: int) -> InputImage:
-    """Decode and check one input sent as a ``data:`` URL, or raise ``InvalidImageError``."""
+def read_data_url(name: str, url: str, *, max_bytes: int, max_pixels: int) -> InputImage:
+    """Decode and check one input sent as a ``data:`` URL, or raise ``InvalidImageError`` naming it
+    as the body does (``name``)."""
     match = DATA_URL.match(url)
     if not match:
         raise InvalidImageError(f"`{name}` must be a data: URL such as data:image/png;base64,...")
@@ -75,7 +77,7 @@ def read_data_url(name: InputName, url: str, *, max_bytes: int, max_pixels: int)
     return InputImage(data, ref)
 
 
-def _check_pixels(name: InputName, data: bytes, media_type: str, max_pixels: int) -> tuple[int, int]:
+def _check_pixels(name: str, data: bytes, media_type: str, max_pixels: int) -> tuple[int, int]:
     """The image's size, once its header and its whole decode pass the checks."""
     try:
         with warnings.catch_warnings():

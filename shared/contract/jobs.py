@@ -22,11 +22,12 @@ from pydantic import (
     model_validator,
 )
 
-from shared.contract.adapters import MAX_LORAS, LoraRef, adapters_key
+from shared.contract.adapters import MAX_LORAS, NAME_PATTERN, LoraRef, adapters_key
 from shared.contract.errors import (
     InvalidImageError,
     InvalidRequestError,
     TooLargeForWorkersError,
+    UnknownControlNetError,
     UnknownLoraError,
     UnknownModelError,
 )
@@ -35,6 +36,7 @@ from shared.contract.models import MODEL_NAME_PATTERN, ModelInfo, Scheduler, mod
 
 MAX_SEED = 2**32 - 1
 MAX_IMAGES = 4  # per job
+MAX_CONTROLNETS = 2  # per job
 
 Priority = Literal["high", "normal", "low"]
 Speed = Literal["normal", "fast", "auto"]  # as a job asks
@@ -93,6 +95,60 @@ InputField = Annotated[str | ImageRef | None,
                        WithJsonSchema({"anyOf": [DATA_URL_SCHEMA, {"type": "null"}]}, mode="validation")]
 
 
+ControlImageField = Annotated[str | ImageRef, WithJsonSchema(DATA_URL_SCHEMA, mode="validation")]
+
+
+class ControlRequest(BaseModel):
+    """One ControlNet a job runs with: its control image, and how strongly and over which steps it acts."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    name: str = Field(pattern=NAME_PATTERN, description="a ControlNet of the model's in SLOTQ_CONTROLNET_DIR "
+                                                        "(GET /v1/models lists them)")
+    image: ControlImageField = Field(description="the control image (edges, depth, pose...), a base64 data: "
+                                     "URL of a PNG, JPEG or WebP; resized to the job's size. In a job's "
+                                     "view: its size and sha256")
+    scale: float = Field(1.0, ge=0, le=2, allow_inf_nan=False, description="its residuals' factor; 0: "
+                         "as if absent")
+    start: float = Field(0.0, ge=0, le=1, allow_inf_nan=False, description="the fraction of the steps "
+                         "before it acts")
+    end: float = Field(1.0, ge=0, le=1, allow_inf_nan=False, description="the fraction of the steps after "
+                       "which it stops")
+    preprocess: Literal["none", "canny"] = Field("none", description="`canny`: the image is a picture, "
+                                                 "and its edges (OpenCV's Canny) are the control image")
+
+    @model_validator(mode="after")
+    def _acts(self) -> ControlRequest:
+        if self.start >= self.end:
+            raise ValueError(f"`start` ({self.start}) must be below `end` ({self.end})")
+        return self
+
+    @property
+    def key(self) -> str:
+        """Its settings as a batch key's part: jobs batch only with jobs of the same controls."""
+        return f"{self.name}:{self.scale!r}:{self.start!r}:{self.end!r}:{self.preprocess}"
+
+
+class HiresRequest(BaseModel):
+    """A second, larger pass: the image made at the job's size is upscaled and run again as
+    image-to-image at the larger size (AUTOMATIC1111's "hires fix")."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    scale: float = Field(2.0, gt=1, le=4, allow_inf_nan=False, description="the larger size's factor: each "
+                         "side times this, rounded to the model's multiple")
+    steps: int | None = Field(None, ge=1, description="the second pass's schedule; absent: the job's `steps`")
+    denoise: float = Field(0.5, gt=0, le=1, allow_inf_nan=False, description="the share of that schedule "
+                           "run again on the upscaled image")
+    upscaler: Literal["latent", "lanczos"] = Field("latent", description="`latent`: the latents are "
+                                                   "upscaled (bilinear); `lanczos`: the decoded image is")
+
+    @field_validator("steps", mode="before")
+    @classmethod
+    def _integral(cls, value: Any) -> Any:
+        return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
 class JobRequest(BaseModel):
     """A job's request: text-to-image, or with ``image`` (and ``mask``) image-to-image or inpainting.
 
@@ -123,6 +179,11 @@ class JobRequest(BaseModel):
                                  description="LoRA adapters at their scales; none: the bare model")
     previews: bool = Field(False, description="send `preview` events (GET /v1/jobs/<id>/events) "
                            "and keep the latest at GET /v1/jobs/<id>/preview while it runs")
+    controlnets: list[ControlRequest] = Field(default_factory=list, max_length=MAX_CONTROLNETS,
+                                              description="ControlNets that steer the composition; none: "
+                                              "the model alone")
+    hires: HiresRequest | None = Field(None, description="a second pass at a larger size (text-to-image "
+                                       "only); the job's images have the larger size")
     prompt_syntax: Literal["plain", "weighted"] = Field(
         "plain", description="`weighted`: AUTOMATIC1111's emphasis in the prompts, `(word:1.2)`, `(word)`, "
         "`[word]`, `\\(` for a bracket; `plain`: brackets are text")
@@ -202,6 +263,25 @@ class JobRequest(BaseModel):
             raise ValueError(f"{self.steps} steps at strength {self.strength} run none: raise either")
         return self
 
+    @model_validator(mode="after")
+    def _hires_fits(self, info: ValidationInfo) -> JobRequest:
+        if self.hires is None:
+            return self
+        if self.image is not None:
+            raise ValueError("a `hires` pass is for text-to-image: a job with an `image` has its size")
+        max_side, multiple = _side_limits(info)
+        max_steps = (info.context or {}).get("max_steps", 100)
+        if self.hires.steps is not None and self.hires.steps > max_steps:
+            raise ValueError(f"`hires.steps` must be at most {max_steps}")
+        width, height = self.output_size(multiple)
+        if max(width, height) > max_side:
+            raise ValueError(f"the hires pass makes {width}x{height}: over the service's {max_side}; "
+                             "lower `hires.scale` or the size")
+        if self.hires_steps_run < 1:
+            raise ValueError(f"the hires pass's {self.hires.steps or self.steps} steps at denoise "
+                             f"{self.hires.denoise} run none: raise either")
+        return self
+
     @property
     def kind(self) -> JobKind:
         """What the job does with its inputs."""
@@ -211,16 +291,46 @@ class JobRequest(BaseModel):
 
     @property
     def steps_run(self) -> int:
-        """The denoising steps that run (see :func:`steps_run`)."""
+        """The denoising steps that run, the hires pass's included (see :func:`steps_run`): its
+        progress's total."""
+        return self.first_steps_run + self.hires_steps_run
+
+    @property
+    def first_steps_run(self) -> int:
+        """The denoising steps of the pass at the job's size."""
         return steps_run(self.steps, self.strength if self.image is not None else None)
+
+    @property
+    def hires_steps_run(self) -> int:
+        """The denoising steps of the hires pass (0 without one)."""
+        if self.hires is None:
+            return 0
+        return steps_run(self.hires.steps or self.steps, self.hires.denoise)
+
+    def output_size(self, multiple: int = 8) -> tuple[int, int]:
+        """The size of the job's images: the hires pass's where it has one."""
+        return output_size(self.width, self.height, self.hires.scale if self.hires else None, multiple)
+
+    @property
+    def cost(self) -> float:
+        """Its GPU work in cost units, both passes counted."""
+        width, height = self.output_size()
+        return (job_cost(self.width, self.height, self.first_steps_run, self.num_images)
+                + job_cost(width, height, self.hires_steps_run, self.num_images))
 
     @property
     def batch_key(self) -> str:
         """Jobs with equal keys can run as one batch: same kind, size, steps, strength, guidance,
-        sampler, speed, adapters and images each (and weighted prompts, the same prompts)."""
+        sampler, speed, adapters, controls, hires pass and images each (and weighted prompts, the same
+        prompts). The first part is the size, ``WxH`` (``WxH>W2xH2`` with a hires pass)."""
         strength = f"{self.strength!r}" if self.image is not None else ""
-        return (f"{self.width}x{self.height}/{self.steps}/{self.guidance_scale!r}/{self.scheduler or ''}"
-                f"/{self.kind}{strength}/{self.speed}{self._syntax_key}/{self.adapters_key}/{self.num_images}")
+        size = f"{self.width}x{self.height}"
+        if self.hires is not None:
+            hires, (width, height) = self.hires, self.output_size()
+            size += f">{width}x{height}:{hires.steps or self.steps}:{hires.denoise!r}:{hires.upscaler}"
+        controls = ";".join(control.key for control in self.controlnets)
+        return (f"{size}/{self.steps}/{self.guidance_scale!r}/{self.scheduler or ''}/{self.kind}{strength}"
+                f"/{self.speed}{self._syntax_key}/{self.adapters_key}/{controls}/{self.num_images}")
 
     @property
     def _syntax_key(self) -> str:
@@ -236,11 +346,18 @@ class JobRequest(BaseModel):
         """The adapters and scales the job runs with, in a stable order ('' for the bare model)."""
         return adapters_key(self.loras)
 
+    @property
+    def affinity_key(self) -> str:
+        """What the claim's affinity compares (shared/store/lua/lib/line.lua): its adapters key, then
+        ``@name:scale`` for each ControlNet ('' for the bare model)."""
+        controls = [f"@{control.name}:{control.scale!r}" for control in self.controlnets]
+        return ",".join(part for part in (self.adapters_key, *controls) if part)
+
     @staticmethod
     def pixels_of_batch_key(key: str) -> int:
-        """The pixels one job with this batch key makes (all its images)."""
+        """The pixels one job with this batch key makes at its largest (all its images)."""
         size, *_, images = key.split("/")
-        width, height = size.split("x")
+        width, height = size.rpartition(">")[2].partition(":")[0].split("x")
         return int(width) * int(height) * int(images)
 
     def with_seed(self) -> JobRequest:
@@ -254,6 +371,20 @@ def steps_run(steps: int, strength: float | None) -> int:
     """The denoising steps a job runs: all of them, or with a start image (``strength`` given) the
     last ``strength`` of the schedule, by diffusers' own rounding, so progress counts the steps taken."""
     return steps if strength is None else min(int(steps * strength), steps)
+
+
+def job_cost(width: int, height: int, steps: int, num_images: int) -> float:
+    """GPU work in cost units: one unit is one denoising step of one 512x512 image."""
+    return steps * width * height * num_images / (512 * 512)
+
+
+def output_size(width: int, height: int, scale: float | None, multiple: int = 8) -> tuple[int, int]:
+    """A job's image size: its own, or with a hires pass at ``scale``, each side scaled and rounded to
+    the nearest multiple of ``multiple``."""
+    if scale is None:
+        return width, height
+    return (max(multiple, round(width * scale / multiple) * multiple),
+            max(multiple, round(height * scale / multiple) * multiple))
 
 
 def _side_limits(info: ValidationInfo) -> tuple[int, int]:
@@ -276,30 +407,20 @@ class Submission:
 
 
 def validate_submission(data: Any, *, max_side: int, max_steps: int, max_image_bytes: int,
-                        model: ModelInfo | None = None, adapters: Sequence[str] = ()) -> Submission:
+                        model: ModelInfo | None = None, adapters: Sequence[str] = (),
+                        controlnets: Sequence[str] = ()) -> Submission:
     """Parse a client's JSON body into a request for ``model`` (default: a tiny SD), decoding and
     checking its input images first (``InvalidImageError``). An image's size is the job's; what the
     body leaves out comes from the model's defaults; a sampler the model cannot use, or an adapter
-    not among ``adapters``, is refused."""
+    not among ``adapters``, or a ControlNet not among ``controlnets``, is refused."""
     model = model or model_info("tiny", "sd")
     side_multiple = model.side_multiple
     inputs: dict[InputName, bytes] = {}
-    if isinstance(data, dict) and any(data.get(name) is not None for name in INPUT_NAMES):
+    if isinstance(data, dict):
         data = dict(data)
-        refs: dict[InputName, ImageRef] = {}
-        for name in INPUT_NAMES:
-            value = data.get(name)
-            if value is None:
-                continue
-            if not isinstance(value, str):  # a reference as a view shows it cannot stand in for the bytes
-                raise InvalidRequestError(details=[{"loc": [name], "msg": "must be a data: URL such as "
-                                                    "data:image/png;base64,..."}])
-            checked = read_data_url(name, value, max_bytes=max_image_bytes, max_pixels=max_side * max_side)
-            inputs[name], refs[name] = checked.data, checked.ref
-            data[name] = checked.ref.model_dump()
+        refs = _read_inputs(data, inputs, max_bytes=max_image_bytes, max_pixels=max_side * max_side)
         if "image" in refs:
             _fit_size(data, refs, max_side, side_multiple)
-    if isinstance(data, dict):
         data = model.within(max_side).defaults.fields | data  # a new dict: the body's keys win
         if data.get("model") is None:
             data["model"] = model.name
@@ -311,21 +432,64 @@ def validate_submission(data: Any, *, max_side: int, max_steps: int, max_image_b
     if unknown:
         offered = ", ".join(adapters) or "none"
         raise UnknownLoraError(f"No LoRA adapter named {', '.join(unknown)}; this service has {offered}.")
+    _check_controls(request, model, controlnets)
     _check_fits(request, model, max_side)
     return Submission(request, inputs)
+
+
+def _read_inputs(data: dict[str, Any], inputs: dict[InputName, bytes], *, max_bytes: int, max_pixels: int
+                 ) -> dict[InputName, ImageRef]:
+    """Decode and check the body's input images (its start image and mask, its controls' images) into
+    ``inputs``, putting each one's reference in its place in ``data``; their references by name."""
+    found: list[tuple[InputName, list[str | int], Any, dict[str, Any], str]] = [
+        (name, [name], data.get(name), data, name) for name in ("image", "mask")]
+    controls = data.get("controlnets")
+    # Past the bound the validation refuses the list: its images are never decoded.
+    if isinstance(controls, list) and len(controls) <= MAX_CONTROLNETS:
+        data["controlnets"] = controls = [dict(each) if isinstance(each, dict) else each for each in controls]
+        found += [(INPUT_NAMES[2 + index], ["controlnets", index, "image"], each.get("image"), each, "image")
+                  for index, each in enumerate(controls) if isinstance(each, dict)]
+    refs: dict[InputName, ImageRef] = {}
+    for name, loc, value, holder, key in found:
+        if value is None:
+            continue
+        if not isinstance(value, str):  # a reference as a view shows it cannot stand in for the bytes
+            raise InvalidRequestError(details=[{"loc": loc, "msg": "must be a data: URL such as "
+                                                "data:image/png;base64,..."}])
+        label = name if len(loc) == 1 else f"controlnets[{loc[1]}].image"
+        checked = read_data_url(label, value, max_bytes=max_bytes, max_pixels=max_pixels)
+        inputs[name], refs[name] = checked.data, checked.ref
+        holder[key] = checked.ref.model_dump()
+    return refs
+
+
+def _check_controls(request: JobRequest, model: ModelInfo, controlnets: Sequence[str]) -> None:
+    """Refuse ControlNets the model does not have, and a hires pass a family cannot run."""
+    if request.controlnets and model.family == "flux":
+        raise InvalidRequestError(details=[{"loc": ["controlnets"], "msg": "a flux model takes no ControlNet "
+                                            "here: slotq's ControlNets are the UNet families' (sd, sdxl)"}])
+    unknown = sorted({control.name for control in request.controlnets} - set(controlnets))
+    if unknown:
+        offered = ", ".join(controlnets) or "none"
+        raise UnknownControlNetError(f"No ControlNet named {', '.join(unknown)} for {model.name}; it has "
+                                     f"{offered}.")
+    if request.hires is not None and request.hires.upscaler == "latent" and model.family == "flux":
+        raise InvalidRequestError(details=[{"loc": ["hires", "upscaler"], "msg": "a flux model's hires pass "
+                                            "upscales the image: send `lanczos`"}])
 
 
 def _check_fits(request: JobRequest, model: ModelInfo, max_side: int) -> None:
     """Refuse a job larger than every live worker of its model said it can run: rather than wait in
     line and fail ``out_of_memory``; the message names the largest square that fits."""
-    capacity, pixels = model.capacity_pixels, request.width * request.height * request.num_images
+    width, height = request.output_size(model.side_multiple)
+    capacity, pixels = model.capacity_pixels, width * height * request.num_images
     if capacity is None or pixels <= capacity:
         return
     images = request.num_images
     side = min(math.isqrt(capacity // images), max_side)
     side -= side % model.side_multiple
     fits = f"{side}x{side} for {images} image(s)" if side >= model.side_multiple else "none this many images"
-    raise TooLargeForWorkersError(f"A {request.width}x{request.height} job of {images} image(s) is {pixels} "
+    raise TooLargeForWorkersError(f"A {width}x{height} job of {images} image(s) is {pixels} "
                                   f"pixels; the live workers of {model.name} run at most {capacity} pixels a "
                                   f"job: {fits}, or fewer images.")
 

@@ -73,6 +73,8 @@ class ModelInfo(BaseModel):
                                                           "where one reports no bound (no live worker, "
                                                           "a CPU worker)")
     loras: list[str] = Field(default_factory=list, description="the LoRA adapters a job on it may name")
+    controlnets: list[str] = Field(default_factory=list, description="the ControlNets a job on it may name "
+                                                                     "(SLOTQ_CONTROLNET_DIR)")
 
     def within(self, max_side: int) -> ModelInfo:
         """The model as this service runs it: default sides no larger than SLOTQ_MAX_SIDE."""

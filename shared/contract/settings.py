@@ -125,6 +125,10 @@ class Settings(BaseSettings):
     cache_dir: Path = Path.home() / ".cache" / "slotq"
     lora_dir: Path | None = None
     lora_cache: int = Field(4, ge=1, le=64)
+    # A folder of ControlNets (shared/contract/controlnets.py), read by the API and the workers; the
+    # worker keeps this many loaded, at least a job's two.
+    controlnet_dir: Path | None = None
+    controlnet_cache: int = Field(2, ge=2, le=16)
     affinity_max_skip: int = Field(8, ge=0, le=1000)
 
     max_side: int = Field(1024, ge=64, le=4096)

@@ -62,8 +62,3 @@ def tenant_of_key(table: dict[str, KeyPolicy], settings: Settings, presented: st
                   burst=match.burst if match.burst is not None else settings.tenant_burst,
                   max_queued=match.max_queued if match.max_queued is not None else settings.tenant_max_queued,
                   priorities=tuple(dict.fromkeys(match.priorities or PRIORITIES)))
-
-
-def job_cost(width: int, height: int, steps: int, num_images: int) -> float:
-    """GPU work in cost units: one unit is one denoising step of one 512x512 image."""
-    return steps * width * height * num_images / (512 * 512)

@@ -38,7 +38,7 @@ from shared.contract.errors import (
 from shared.contract.images import InputName
 from shared.contract.jobs import JobRequest, Priority
 from shared.contract.settings import Settings
-from shared.contract.tenants import Tenant, job_cost
+from shared.contract.tenants import Tenant
 from shared.store import autopipeline, results
 from shared.store.connection import text
 from shared.store.records import fetch_job
@@ -102,7 +102,7 @@ def enqueue_job(queue: Queue, settings: Settings, request: JobRequest,
     digest = request_digest(request) if idempotency_key else None
     if tenant is not None:
         request = tenant.prioritised(request)
-    cost = job_cost(request.width, request.height, request.steps_run, request.num_images)
+    cost = request.cost
     if tenant and tenant.burst is not None and cost > tenant.burst:
         raise InvalidRequestError(details=[{"loc": [], "msg": f"the job costs {cost:g} units, more than "
                                             f"this key's burst of {tenant.burst:g}"}])
@@ -237,7 +237,7 @@ def _fields(record: Record, request: JobRequest) -> list[Any]:
     with (worker/batching.py), the adapters it runs with (the claim's affinity), and whether its
     expiry in the line sends a webhook (the Lua cannot read the compressed request)."""
     fields = [item for pair in record.fields.items() for item in pair]
-    fields += ["batch", request.batch_key, "adapters", request.adapters_key]
+    fields += ["batch", request.batch_key, "adapters", request.affinity_key]
     if webhooks.wants(record.stored, "completed"):
         fields += ["webhook", "1"]
     return fields

@@ -19,9 +19,20 @@ from rq.queue import Queue
 
 from shared.contract import keys
 from shared.contract.errors import JobNotFoundError, NoPreviewError, ResultExpiredError
-from shared.contract.jobs import Eta, JobError, JobRequest, JobStatus, JobView, ModelLoad, Progress, steps_run
+from shared.contract.jobs import (
+    Eta,
+    JobError,
+    JobRequest,
+    JobStatus,
+    JobView,
+    ModelLoad,
+    Progress,
+    job_cost,
+    output_size,
+    steps_run,
+)
 from shared.contract.settings import Settings
-from shared.contract.tenants import Tenant, job_cost
+from shared.contract.tenants import Tenant
 from shared.store import estimates, events, fencing, outbox, scripts, waiting
 from shared.store.connection import text
 
@@ -124,11 +135,17 @@ def begin_attempt(job: Job) -> None:
 
 
 def cost_of(job: Job) -> float:
-    """The job's cost in units, from its stored request."""
+    """The job's cost in units, from its stored request (both passes of a hires job)."""
     request = job.kwargs.get("request", {})
     try:
-        steps = steps_run_of(request) or request["steps"]
-        return job_cost(request["width"], request["height"], steps, request["num_images"])
+        width, height, images = request["width"], request["height"], request["num_images"]
+        cost = job_cost(width, height, _first_steps_of(request) or request["steps"], images)
+        hires = request.get("hires")
+        if hires:
+            larger = output_size(width, height, hires["scale"])
+            steps = steps_run(hires.get("steps") or request["steps"], hires["denoise"])
+            cost += job_cost(*larger, steps, images)
+        return cost
     except (KeyError, TypeError):
         return 0.0
 
@@ -222,8 +239,20 @@ def fetch_preview(job: Job) -> tuple[bytes, int]:
 
 
 def steps_run_of(request: dict[str, Any]) -> int | None:
-    """The steps a stored request runs (its progress's total), or None when it is malformed. Read
-    from the fields alone: the limits that validate a request are the service's, not known here."""
+    """The steps a stored request runs, a hires pass's included (its progress's total), or None when
+    it is malformed. Read from the fields alone: the limits that validate a request are the
+    service's, not known here."""
+    first, hires = _first_steps_of(request), request.get("hires")
+    if first is None or not hires:
+        return first
+    steps, denoise = hires.get("steps") or request.get("steps"), hires.get("denoise", 0.5)
+    if not isinstance(steps, int) or not isinstance(denoise, int | float):
+        return None
+    return first + steps_run(steps, denoise)
+
+
+def _first_steps_of(request: dict[str, Any]) -> int | None:
+    """The steps of a stored request's pass at its own size."""
     steps, strength = request.get("steps"), request.get("strength", 0.8)
     if not isinstance(steps, int) or not isinstance(strength, int | float):
         return None

@@ -552,6 +552,7 @@ def test_an_id_with_a_final_newline_is_not_found(fuzz_client: FlaskClient) -> No
 # The acceptance checks too: what the document offers is admitted (496.0 for an integer; no webhook
 # where none is sent), and what it refuses is refused.
 COMPAT_TAGS = "^(OpenAI Images|AUTOMATIC1111)$"
+SCHEMATHESIS_MAX_SIDE = Settings().max_side  # the API below runs with the default
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_headers_conformance, response_schema_conformance, positive_data_acceptance,
           negative_data_rejection]
@@ -602,12 +603,16 @@ schemathesis.openapi.format("data-url", st.sampled_from(sorted(IMAGES)))
 
 
 def _fit_inputs(case: schemathesis.Case) -> None:
-    """What the document cannot say of a job with a start image, made true without touching what it
-    checks: the job's sides are the image's, the mask is of the image's size, and a step runs."""
+    """What the document cannot say of a job with a start image or a hires pass, made true without
+    touching what it checks: the job's sides are the image's, the mask is of the image's size, a
+    step runs; a hires pass is for a job without an image, at a size within the limit."""
     body = case.body
     if case.meta is None or case.meta.generation.mode is not GenerationMode.POSITIVE:
         return  # a negative case stays as invalid as it was drawn
-    if case.path != "/v1/jobs" or not isinstance(body, dict) or body.get("image") not in IMAGES:
+    if case.path != "/v1/jobs" or not isinstance(body, dict):
+        return
+    _fit_hires(body)
+    if body.get("image") not in IMAGES:
         return
     for side in ("width", "height"):
         body.pop(side, None)
@@ -615,6 +620,23 @@ def _fit_inputs(case: schemathesis.Case) -> None:
         body["mask"] = IMAGES[body["image"]]
     if runs_no_step(body):
         body["strength"] = 1.0
+
+
+def _fit_hires(body: dict[str, Any]) -> None:
+    """A drawn hires pass on a job with an image dropped; else its scale and denoise made to fit."""
+    hires = body.get("hires")
+    if not isinstance(hires, dict):
+        return
+    if body.get("image") is not None:
+        del body["hires"]
+        return
+    sides = [body.get(side, 512) for side in ("width", "height")]
+    hires["scale"] = min(hires.get("scale", 2.0), min(SCHEMATHESIS_MAX_SIDE / side for side in sides))
+    if hires["scale"] <= 1:
+        del body["hires"]
+        return
+    steps = hires.get("steps") or body.get("steps", 30)
+    hires["denoise"] = min(1.0, max(hires.get("denoise", 0.5), 1.0 / steps + 1e-9))
 
 
 def _short_wait(case: schemathesis.Case) -> None:
