@@ -17,7 +17,7 @@ from api.longpoll import Waits
 from shared.contract.adapters import available_adapters
 from shared.contract.controlnets import available_controlnets
 from shared.contract.errors import InvalidRequestError
-from shared.contract.images import ImageRef, InputName
+from shared.contract.images import ImageRef, InputName, input_reference
 from shared.contract.jobs import (
     PRIORITIES,
     JobStatus,
@@ -135,7 +135,7 @@ class Jobs:
         """One input image of a job as the client sent it, and its media type."""
         job = records.fetch_job(self.queue, job_id, tenant)
         data = results.of(self.settings).input(job, name)
-        return data, ImageRef.model_validate(job.kwargs["request"][name]).media_type
+        return data, ImageRef.model_validate(input_reference(job.kwargs["request"], name)).media_type
 
     def page(self, tenant: Tenant | None, limit: int, statuses: Collection[JobStatus] = (),
              cursor: str | None = None) -> listing.Page:
@@ -190,7 +190,9 @@ class Jobs:
             names, held, capacity = workers.serving(self.queue.connection, line, name)
             adapters = available_adapters(self.settings.lora_dir_of(name))
             info = model_info(name, family, adapters, None, names, held, capacity)
-        update: dict[str, object] = {"controlnets": available_controlnets(self.settings.controlnet_dir, name)}
+        # ControlNets fit the UNet families only (shared/contract/controlnets.py).
+        controlnets = available_controlnets(self.settings.controlnet_dir, name) if family != "flux" else []
+        update: dict[str, object] = {"controlnets": controlnets}
         if (in_folder := self.settings.folder_model(name)) is not None:
             update["size"] = in_folder.size
         return info.model_copy(update=update)

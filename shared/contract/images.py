@@ -16,7 +16,7 @@ import io
 import re
 import warnings
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from PIL import Image, UnidentifiedImageError
 from pydantic import BaseModel, ConfigDict
@@ -31,6 +31,15 @@ FORMATS = {"image/png": "PNG", "image/jpeg": "JPEG", "image/webp": "WEBP"}
 # What Pillow raises on a file it cannot read: not an image, truncated, corrupt, too many pixels.
 UNREADABLE = (UnidentifiedImageError, Image.DecompressionBombError, OSError, SyntaxError, ValueError)
 DATA_URL = re.compile(r"data:(?P<type>[a-z/+.-]+);base64,", re.IGNORECASE)
+
+
+def input_reference(request: dict[str, Any], name: str) -> Any:
+    """Where a stored request (JSON) holds the reference of its input of this name; None where it has
+    no such input. ``control<i>`` is the image of its ``i``-th ControlNet."""
+    if name.startswith("control"):
+        controls, index = request.get("controlnets") or [], int(name.removeprefix("control"))
+        return controls[index].get("image") if index < len(controls) else None
+    return request.get(name)
 
 
 class ImageRef(BaseModel):

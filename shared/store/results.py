@@ -32,6 +32,7 @@ from rq.job import Job
 
 from shared.contract import keys
 from shared.contract.errors import JobNotFoundError, NotReadyError, ResultExpiredError
+from shared.contract.images import input_reference
 from shared.contract.jobs import JobStatus
 from shared.contract.settings import Settings
 from shared.store.blobs import Blobs, Bucket, Folder
@@ -65,7 +66,7 @@ class Results:
 
     def input(self, job: Job, name: str) -> bytes:
         """One input image of a job as the client sent it, or the error that says why there is none."""
-        if job.kwargs.get("request", {}).get(name) is None:
+        if input_reference(job.kwargs.get("request", {}), name) is None:
             raise JobNotFoundError(f"The job has no input named {name!r}.")
         data = self._input(job, name)
         if data is None:

@@ -30,8 +30,10 @@ from shared.store import waiting
 from tests.conftest import (
     Process,
     app_client,
+    data_url,
     http_post_job,
     rq_queues,
+    start_image,
     wait_for,
     wait_for_status,
     waiting_ids,
@@ -360,6 +362,40 @@ def test_resident_adapters_go_before_ones_that_must_be_loaded(adapter_line: Flas
     took = waiting.claim(redis, settings.line, claims, waiting.Affinity(8, "", ("a",)))
     assert took is not None and took.job_id == bare  # it ran the bare model last: the bare job
     assert waiting_ids(redis, settings) == [needs_load]
+
+
+@pytest.fixture
+def control_line(settings: Settings, tmp_path: Any) -> Iterator[FlaskClient]:
+    """Capacity 100, two ControlNets known by name (the claim never loads them)."""
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+        (tmp_path / name / "diffusion_pytorch_model.safetensors").write_bytes(b"")
+    yield from with_settings(settings, queue_capacity=100, controlnet_dir=tmp_path)
+
+
+def test_affinity_counts_controlnets_as_it_counts_adapters(control_line: FlaskClient, redis: Redis,
+                                                            settings: Settings) -> None:
+    image = data_url(start_image(64, 64))
+    ids, net = [], {}
+    for index in range(24):
+        name = "ab"[index % 2]
+        body = {"controlnets": [{"name": name, "image": image}], "width": 64, "height": 64}
+        ids.append(submit(control_line, **body).get_json()["id"])
+        net[ids[-1]] = name
+    order = take_all(redis, settings, max_skip=8, resident=("@a", "@b"))
+    assert sorted(order) == sorted(ids)
+    assert switches(order, net) <= 24 // 8 + 1, [net[i] for i in order]  # 23 in admission order
+    needs_load = submit(control_line, controlnets=[{"name": "b", "image": image}], width=64,
+                        height=64).get_json()["id"]
+    resident = submit(control_line, controlnets=[{"name": "a", "image": image, "scale": 0.5}], width=64,
+                      height=64).get_json()["id"]
+    bare = submit(control_line, width=64, height=64).get_json()["id"]
+    claims = keys.claims_key("affine-worker")
+    # It ran `a` at 1.0 last and holds `a`: the job whose ControlNet is resident goes first.
+    took = waiting.claim(redis, settings.line, claims, waiting.Affinity(8, "@a:1.0", ("@a",)))
+    assert took is not None and took.job_id == resident
+    assert waiting_ids(redis, settings) == [needs_load, bare]
 
 
 # --- a worker serving several models claims from all their lines (SLOTQ_WORKER_MODELS) -----------------
