@@ -18,6 +18,7 @@ from shared.contract.adapters import available_adapters
 from shared.contract.controlnets import available_controlnets
 from shared.contract.errors import InvalidRequestError
 from shared.contract.images import ImageRef, InputName, input_reference
+from shared.contract.ip_adapters import available_ip_adapters
 from shared.contract.jobs import (
     PRIORITIES,
     JobStatus,
@@ -73,7 +74,8 @@ class Jobs:
             return validate_submission(body, max_side=settings.max_side, max_steps=settings.max_steps,
                                        max_image_bytes=settings.max_image_bytes, model=self.model(name),
                                        adapters=available_adapters(settings.lora_dir_of(name)),
-                                       controlnets=available_controlnets(settings.controlnet_dir, name))
+                                       controlnets=available_controlnets(settings.controlnet_dir, name),
+                                       ip_adapters=available_ip_adapters(settings.ip_adapter_dir, name))
         except ValidationError as exc:
             details = [{"loc": list(error["loc"]), "msg": error["msg"]}
                        for error in exc.errors(include_url=False, include_input=False)]
@@ -190,9 +192,11 @@ class Jobs:
             names, held, capacity = workers.serving(self.queue.connection, line, name)
             adapters = available_adapters(self.settings.lora_dir_of(name))
             info = model_info(name, family, adapters, None, names, held, capacity)
-        # ControlNets fit the UNet families only (shared/contract/controlnets.py).
-        controlnets = available_controlnets(self.settings.controlnet_dir, name) if family != "flux" else []
-        update: dict[str, object] = {"controlnets": controlnets}
+        # ControlNets and IP-Adapters fit the UNet families only (shared/contract/controlnets.py).
+        unet = family != "flux"
+        update: dict[str, object] = {
+            "controlnets": available_controlnets(self.settings.controlnet_dir, name) if unet else [],
+            "ip_adapters": available_ip_adapters(self.settings.ip_adapter_dir, name) if unet else []}
         if (in_folder := self.settings.folder_model(name)) is not None:
             update["size"] = in_folder.size
         return info.model_copy(update=update)

@@ -15,6 +15,7 @@ from shared.contract import errors
 from shared.contract.adapters import available_adapters
 from shared.contract.controlnets import available_controlnets
 from shared.contract.images import FORMATS, INPUT_NAMES
+from shared.contract.ip_adapters import available_ip_adapters
 from shared.contract.jobs import MIN_SIDE, PRIORITIES, JobRequest, JobStatus, JobView
 from shared.contract.models import ModelInfo, model_info
 from shared.contract.settings import Settings
@@ -104,14 +105,17 @@ def openapi_document(settings: Settings) -> dict[str, Any]:
     """
     webhooks = settings.webhook_secret is not None
     offered = [model_info(name, family, available_adapters(settings.lora_dir_of(name))).model_copy(update={
-        "controlnets": available_controlnets(settings.controlnet_dir, name) if family != "flux" else []})
+        "controlnets": available_controlnets(settings.controlnet_dir, name) if family != "flux" else [],
+        "ip_adapters": available_ip_adapters(settings.ip_adapter_dir, name) if family != "flux" else []})
                for name, family in settings.offered_models.items()]
     common = offered[0].model_copy(update={
         "side_multiple": max(info.side_multiple for info in offered),
         "schedulers": [s for s in offered[0].schedulers if all(s in info.schedulers for info in offered)],
         "loras": [lora for lora in offered[0].loras if all(lora in info.loras for info in offered)],
         "controlnets": [name for name in offered[0].controlnets
-                        if all(name in info.controlnets for info in offered)]})
+                        if all(name in info.controlnets for info in offered)],
+        "ip_adapters": [name for name in offered[0].ip_adapters
+                        if all(name in info.ip_adapters for info in offered)]})
     return copy.deepcopy(_document(settings.max_side, settings.max_steps, webhooks,
                                    tuple(info.name for info in offered), common.model_dump_json()))
 
@@ -347,6 +351,13 @@ def _model_schemas(max_side: int, max_steps: int, webhooks: bool, model: ModelIn
     else:
         fields["controlnets"] = {**fields["controlnets"], "maxItems": 0, "description": "Always empty: "
                                  "this service has no ControlNets for these models (SLOTQ_CONTROLNET_DIR)."}
+    # And the IP-Adapters of SLOTQ_IP_ADAPTER_DIR: with none, a job sends none.
+    if model.ip_adapters:
+        schemas["IpAdapterRequest"]["properties"]["name"] = {
+            **schemas["IpAdapterRequest"]["properties"]["name"], "enum": model.ip_adapters}
+    else:
+        fields["ip_adapter"] = {"type": "null", "default": None, "description": "Always null: this service "
+                                "has no IP-Adapters for these models (SLOTQ_IP_ADAPTER_DIR)."}
     # A mask repaints an image: sent without one, it is refused.
     schemas["JobRequest"]["dependentSchemas"] = {"mask": {"anyOf": [
         {"properties": {"mask": {"type": "null"}}},

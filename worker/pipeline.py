@@ -37,6 +37,7 @@ from worker.checkpoints import is_single_file, load_folder_model
 from worker.compile import AdapterSlots, inductor_cache, prepare
 from worker.compile import warm_up as compile_sizes
 from worker.controlnets import ControlNets, canny, control_arguments, controlled
+from worker.ip_adapters import IpAdapters, ip_adapter_arguments, share_image_encoder
 from worker.previews import Previewer, load_decoder
 from worker.prompts import weighted_arguments
 from worker.samplers import Samplers
@@ -85,6 +86,7 @@ class ImagePipeline:
     capacity: Capacity = field(default_factory=Capacity)  # how large an execution it can run
     threads: ThreadChoice = field(default_factory=lambda: ThreadChoice(0, 0))  # torch's CPU threads
     controlnets: ControlNets = field(default_factory=ControlNets)  # those loaded for this model
+    ip_adapters: IpAdapters = field(default_factory=lambda: IpAdapters(None, "", 1))
     last_affinity: str = ""  # the affinity key of the last execution (JobRequest.affinity_key)
     # When each recent GPU section (denoising and decoding) began and ended, by time.perf_counter():
     # what the duty cycle is computed from.
@@ -116,6 +118,10 @@ class ImagePipeline:
         generators = [torch.Generator("cpu").manual_seed(r.seed + index)  # type: ignore[operator]
                       for r in requests for index in range(r.num_images)]
         self.adapters.use(self.pipe, first.loras)  # into the modules its twins share
+        if first.ip_adapter is None:
+            self.ip_adapters.use(self.pipe, None, 0.0)
+        else:
+            self.ip_adapters.use(self.pipe, first.ip_adapter.name, first.ip_adapter.scale)
         self.last_affinity = first.affinity_key
         self.threads.use(work_of(requests))
         pipe = self._pipeline_for(first.kind, first.controlnets)
@@ -192,6 +198,8 @@ class ImagePipeline:
             variant = VARIANTS[kind].from_pipe(self.pipe)
             variant.set_progress_bar_config(disable=True)
             self.variants[kind] = variant
+        # from_pipe copied the components of its moment: an IP-Adapter's image encoder may be newer.
+        share_image_encoder(self.pipe, self.variants[kind])
         return self.variants[kind]
 
     def _arguments(self, pipe: DiffusionPipeline, requests: list[JobRequest], inputs: Sequence[Inputs],
@@ -218,6 +226,10 @@ class ImagePipeline:
         if first.controlnets:
             images = [control_images(first.controlnets, each) for each in inputs]
             arguments |= control_arguments(kind, first.controlnets, images, *size)
+        if first.ip_adapter is not None:  # each request's own reference image, masked apart in a batch
+            arguments |= ip_adapter_arguments([each["ip_adapter"] for each in inputs], width=size[0],
+                                              height=size[1], per_request=first.num_images,
+                                              guided=first.guidance_scale > 1, device=self.device)
         accepted = _parameters(type(pipe))
         if arguments["negative_prompt"] is not None and "negative_prompt" not in accepted:
             raise ValueError(f"a {self.info.family} model takes no negative_prompt")
@@ -231,9 +243,10 @@ class ImagePipeline:
     @property
     def holding(self) -> tuple[str, tuple[str, ...]]:
         """What the claim's affinity prefers (shared/store/lua/lib/line.lua): the affinity key of the
-        last execution, and the resident adapters and ControlNets (``@name``)."""
+        last execution, and the resident adapters, ControlNets (``@name``) and IP-Adapters (``&name``)."""
         _, adapters = self.adapters.holding
-        return self.last_affinity, (*adapters, *(f"@{name}" for name in self.controlnets.holding))
+        return self.last_affinity, (*adapters, *(f"@{name}" for name in self.controlnets.holding),
+                                    *(f"&{name}" for name in self.ip_adapters.holding))
 
     def release_memory(self) -> None:
         """Give cached device memory back after a failure such as out-of-memory."""
@@ -317,6 +330,7 @@ def load_pipeline(settings: Settings, model: str | None = None, threads: ThreadC
                               getattr(pipe, "unet", None))
     loaded = ImagePipeline(pipe=pipe, device=device, samplers=Samplers(pipe.scheduler), info=info,
                            adapters=adapters, controlnets=controlnets,
+                           ip_adapters=IpAdapters(settings.ip_adapter_dir, model, settings.ip_adapter_cache),
                            previewer=Previewer(info.family, pipe.vae_scale_factor, decoder), memory=options)
     loaded.capacity = Capacity.of(device, settings.capacity_pixels)  # the weights loaded, no job yet
     loaded.threads = _warm_up(loaded, threads, settings)

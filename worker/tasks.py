@@ -27,6 +27,7 @@ from shared.contract.errors import (
     JobInterruptedError,
     StorageUnavailableError,
 )
+from shared.contract.ip_adapters import available_ip_adapters
 from shared.contract.jobs import JobRequest, validate_request
 from shared.contract.settings import Settings, get_settings
 from shared.store import records, results
@@ -173,12 +174,18 @@ def _validated(job: Job) -> JobRequest | Exception:
         names = ", ".join(missing)
         return JobFailedError("unknown_controlnet", f"this worker has no ControlNet named {names}"
                               " (SLOTQ_CONTROLNET_DIR)")
+    wanted = request.ip_adapter
+    if wanted is not None and wanted.name not in available_ip_adapters(settings.ip_adapter_dir, model):
+        return JobFailedError("unknown_ip_adapter", f"this worker has no IP-Adapter named {wanted.name} "
+                              "(SLOTQ_IP_ADAPTER_DIR)")
     return request
 
 
 def _with_inputs(job: Job, request: JobRequest) -> tuple[JobRequest, Inputs] | Exception:
     """A request with its input images decoded, or the failure of a job whose inputs are gone or bad."""
     controls = {f"control{index}": "RGB" for index in range(len(request.controlnets))}
+    if request.ip_adapter is not None:
+        controls["ip_adapter"] = "RGB"
     modes = INPUT_MODES[request.kind] | controls
     if not modes:
         return request, {}

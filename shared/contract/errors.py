@@ -103,6 +103,11 @@ class UnknownControlNetError(ServiceError):
     message = "No ControlNet of this name is in SLOTQ_CONTROLNET_DIR."
 
 
+class UnknownIpAdapterError(ServiceError):
+    status, code = 422, "unknown_ip_adapter"
+    message = "No IP-Adapter of this name is in SLOTQ_IP_ADAPTER_DIR."
+
+
 class UnknownModelError(ServiceError):
     status, code, message = 422, "unknown_model", "No model of this name is in SLOTQ_MODEL_NAMES."
 

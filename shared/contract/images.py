@@ -23,9 +23,10 @@ from pydantic import BaseModel, ConfigDict
 
 from shared.contract.errors import InvalidImageError
 
-# A job's start image and mask, and the images of its ControlNets in order (``controlnets[i].image``).
-InputName = Literal["image", "mask", "control0", "control1"]
-INPUT_NAMES: tuple[InputName, ...] = ("image", "mask", "control0", "control1")
+# A job's start image and mask, the images of its ControlNets in order (``controlnets[i].image``) and
+# its IP-Adapter's reference image (``ip_adapter.image``).
+InputName = Literal["image", "mask", "control0", "control1", "ip_adapter"]
+INPUT_NAMES: tuple[InputName, ...] = ("image", "mask", "control0", "control1", "ip_adapter")
 # Pillow's format names for the media types a job may send.
 FORMATS = {"image/png": "PNG", "image/jpeg": "JPEG", "image/webp": "WEBP"}
 # What Pillow raises on a file it cannot read: not an image, truncated, corrupt, too many pixels.
@@ -36,6 +37,8 @@ DATA_URL = re.compile(r"data:(?P<type>[a-z/+.-]+);base64,", re.IGNORECASE)
 def input_reference(request: dict[str, Any], name: str) -> Any:
     """Where a stored request (JSON) holds the reference of its input of this name; None where it has
     no such input. ``control<i>`` is the image of its ``i``-th ControlNet."""
+    if name == "ip_adapter":
+        return (request.get("ip_adapter") or {}).get("image")
     if name.startswith("control"):
         controls, index = request.get("controlnets") or [], int(name.removeprefix("control"))
         return controls[index].get("image") if index < len(controls) else None

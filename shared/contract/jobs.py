@@ -28,6 +28,7 @@ from shared.contract.errors import (
     InvalidRequestError,
     TooLargeForWorkersError,
     UnknownControlNetError,
+    UnknownIpAdapterError,
     UnknownLoraError,
     UnknownModelError,
 )
@@ -129,6 +130,19 @@ class ControlRequest(BaseModel):
         return f"{self.name}:{self.scale!r}:{self.start!r}:{self.end!r}:{self.preprocess}"
 
 
+class IpAdapterRequest(BaseModel):
+    """An IP-Adapter a job runs with: a reference image that acts as a prompt, at a scale."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    name: str = Field(pattern=NAME_PATTERN, description="an IP-Adapter of the model's in "
+                                                        "SLOTQ_IP_ADAPTER_DIR (GET /v1/models lists them)")
+    image: ControlImageField = Field(description="the reference image, a base64 data: URL of a PNG, JPEG or "
+                                     "WebP, any size. In a job's view: its size and sha256")
+    scale: float = Field(1.0, ge=0, le=2, allow_inf_nan=False, description="how strongly it acts; 0: as if "
+                         "absent")
+
+
 class HiresRequest(BaseModel):
     """A second, larger pass: the image made at the job's size is upscaled and run again as
     image-to-image at the larger size (AUTOMATIC1111's "hires fix")."""
@@ -182,6 +196,7 @@ class JobRequest(BaseModel):
     controlnets: list[ControlRequest] = Field(default_factory=list, max_length=MAX_CONTROLNETS,
                                               description="ControlNets that steer the composition; none: "
                                               "the model alone")
+    ip_adapter: IpAdapterRequest | None = Field(None, description="an image as a prompt, beside the words")
     hires: HiresRequest | None = Field(None, description="a second pass at a larger size (text-to-image "
                                        "only); the job's images have the larger size")
     prompt_syntax: Literal["plain", "weighted"] = Field(
@@ -329,6 +344,8 @@ class JobRequest(BaseModel):
             hires, (width, height) = self.hires, self.output_size()
             size += f">{width}x{height}:{hires.steps or self.steps}:{hires.denoise!r}:{hires.upscaler}"
         controls = ";".join(control.key for control in self.controlnets)
+        if self.ip_adapter is not None:  # its reference images may differ (worker/ip_adapters.py)
+            controls += f";ip:{self.ip_adapter.name}:{self.ip_adapter.scale!r}"
         return (f"{size}/{self.steps}/{self.guidance_scale!r}/{self.scheduler or ''}/{self.kind}{strength}"
                 f"/{self.speed}{self._syntax_key}/{self.adapters_key}/{controls}/{self.num_images}")
 
@@ -349,8 +366,10 @@ class JobRequest(BaseModel):
     @property
     def affinity_key(self) -> str:
         """What the claim's affinity compares (shared/store/lua/lib/line.lua): its adapters key, then
-        ``@name:scale`` for each ControlNet ('' for the bare model)."""
+        ``@name:scale`` for each ControlNet and ``&name:scale`` for its IP-Adapter ('' for the bare model)."""
         controls = [f"@{control.name}:{control.scale!r}" for control in self.controlnets]
+        if self.ip_adapter is not None:
+            controls.append(f"&{self.ip_adapter.name}:{self.ip_adapter.scale!r}")
         return ",".join(part for part in (self.adapters_key, *controls) if part)
 
     @staticmethod
@@ -408,11 +427,12 @@ class Submission:
 
 def validate_submission(data: Any, *, max_side: int, max_steps: int, max_image_bytes: int,
                         model: ModelInfo | None = None, adapters: Sequence[str] = (),
-                        controlnets: Sequence[str] = ()) -> Submission:
+                        controlnets: Sequence[str] = (), ip_adapters: Sequence[str] = ()) -> Submission:
     """Parse a client's JSON body into a request for ``model`` (default: a tiny SD), decoding and
     checking its input images first (``InvalidImageError``). An image's size is the job's; what the
     body leaves out comes from the model's defaults; a sampler the model cannot use, or an adapter
-    not among ``adapters``, or a ControlNet not among ``controlnets``, is refused."""
+    not among ``adapters``, or a ControlNet or IP-Adapter not among ``controlnets`` or ``ip_adapters``, is
+    refused."""
     model = model or model_info("tiny", "sd")
     side_multiple = model.side_multiple
     inputs: dict[InputName, bytes] = {}
@@ -432,7 +452,7 @@ def validate_submission(data: Any, *, max_side: int, max_steps: int, max_image_b
     if unknown:
         offered = ", ".join(adapters) or "none"
         raise UnknownLoraError(f"No LoRA adapter named {', '.join(unknown)}; this service has {offered}.")
-    _check_controls(request, model, controlnets)
+    _check_controls(request, model, controlnets, ip_adapters)
     _check_fits(request, model, max_side)
     return Submission(request, inputs)
 
@@ -449,6 +469,9 @@ def _read_inputs(data: dict[str, Any], inputs: dict[InputName, bytes], *, max_by
         data["controlnets"] = controls = [dict(each) if isinstance(each, dict) else each for each in controls]
         found += [(INPUT_NAMES[2 + index], ["controlnets", index, "image"], each.get("image"), each, "image")
                   for index, each in enumerate(controls) if isinstance(each, dict)]
+    if isinstance(data.get("ip_adapter"), dict):
+        data["ip_adapter"] = reference = dict(data["ip_adapter"])
+        found.append(("ip_adapter", ["ip_adapter", "image"], reference.get("image"), reference, "image"))
     refs: dict[InputName, ImageRef] = {}
     for name, loc, value, holder, key in found:
         if value is None:
@@ -456,15 +479,16 @@ def _read_inputs(data: dict[str, Any], inputs: dict[InputName, bytes], *, max_by
         if not isinstance(value, str):  # a reference as a view shows it cannot stand in for the bytes
             raise InvalidRequestError(details=[{"loc": loc, "msg": "must be a data: URL such as "
                                                 "data:image/png;base64,..."}])
-        label = name if len(loc) == 1 else f"controlnets[{loc[1]}].image"
+        label = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc)[1:]
         checked = read_data_url(label, value, max_bytes=max_bytes, max_pixels=max_pixels)
         inputs[name], refs[name] = checked.data, checked.ref
         holder[key] = checked.ref.model_dump()
     return refs
 
 
-def _check_controls(request: JobRequest, model: ModelInfo, controlnets: Sequence[str]) -> None:
-    """Refuse ControlNets the model does not have, and a hires pass a family cannot run."""
+def _check_controls(request: JobRequest, model: ModelInfo, controlnets: Sequence[str],
+                    ip_adapters: Sequence[str]) -> None:
+    """Refuse ControlNets and IP-Adapters the model does not have, and a hires pass a family cannot run."""
     if request.controlnets and model.family == "flux":
         raise InvalidRequestError(details=[{"loc": ["controlnets"], "msg": "a flux model takes no ControlNet "
                                             "here: slotq's ControlNets are the UNet families' (sd, sdxl)"}])
@@ -473,6 +497,14 @@ def _check_controls(request: JobRequest, model: ModelInfo, controlnets: Sequence
         offered = ", ".join(controlnets) or "none"
         raise UnknownControlNetError(f"No ControlNet named {', '.join(unknown)} for {model.name}; it has "
                                      f"{offered}.")
+    if request.ip_adapter is not None:
+        if model.family == "flux":
+            message = "a flux model takes no IP-Adapter here: slotq's are the UNet families' (sd, sdxl)"
+            raise InvalidRequestError(details=[{"loc": ["ip_adapter"], "msg": message}])
+        if request.ip_adapter.name not in ip_adapters:
+            offered = ", ".join(ip_adapters) or "none"
+            raise UnknownIpAdapterError(f"No IP-Adapter named {request.ip_adapter.name} for {model.name}; "
+                                        f"it has {offered}.")
     if request.hires is not None and request.hires.upscaler == "latent" and model.family == "flux":
         raise InvalidRequestError(details=[{"loc": ["hires", "upscaler"], "msg": "a flux model's hires pass "
                                             "upscales the image: send `lanczos`"}])

@@ -75,6 +75,8 @@ class ModelInfo(BaseModel):
     loras: list[str] = Field(default_factory=list, description="the LoRA adapters a job on it may name")
     controlnets: list[str] = Field(default_factory=list, description="the ControlNets a job on it may name "
                                                                      "(SLOTQ_CONTROLNET_DIR)")
+    ip_adapters: list[str] = Field(default_factory=list, description="the IP-Adapters a job on it may name "
+                                                                     "(SLOTQ_IP_ADAPTER_DIR)")
 
     def within(self, max_side: int) -> ModelInfo:
         """The model as this service runs it: default sides no larger than SLOTQ_MAX_SIDE."""

@@ -129,6 +129,10 @@ class Settings(BaseSettings):
     # worker keeps this many loaded, at least a job's two.
     controlnet_dir: Path | None = None
     controlnet_cache: int = Field(2, ge=2, le=16)
+    # A folder of IP-Adapters and the image encoder they share (shared/contract/ip_adapters.py), read by
+    # the API and the workers; the worker keeps this many adapters' weights in memory.
+    ip_adapter_dir: Path | None = None
+    ip_adapter_cache: int = Field(2, ge=1, le=16)
     affinity_max_skip: int = Field(8, ge=0, le=1000)
 
     max_side: int = Field(1024, ge=64, le=4096)

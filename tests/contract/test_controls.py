@@ -3,6 +3,7 @@ on a real Redis, no worker. What the worker makes of them is tests/worker/test_c
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,8 +34,22 @@ def controlnet_dir(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def client(settings: Settings, controlnet_dir: Path) -> Iterator[FlaskClient]:
-    yield from app_client(settings.model_copy(update={"controlnet_dir": controlnet_dir}))
+def ip_adapter_dir(tmp_path: Path) -> Path:
+    """Two IP-Adapters by name beside the image encoder they share (the API never reads the weights)."""
+    folder = tmp_path / "ip-adapters"
+    (folder / "image_encoder").mkdir(parents=True)
+    (folder / "image_encoder" / "config.json").write_text("{}")
+    (folder / "image_encoder" / "model.safetensors").write_bytes(b"")
+    for name in ("plume", "slate"):
+        (folder / f"{name}.safetensors").write_bytes(b"")
+    (folder / "old.bin").write_bytes(b"")
+    return folder
+
+
+@pytest.fixture
+def client(settings: Settings, controlnet_dir: Path, ip_adapter_dir: Path) -> Iterator[FlaskClient]:
+    yield from app_client(settings.model_copy(update={"controlnet_dir": controlnet_dir,
+                                                      "ip_adapter_dir": ip_adapter_dir}))
 
 
 def control(name: str = "chalk", image: Any = None, **fields: Any) -> dict[str, Any]:
@@ -54,14 +69,35 @@ def test_a_control_is_stored_as_an_input_and_shown_as_a_reference(client: FlaskC
     assert (second["scale"], second["preprocess"]) == (1.0, "none")
     sent = client.get(f"/v1/jobs/{view['id']}/inputs/control0")
     assert sent.status_code == 200 and sent.mimetype == "image/png"
-    assert sent.data == __import__("base64").b64decode(image.partition(",")[2])
+    assert sent.data == base64.b64decode(image.partition(",")[2])
     assert client.get(f"/v1/jobs/{view['id']}/inputs/control1").status_code == 200
     assert client.get(f"/v1/jobs/{view['id']}/inputs/image").status_code == 404  # a text job: no start image
 
 
-def test_the_models_list_their_controlnets(client: FlaskClient) -> None:
+def test_the_models_list_their_controlnets_and_ip_adapters(client: FlaskClient) -> None:
     (model,) = client.get("/v1/models").get_json()["models"]
-    assert model["controlnets"] == ["chalk", "ember"]  # the pickle is never offered
+    assert model["controlnets"] == ["chalk", "ember"]  # the pickles are never offered
+    assert model["ip_adapters"] == ["plume", "slate"]
+
+
+def test_an_ip_adapter_is_checked_and_stored_as_an_input(client: FlaskClient, redis: Redis) -> None:
+    message = error_of(post_job(client, ip_adapter={"name": "old", "image": data_url(start_image(64, 64))},
+                                **SMALL), 422, "unknown_ip_adapter")
+    assert "No IP-Adapter named old" in message and "plume, slate" in message
+    for url, expected in (HOSTILE["a PNG bomb"], HOSTILE["a truncated PNG"], HOSTILE["no data URL"]):
+        response = post_job(client, ip_adapter={"name": "plume", "image": url}, **SMALL)
+        assert expected in error_of(response, 422, "invalid_image") and "ip_adapter.image" in error_of(
+            response, 422, "invalid_image")
+    response = post_job(client, ip_adapter={"name": "plume", "image": data_url(start_image(64, 64)),
+                                            "scale": 3}, **SMALL)
+    assert "less than or equal to 2" in error_of(response, 422, "invalid_request")
+    assert nothing_stored(redis)
+    image = data_url(start_image(40, 72, seed=2))
+    view = post_job(client, ip_adapter={"name": "plume", "image": image, "scale": 0.6}, **SMALL).get_json()
+    stored_request = view["request"]["ip_adapter"]
+    assert stored_request["image"]["width"] == 40 and stored_request["scale"] == 0.6
+    stored = client.get(f"/v1/jobs/{view['id']}/inputs/ip_adapter")
+    assert stored.status_code == 200 and stored.data == base64.b64decode(image.partition(",")[2])
 
 
 def test_an_unknown_controlnet_is_a_422_with_nothing_stored(client: FlaskClient, redis: Redis) -> None:
@@ -105,17 +141,22 @@ def test_more_than_two_controls_or_an_image_reference_are_refused(client: FlaskC
     assert nothing_stored(redis)
 
 
-def test_a_flux_model_takes_no_controlnet(settings: Settings, controlnet_dir: Path, redis: Redis) -> None:
+def test_a_flux_model_takes_no_controlnet_or_ip_adapter(settings: Settings, controlnet_dir: Path,
+                                                        ip_adapter_dir: Path, redis: Redis) -> None:
     flux = settings.model_copy(update={"controlnet_dir": controlnet_dir, "model_names": "flux=flux",
                                        "model": "tiny-flux"})
-    for client in app_client(flux):
+    for client in app_client(flux.model_copy(update={"ip_adapter_dir": ip_adapter_dir})):
         response = post_job(client, controlnets=[control()], width=64, height=64, steps=2)
         assert "a flux model takes no ControlNet" in error_of(response, 422, "invalid_request")
         response = post_job(client, hires={"scale": 2}, width=64, height=64, steps=2)
         assert "send `lanczos`" in error_of(response, 422, "invalid_request")
         assert post_job(client, hires={"scale": 2, "upscaler": "lanczos"}, width=64, height=64,
                         steps=2).status_code == 202
-        assert client.get("/v1/models").get_json()["models"][0]["controlnets"] == []  # a UNet family's
+        response = post_job(client, ip_adapter={"name": "plume", "image": data_url(start_image(64, 64))},
+                            width=64, height=64, steps=2)
+        assert "a flux model takes no IP-Adapter" in error_of(response, 422, "invalid_request")
+        model = client.get("/v1/models").get_json()["models"][0]
+        assert model["controlnets"] == model["ip_adapters"] == []  # the UNet families' only
 
 
 # --- the hires pass ----------------------------------------------------------------------------------
@@ -169,3 +210,8 @@ def test_the_batch_key_and_affinity_name_the_controls() -> None:
     assert request(loras=[{"name": "ink"}], controlnets=[{"name": "chalk", "image": image}]).affinity_key == (
         "ink:1.0,@chalk:1.0")
     assert request(hires={"scale": 2}).batch_key != bare.batch_key
+    plume = request(ip_adapter={"name": "plume", "image": image})
+    assert plume.affinity_key == "&plume:1.0" and plume.batch_key != bare.batch_key
+    # Other reference images batch together (the worker masks each row's own); another scale does not.
+    assert plume.batch_key == request(ip_adapter={"name": "plume", "image": other}).batch_key
+    assert plume.batch_key != request(ip_adapter={"name": "plume", "image": image, "scale": 0.5}).batch_key

@@ -1,6 +1,7 @@
-"""Issue 47 end to end: ControlNet and hires jobs through the API and a real worker process on the tiny
-SD model and its tiny ControlNets (worker/tiny_controlnets.py: chalk and ember in diffusers' layout,
-chalk-file chalk's weights as one file)."""
+"""Issue 47 end to end: ControlNet, IP-Adapter and hires jobs through the API and a real worker process on
+the tiny SD model, its tiny ControlNets (worker/tiny_controlnets.py: chalk and ember in diffusers' layout,
+chalk-file chalk's weights as one file) and its tiny IP-Adapters (worker/tiny_ip_adapters.py: plume and
+slate)."""
 
 from __future__ import annotations
 
@@ -42,12 +43,15 @@ def picture() -> Image.Image:
 @pytest.fixture(scope="module")
 def control_settings(redis_url: str, model_cache: Path) -> Settings:
     from worker.tiny_controlnets import ensure_tiny_controlnets
+    from worker.tiny_ip_adapters import ensure_tiny_ip_adapters
 
     url = redis_url.removesuffix("/0") + f"/{DATABASE}"
     Redis.from_url(url).flushdb()
-    folder = ensure_tiny_controlnets(model_cache, "tiny") / "tiny"  # top level: every model's
+    # The model is named after the tiny one: the folders keep its own ControlNets and IP-Adapters under it.
     return Settings(redis_url=url, queue_name="control-tests", cache_dir=model_cache, drain_s=0, device="cpu",
-                    dtype="float32", torch_threads=1, controlnet_dir=folder, heartbeat_ttl_s=2)
+                    dtype="float32", torch_threads=1, model_name="tiny", model_names=["tiny"],
+                    controlnet_dir=ensure_tiny_controlnets(model_cache, "tiny"),
+                    ip_adapter_dir=ensure_tiny_ip_adapters(model_cache, "tiny"), heartbeat_ttl_s=2)
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +150,25 @@ def test_the_worker_reports_the_running_total_of_both_passes(client: FlaskClient
     assert view["status"] == "succeeded" and totals <= {9} and view["progress"] == {"step": 9, "total": 9}
 
 
-def test_the_pipeline_tells_the_claim_which_controlnets_it_holds(control_settings: Settings,
+def test_an_ip_adapter_changes_the_image_and_at_scale_0_does_not(client: FlaskClient) -> None:
+    assert client.get("/v1/models").get_json()["models"][0]["ip_adapters"] == ["plume", "slate"]
+    bare = pixels(client, run(client, seed=11))
+    plume = run(client, seed=11, ip_adapter={"name": "plume", "image": data_url(picture())})
+    assert np.abs(pixels(client, plume) - bare).mean() > VISIBLE
+    assert plume["request"]["ip_adapter"]["image"]["width"] == 64  # a reference, the bytes kept apart
+    assert client.get(f"/v1/jobs/{plume['id']}/inputs/ip_adapter").status_code == 200
+    other = run(client, seed=11, ip_adapter={"name": "plume", "image": data_url(edges())})
+    assert np.abs(pixels(client, other) - pixels(client, plume)).mean() > VISIBLE  # it follows its image
+    zero = run(client, seed=11, ip_adapter={"name": "plume", "image": data_url(picture()), "scale": 0.0})
+    assert np.abs(pixels(client, zero) - bare).max() <= 1
+    later = run(client, seed=11)
+    assert np.abs(pixels(client, later) - bare).max() <= 1  # unloaded: the bare model again
+    both = run(client, seed=11, ip_adapter={"name": "slate", "image": data_url(picture())},
+               controlnets=[control()])
+    assert np.abs(pixels(client, both) - pixels(client, plume)).mean() > VISIBLE
+
+
+def test_the_pipeline_tells_the_claim_which_controls_it_holds(control_settings: Settings,
                                                                  one_torch_thread: None) -> None:
     from shared.contract.jobs import JobRequest
     from worker.pipeline import load_pipeline
@@ -165,4 +187,7 @@ def test_the_pipeline_tells_the_claim_which_controlnets_it_holds(control_setting
     assert pipeline.holding == ("", ("@chalk",))  # the bare model ran last; chalk is still loaded
     generate("ember", "chalk-file")
     assert pipeline.holding == ("@ember:0.5,@chalk-file:0.5", ("@ember", "@chalk-file"))  # chalk dropped
+    slate = JobRequest.model_validate(SMALL | {"ip_adapter": {"name": "slate", "image": reference}})
+    pipeline.generate(slate, inputs={"ip_adapter": picture()})
+    assert pipeline.holding == ("&slate:1.0", ("@ember", "@chalk-file", "&slate"))
     assert pipeline.controlnets.loads == 3
