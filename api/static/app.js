@@ -36,7 +36,12 @@ let selected = null; // the id of the job the detail panel shows
 let generation = 0;
 // What the next job sends besides the form's fields, as data: URLs. The image: {url, width, height}
 // (its natural size). The mask: {url, picture} for a chosen file, {url, rect} for a drawn rectangle.
-const inputs = { image: null, mask: null, imageRead: 0, maskRead: 0, pending: new Set() };
+// The control image: {url, name}.
+const inputs = {
+  image: null, mask: null, control: null, imageRead: 0, maskRead: 0, controlRead: 0, pending: new Set(),
+};
+// The service's largest side (the width's maximum in /openapi.json); null until known.
+let maxSide = null;
 let drag = null; // while a rectangle is being drawn: {pointer, start: [x, y]} in the image's pixels
 
 // --- HTTP -----------------------------------------------------------------------------------------
@@ -136,10 +141,13 @@ function positionText(view) {
   return view.position === 0 ? "next in line" : `${view.position} ahead`;
 }
 
-// With a start image only the last `strength` of the schedule runs (the service's own rounding).
+// With a start image only the last `strength` of the schedule runs (the service's own rounding); a
+// hires pass adds its `denoise` share of its own schedule. The progress's total, before the first step.
 function stepsRun(request) {
-  if (!request.image) return request.steps;
-  return Math.min(Math.floor(request.steps * request.strength), request.steps);
+  const part = (steps, share) => Math.min(Math.floor(steps * share), steps);
+  const first = request.image ? part(request.steps, request.strength) : request.steps;
+  const hires = request.hires ? part(request.hires.steps ?? request.steps, request.hires.denoise) : 0;
+  return first + hires;
 }
 
 // The step a job is at and the steps it runs, for a progress bar.
@@ -159,9 +167,15 @@ function showProgress(view) {
 
 function inputText(request) {
   const image = request.image;
-  if (!image) return "the prompt only";
   const mask = request.mask ? ", with a mask" : "";
-  return `a start image of ${image.width} × ${image.height} px, strength ${request.strength}${mask}`;
+  const parts = [image ? `a start image of ${image.width} × ${image.height} px, strength ${request.strength}${mask}`
+    : "the prompt only"];
+  for (const control of request.controlnets ?? []) {
+    const canny = control.preprocess === "canny" ? ", canny edges" : "";
+    parts.push(`ControlNet ${control.name} at scale ${control.scale}${canny}`);
+  }
+  if (request.hires) parts.push(`a hires pass × ${request.hires.scale} (${request.hires.upscaler})`);
+  return parts.join("; ");
 }
 
 // --- Event streams --------------------------------------------------------------------------------
@@ -484,6 +498,7 @@ function forgetAll() {
 async function load() {
   forgetAll();
   const started = generation;
+  loadModel(started);
   const wanted = new URLSearchParams(location.hash.slice(1)).get("job");
   try {
     const page = await (await call("GET", `/v1/jobs?limit=${LISTED}`)).json();
@@ -576,6 +591,7 @@ function setImageMode(withImage) {
   $("strength-field").hidden = !withImage;
   $("strength").disabled = !withImage;
   $("image-panel").hidden = !withImage;
+  setHiresMode();
 }
 
 function clearImage() {
@@ -738,6 +754,127 @@ function dragEnd(event) {
     + `(${rect.x}, ${rect.y}), drawn on the image.`);
 }
 
+// --- ControlNet and hires pass ---------------------------------------------------------------------
+
+// The ControlNets (its own and the folder's) of the model a job runs on when it names none, which
+// GET /v1/models lists first: the group shows only where it has some.
+async function loadModel(started) {
+  let model = null;
+  try {
+    model = (await (await call("GET", "/v1/models")).json()).models[0] ?? null;
+  } catch {
+    // Refused (no key yet: the list says so) or unreachable: no ControlNet group until it answers.
+  }
+  if (started !== generation) return;
+  showControlNets(model?.controlnets ?? []);
+  $("control").dataset.model = model?.name ?? ""; // which model's ControlNets the group offers
+}
+
+function showControlNets(names) {
+  const select = $("controlnet");
+  const chosen = select.value;
+  select.replaceChildren(...names.map((name) => {
+    const option = element("option", null, name);
+    option.value = name;
+    return option;
+  }));
+  if (names.includes(chosen)) select.value = chosen;
+  $("control").hidden = names.length === 0;
+  $("control").disabled = names.length === 0; // nor sent, nor checked by the form, while hidden
+}
+
+function clearControl() {
+  inputs.control = null;
+  inputs.controlRead += 1;
+  $("control_image").value = "";
+  $("control-preview").removeAttribute("src");
+  $("control-panel").hidden = true;
+  $("control-status").textContent = "No control image: the job runs without a ControlNet.";
+}
+
+async function chooseControl() {
+  let chosen;
+  try {
+    chosen = await chosenPicture($("control_image"), "The control image", "controlRead");
+  } catch (error) {
+    clearControl();
+    showError(error);
+    return false;
+  }
+  if (chosen === undefined) return true; // another one was chosen meanwhile
+  if (chosen === null) {
+    clearControl();
+    return true;
+  }
+  const { naturalWidth: width, naturalHeight: height } = chosen.picture;
+  inputs.control = { url: chosen.url, name: chosen.name };
+  $("control-preview").src = chosen.url;
+  $("control-preview").alt = `The control image, ${chosen.name}`;
+  $("control-panel").hidden = false;
+  $("control-status").textContent = `Control image: ${chosen.name}, ${width} × ${height} px.`;
+  return true;
+}
+
+// The one control the page offers, as the job sends it; none without a control image.
+function controlsOf() {
+  if ($("control").disabled || !inputs.control || !$("controlnet").value) return [];
+  return [{
+    name: $("controlnet").value, image: inputs.control.url, scale: Number($("control_scale").value),
+    start: Number($("control_start").value), end: Number($("control_end").value),
+    preprocess: $("control_canny").checked ? "canny" : "none",
+  }];
+}
+
+const HIRES_FIELDS = ["hires_scale", "hires_denoise", "hires_upscaler", "hires_steps"];
+
+// The hires pass is for text-to-image: with a start image (the job's size is the image's) it goes.
+function setHiresMode() {
+  const group = $("hires-group");
+  group.hidden = Boolean(inputs.image);
+  group.disabled = group.hidden;
+  const on = $("hires").checked;
+  $("hires-fields").hidden = !on;
+  for (const id of HIRES_FIELDS) $(id).disabled = !on;
+  boundHiresScale();
+}
+
+// The scale at which the larger side still fits the service's largest side, where the page knows it;
+// the service checks the rounding to the model's multiple and says why it refuses.
+function boundHiresScale() {
+  const scale = $("hires_scale");
+  const side = Math.max(Number($("width").value) || 0, Number($("height").value) || 0);
+  if (!maxSide || side <= 0) {
+    scale.max = "4";
+    $("hires-bound").textContent = "(up to 4)";
+    return;
+  }
+  const bound = Math.min(4, Math.floor((maxSide / side) * 100) / 100);
+  scale.max = String(Math.max(Number(scale.min), bound));
+  $("hires-bound").textContent = bound < Number(scale.min)
+    ? `(none fits: the service's sides are at most ${maxSide} px)`
+    : `(up to ${bound}: sides of at most ${maxSide} px)`;
+}
+
+function hiresOf() {
+  if ($("hires-group").disabled || !$("hires").checked) return null;
+  const steps = $("hires_steps").value.trim();
+  return {
+    scale: Number($("hires_scale").value), denoise: Number($("hires_denoise").value),
+    upscaler: $("hires_upscaler").value, steps: steps === "" ? null : Number(steps),
+  };
+}
+
+// The service's largest side, from its OpenAPI document (open to all, the key aside).
+async function loadLimits() {
+  try {
+    const spec = await (await call("GET", "/openapi.json")).json();
+    maxSide = spec.components.schemas.JobRequest.properties.width.maximum ?? null;
+  } catch {
+    maxSide = null; // the service refuses a size over it, and the page shows its message
+  }
+  boundHiresScale();
+}
+
 // --- Form and buttons -----------------------------------------------------------------------------
 
 function requestBody() {
@@ -750,6 +887,10 @@ function requestBody() {
   }
   if (inputs.image) body.image = inputs.image.url;
   if (inputs.image && inputs.mask) body.mask = inputs.mask.url;
+  const controls = controlsOf();
+  if (controls.length) body.controlnets = controls;
+  const hires = hiresOf();
+  if (hires) body.hires = hires;
   body.priority = $("priority").value;
   if ($("previews").checked) body.previews = true;
   return body;
@@ -800,14 +941,20 @@ async function asDataUrl(blob) {
   });
 }
 
-// The same settings again, seed included; a start image and mask are fetched back from the job.
+// The same settings again, seed included; a start image, mask and control images are fetched back
+// from the job.
 async function retry(entry) {
   clearError();
+  const input = async (name) => asDataUrl(await (await call("GET", `${jobPath(entry.id)}/inputs/${name}`)).blob());
   try {
     const body = { ...entry.view.request };
     for (const name of ["image", "mask"]) {
-      if (body[name]) body[name] = await asDataUrl(await (await call("GET", `${jobPath(entry.id)}/inputs/${name}`)).blob());
+      if (body[name]) body[name] = await input(name);
     }
+    const controls = body.controlnets ?? [];
+    body.controlnets = await Promise.all(controls.map(async (control, index) => ({
+      ...control, image: await input(`control${index}`),
+    })));
     await send(body);
   } catch (error) {
     showError(error);
@@ -860,12 +1007,22 @@ function init() {
   });
   $("mask").addEventListener("change", pending(chooseMask));
   $("mask-clear").addEventListener("click", clearMask);
+  $("control_image").addEventListener("change", pending(chooseControl));
+  $("control-clear").addEventListener("click", () => {
+    clearControl();
+    $("control_image").focus();
+  });
+  $("hires").addEventListener("change", setHiresMode);
+  for (const id of ["width", "height"]) $(id).addEventListener("input", boundHiresScale);
   const canvas = $("mask-canvas");
   canvas.addEventListener("pointerdown", dragStart);
   canvas.addEventListener("pointermove", dragMove);
   canvas.addEventListener("pointerup", dragEnd);
   canvas.addEventListener("pointercancel", dragEnd);
   clearImage(); // a reload may keep a file input's choice without its data: start from none
+  clearControl();
+  showControlNets([]);
+  loadLimits();
   load();
 }
 

@@ -641,3 +641,110 @@ def test_a_followed_job_survives_a_restart_of_the_api(tab: Tab, start_api: Calla
     # While the API was down the page's requests failed; nothing else went wrong.
     lost = "ERR_CONNECTION_REFUSED|ERR_EMPTY_RESPONSE|ERR_INCOMPLETE_CHUNKED_ENCODING|network"
     assert [error for error in tab.errors if not re.search(lost, error)] == []
+
+
+# --- ControlNet and the hires pass -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def controlnet_dir(model_cache: Path) -> Path:
+    """The tiny model's ControlNets (chalk, ember, chalk-file), offered to every model of a service."""
+    from worker.tiny_controlnets import ensure_tiny_controlnets
+
+    return ensure_tiny_controlnets(model_cache, "tiny") / "tiny"
+
+
+def open_page(page: Page, api: Process) -> dict[str, Any]:
+    """Load the page and wait until it has read the default model (GET /v1/models); return that model."""
+    from playwright.sync_api import expect
+
+    page.goto(api.url + "/")
+    default = json.loads(api_get(api, "/v1/models"))["models"][0]
+    expect(page.locator("#control")).to_have_attribute("data-model", default["name"])
+    return dict(default)
+
+
+@needs_browser
+def test_a_control_image_and_a_hires_pass(tab: Tab, start_api: Callable[..., Process], settings: Settings,
+                                          controlnet_dir: Path, tmp_path: Path) -> None:
+    from playwright.sync_api import expect
+
+    api = start_api(settings, controlnet_dir=str(controlnet_dir))  # no worker: the job stays queued
+    page = tab.page
+    names = open_page(page, api)["controlnets"]
+    assert names == ["chalk", "chalk-file", "ember"]
+    expect(page.locator("#control")).to_be_visible()
+    expect(page.locator("#controlnet option")).to_have_text(names)
+    page.select_option("#controlnet", "ember")
+    control = start_image(tmp_path / "control.png", 64)
+    page.set_input_files("#control_image", control)
+    expect(page.locator("#control-status")).to_have_text("Control image: control.png, 64 × 64 px.")
+    expect(page.locator("#control-preview")).to_be_visible()
+    page.check("#control_canny")
+    page.fill("#control_scale", "0.6")
+
+    expect(page.locator("#hires-fields")).to_be_hidden()
+    page.check("#hires")
+    expect(page.locator("#hires_scale")).to_have_value("2")
+    # At 512 px the service's largest side (1024) bounds the scale at 2; at 64 px, the API's 4.
+    page.fill("#width", "512")
+    expect(page.locator("#hires_scale")).to_have_attribute("max", "2")
+    fill_form(page, "a lighthouse, traced", width=64, height=64, steps=4, seed=1, hires_scale=1.5)
+    expect(page.locator("#hires_scale")).to_have_attribute("max", "4")
+    page.select_option("#hires_upscaler", "lanczos")
+    page.click("#submit")
+
+    expect(page.locator("#status")).to_have_text("queued")
+    job = job_of(api, page)
+    data = control.read_bytes()
+    assert job["request"]["controlnets"] == [
+        {"name": "ember", "scale": 0.6, "start": 0.0, "end": 1.0, "preprocess": "canny",
+         "image": {"media_type": "image/png", "width": 64, "height": 64, "bytes": len(data),
+                   "sha256": hashlib.sha256(data).hexdigest()}}]
+    assert job["request"]["hires"] == {"scale": 1.5, "steps": None, "denoise": 0.5, "upscaler": "lanczos"}
+    assert api_get(api, f"/v1/jobs/{job['id']}/inputs/control0") == data
+    # Both passes count: 4 steps, then half of the hires pass's 4.
+    expect(page.locator("#progress-text")).to_have_text("0 / 6")
+    expect(page.locator("#input")).to_have_text(
+        "the prompt only; ControlNet ember at scale 0.6, canny edges; a hires pass × 1.5 (lanczos)")
+    screenshot(page, "page-controlnet-hires.png")
+
+    # Canceled, then retried from the gallery: the control image is fetched back and sent again.
+    page.click("#cancel")
+    expect(card(page, job["id"])).to_have_attribute("data-status", "canceled")
+    with page.expect_response(lambda response: response.request.method == "POST") as answer:
+        card(page, job["id"]).locator("button.retry").click()
+    assert answer.value.status == 202
+    assert answer.value.json()["request"] == job["request"]
+
+    # A start image has its size: no hires pass with it, and back with text-to-image.
+    choose_image(page, start_image(tmp_path / "start.png", 64))
+    expect(page.locator("#hires-group")).to_be_hidden()
+    expect(page.locator("#control")).to_be_visible()  # a control works with a start image too
+    page.click("#image-clear")
+    expect(page.locator("#hires-group")).to_be_visible()
+    expect(page.locator("#hires_scale")).to_be_visible()
+    assert tab.errors == []
+    page.close()  # its stream of the queued job ends before the API stops
+
+
+@needs_browser
+def test_no_controlnet_group_without_controlnets(tab: Tab, start_api: Callable[..., Process],
+                                                  settings: Settings) -> None:
+    from playwright.sync_api import expect
+
+    api = start_api(settings)
+    page = tab.page
+    assert open_page(page, api)["controlnets"] == []
+    expect(page.locator("#control")).to_be_attached()
+    expect(page.locator("#control")).to_be_hidden()
+    expect(page.locator("#hires-group")).to_be_visible()
+    page.check("#hires")  # its defaults
+    fill_form(page, "a castle", width=64, height=64, steps=2)
+    page.click("#submit")
+
+    expect(page.locator("#status")).to_have_text("queued")
+    request = job_of(api, page)["request"]
+    assert request["hires"] == {"scale": 2.0, "steps": None, "denoise": 0.5, "upscaler": "latent"}
+    assert request["controlnets"] == []
+    assert tab.errors == []
+    page.close()  # its stream of the queued job ends before the API stops
