@@ -24,6 +24,7 @@ from bench import (
     admission,
     batching,
     compat,
+    control,
     edges,
     end_to_end,
     gpu,
@@ -55,6 +56,7 @@ def quick_sections(shared: Service) -> list[Section]:
              lambda: adapters.report(rounds=1, size=64, jobs=4, duty_jobs=2, duty_rounds=1,
                                      duty_ways=(gpu.LOOP, "slotq worker"))),
             ("Several models", lambda: models.report(rounds=1, line_rounds=1, jobs=4)),
+            ("ControlNets and hires", lambda: control.report(rounds=1, size=64)),
             # As many threads as streams and more: no call waits out its timeout.
             ("Event streams", lambda: streams.report(streams=4, threads=8, requests=5))]
 
@@ -80,6 +82,7 @@ def sections() -> list[Section]:
             ("Image inputs", images.report),
             ("LoRA adapters", adapters.report),
             ("Several models", models.report),
+            ("ControlNets and hires", control.report),
             ("Event streams", streams.report)]
 
 

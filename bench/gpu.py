@@ -79,6 +79,11 @@ class NullPipeline:
         self.sections.append((began, time.perf_counter()))
         return [[Image.new("RGB", (r.width, r.height)) for _ in range(r.num_images)] for r in requests]
 
+    @property
+    def holding(self) -> tuple[str, tuple[str, ...]]:
+        """What the claim's affinity prefers: nothing (every job is bare)."""
+        return self.adapters.holding
+
     def release_memory(self) -> None:
         """Nothing to release."""
 

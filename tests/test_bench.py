@@ -48,6 +48,11 @@ ROWS = {
     "Several models": ["sd diffusers folder (baseline)", "sd single file", "sdxl diffusers folder (baseline)",
                        "sdxl single file", "from disk, cache 1 (baseline)", "on the device, cache 2",
                        "affinity off, max skip 0 (baseline)", "affinity on, max skip 8"],
+    "ControlNets and hires": ["bare job (baseline)", "with chalk (resident)", "with chalk + ember (resident)",
+                              "job with chalk resident (baseline)", "job with chalk loaded first",
+                              "load chalk (diffusers folder)", "load chalk-file (single file)",
+                              "lookup of resident chalk", "canny preprocessor, 64x64",
+                              "plain job 64x64 (baseline)", "plain job 128x128", "hires job 64 -> 128"],
     # gthread's row with its streams open has no figure when every call timed out, as it should.
     "Event streams": ["gthread, POST /v1/jobs, no stream", "gevent, POST /v1/jobs, no stream",
                       "gevent, POST /v1/jobs, 4 streams", "gevent, GET /v1/queue, 4 streams"],
@@ -111,6 +116,22 @@ def test_side_work_cpu_is_read_per_process_and_without_its_main_thread() -> None
             assert main_thread < 0.25, main_thread
         finally:
             child.kill()
+
+
+# A guard against a hang: the run takes about 8 s on 2 cores, most of it importing torch and diffusers and
+# building the tiny model and its ControlNets.
+@pytest.mark.timeout(120)
+def test_control_alone_prints_each_table_with_its_baseline() -> None:
+    # bench.control also runs alone with its own options; one round at 64x64 is its smoke run.
+    done = subprocess.run([sys.executable, "-m", "bench.control", "--rounds", "1", "--size", "64"],
+                          capture_output=True, text=True, timeout=100,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout + done.stderr[-5000:]
+    for name in ROWS["ControlNets and hires"]:
+        assert has_row(done.stdout, name), f"no row {name!r}\n{done.stdout}"
+    # Each table's baseline is its own unit, and the hires pass's cost is said in ms.
+    assert len(re.findall(r"\(baseline\) +\d+\.\d+ +1\.0+x$", done.stdout, re.MULTILINE)) == 3, done.stdout
+    assert re.search(r"^the second pass adds -?\d+\.\d ms to the job at 64x64", done.stdout, re.MULTILINE)
 
 
 FULLSIZE_FAMILIES = {"sd": "SD 1.5", "sdxl": "SDXL", "flux": "Flux.1-dev"}
