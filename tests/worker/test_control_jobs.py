@@ -191,3 +191,33 @@ def test_the_pipeline_tells_the_claim_which_controls_it_holds(control_settings: 
     pipeline.generate(slate, inputs={"ip_adapter": picture()})
     assert pipeline.holding == ("&slate:1.0", ("@ember", "@chalk-file", "&slate"))
     assert pipeline.controlnets.loads == 3
+
+
+def test_sdxl_runs_controls_an_ip_adapter_and_a_hires_pass_together(model_cache: Path,
+                                                                     one_torch_thread: None) -> None:
+    from shared.contract.jobs import JobRequest
+    from worker.pipeline import load_pipeline
+    from worker.tiny_controlnets import ensure_tiny_controlnets
+    from worker.tiny_ip_adapters import ensure_tiny_ip_adapters
+
+    settings = Settings(cache_dir=model_cache, device="cpu", dtype="float32", model="tiny-sdxl",
+                        model_name="tiny-sdxl", model_names=["tiny-sdxl=sdxl"],
+                        controlnet_dir=ensure_tiny_controlnets(model_cache, "tiny-sdxl"),
+                        ip_adapter_dir=ensure_tiny_ip_adapters(model_cache, "tiny-sdxl"))
+    pipeline = load_pipeline(settings)
+    reference = {"media_type": "image/png", "width": 64, "height": 64, "bytes": 1, "sha256": "0" * 64}
+    inputs = {"control0": edges(), "control1": picture(), "ip_adapter": picture(), "image": picture()}
+
+    def generate(**fields: Any) -> np.ndarray:
+        request = JobRequest.model_validate(SMALL | {"guidance_scale": 5.0} | fields)
+        return np.asarray(pipeline.generate(request, inputs=inputs)[0], dtype=float)
+
+    bare = generate()
+    controls = [{"name": "chalk", "image": reference}, {"name": "ember", "image": reference, "scale": 0.5}]
+    assert np.abs(generate(controlnets=controls) - bare).mean() > VISIBLE
+    assert np.abs(generate(ip_adapter={"name": "plume", "image": reference}) - bare).mean() > VISIBLE
+    assert np.abs(generate(controlnets=controls[:1], image=reference, strength=1.0) - bare).mean() > VISIBLE
+    together = generate(controlnets=controls, ip_adapter={"name": "slate", "image": reference},
+                        hires={"scale": 2, "denoise": 0.5}, prompt_syntax="weighted",
+                        prompt="(a lighthouse:1.2)")
+    assert together.shape == (128, 128, 3) and not np.isnan(together).any()
