@@ -336,8 +336,8 @@ class JobRequest(BaseModel):
     @property
     def batch_key(self) -> str:
         """Jobs with equal keys can run as one batch: same kind, size, steps, strength, guidance,
-        sampler, speed, adapters, controls, hires pass and images each (and weighted prompts, the same
-        prompts). The first part is the size, ``WxH`` (``WxH>W2xH2`` with a hires pass)."""
+        sampler, speed, adapters, controls, hires pass, images each and whether a negative prompt is
+        given (and weighted prompts, the same prompts). The first part is the size, ``WxH`` (``WxH>W2xH2`` with a hires pass)."""
         strength = f"{self.strength!r}" if self.image is not None else ""
         size = f"{self.width}x{self.height}"
         if self.hires is not None:
@@ -346,8 +346,10 @@ class JobRequest(BaseModel):
         controls = ";".join(control.key for control in self.controlnets)
         if self.ip_adapter is not None:  # its reference images may differ (worker/ip_adapters.py)
             controls += f";ip:{self.ip_adapter.name}:{self.ip_adapter.scale!r}"
+        # With and without a negative prompt apart: SDXL encodes a batch-mate's "" where it zeroes None.
+        negative = "-" if self.negative_prompt else ""
         return (f"{size}/{self.steps}/{self.guidance_scale!r}/{self.scheduler or ''}/{self.kind}{strength}"
-                f"/{self.speed}{self._syntax_key}/{self.adapters_key}/{controls}/{self.num_images}")
+                f"/{self.speed}{self._syntax_key}{negative}/{self.adapters_key}/{controls}/{self.num_images}")
 
     @property
     def _syntax_key(self) -> str:

@@ -117,8 +117,12 @@ def test_a_batch_never_holds_more_pixels_than_the_largest_single_job(batch_setti
 
 def test_batch_keys_separate_what_cannot_share_an_execution() -> None:
     base = JobRequest(prompt="a", width=256, height=256, steps=4, seed=1)
-    same = base.model_copy(update={"prompt": "b", "seed": 2, "negative_prompt": "blur", "priority": "low"})
+    same = base.model_copy(update={"prompt": "b", "seed": 2, "priority": "low"})
     assert same.batch_key == base.batch_key
+    negative = base.model_copy(update={"negative_prompt": "blur"})
+    assert negative.model_copy(update={"negative_prompt": "fog"}).batch_key == negative.batch_key
+    # SDXL zeroes a missing negative prompt's embedding but encodes a batch-mate's "": apart.
+    assert negative.batch_key != base.batch_key
     for change in ({"width": 264}, {"steps": 5}, {"guidance_scale": 7.0}, {"num_images": 2},
                    {"scheduler": "euler_a"}):
         assert base.model_copy(update=change).batch_key != base.batch_key
