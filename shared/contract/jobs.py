@@ -337,7 +337,8 @@ class JobRequest(BaseModel):
     def batch_key(self) -> str:
         """Jobs with equal keys can run as one batch: same kind, size, steps, strength, guidance,
         sampler, speed, adapters, controls, hires pass, images each and whether a negative prompt is
-        given (and weighted prompts, the same prompts). The first part is the size, ``WxH`` (``WxH>W2xH2`` with a hires pass)."""
+        given (and weighted prompts, the same prompts). The first part is the size, ``WxH``
+        (``WxH>W2xH2`` with a hires pass)."""
         strength = f"{self.strength!r}" if self.image is not None else ""
         size = f"{self.width}x{self.height}"
         if self.hires is not None:
