@@ -1,7 +1,8 @@
-"""img2img's inputs as A1111 takes them, handed to slotq as ``data:`` URLs: base64 with or without
-a ``data:image/...;base64,`` prefix, in any format Pillow reads; the start image resized to the
-call's width x height (A1111's "just resize"), the mask made as A1111 makes it (an RGBA mask's
-alpha, else its grey levels; inverted on request; blurred by ``mask_blur``) at the image's size.
+"""img2img's inputs and ControlNet units' images as A1111 takes them, handed to slotq as ``data:``
+URLs: base64 with or without a ``data:image/...;base64,`` prefix, in any format Pillow reads; the start
+image resized to the call's width x height (A1111's "just resize"), the mask made as A1111 makes it (an
+RGBA mask's alpha, else its grey levels; inverted on request; blurred by ``mask_blur``) at the image's
+size, a control image cropped to the job's shape where its unit asks.
 
 The pixels are bounded before anything is decoded; slotq's own checks run on the result as on any
 job's inputs (``shared/contract/images.py``).
@@ -12,6 +13,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import math
 import warnings
 from typing import Any
 
@@ -40,6 +42,7 @@ def add_inputs(call: Call, settings: Settings) -> None:
     width, height = job.pop("width", None), job.pop("height", None)
     size = (width, height) if isinstance(width, int) and isinstance(height, int) else None
     job["image"], size = start_image(images[0], size, settings, call.model.side_multiple)
+    call.size = size
     strength = body.get("denoising_strength")
     job["strength"] = DEFAULT_STRENGTH if strength is None else strength
     if isinstance(job["strength"], int) and not isinstance(job["strength"], bool):
@@ -76,6 +79,27 @@ def mask(value: Any, size: tuple[int, int], settings: Settings, invert: bool, bl
     if grey.size != size:
         grey = grey.resize(size, Image.Resampling.LANCZOS)
     return png_url(grey)
+
+
+def control_image(name: str, value: Any, size: tuple[int, int] | None, crop: bool, settings: Settings
+                  ) -> tuple[str, bool]:
+    """A ControlNet unit's image as a ``data:`` URL, and whether its shape is another than ``size``
+    (the job's): cropped to that shape, centred, where ``crop`` (the extension's "Crop and Resize"), and
+    within the pixels a job's input may have. The pipeline resizes it to each pass's size."""
+    data = decoded(name, value, settings)
+    image = opened(name, data, settings)
+    width, height = image.size
+    if size is not None:  # the largest box of the job's shape in the image
+        width, height = (max(1, min(width, round(height * size[0] / size[1]))),
+                         max(1, min(height, round(width * size[1] / size[0]))))
+    reshaped = (width, height) != image.size
+    if not crop:
+        width, height = image.size
+    shrink = min(1.0, settings.max_side / math.sqrt(width * height))
+    target = (max(1, int(width * shrink)), max(1, int(height * shrink)))
+    if image.format in KEPT and target == image.size:
+        return data_url(data, KEPT[image.format]), reshaped
+    return png_url(ImageOps.fit(image.convert("RGB"), target, Image.Resampling.LANCZOS)), reshaped
 
 
 def grey_mask(image: Image.Image) -> Image.Image:

@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from shared.contract.errors import InvalidRequestError, UnknownModelError
-from shared.contract.jobs import MAX_IMAGES, MAX_SEED, JobRequest, JobView
+from shared.contract.jobs import MAX_IMAGES, MAX_SEED, JobRequest, JobView, output_size
 from shared.contract.models import ModelInfo, Scheduler
 
 VERSION = "slotq"  # what A1111 reports as its version in info and infotexts
@@ -68,13 +68,14 @@ SCHEDULES: dict[str, tuple[str, tuple[str, ...], float, bool]] = {
 }
 
 # Accepted and not applied, with the values that leave them unset (None, "", [] and {} always do).
-# Fields that only matter beside another (hr_* with enable_hr, subseed with subseed_strength,
-# script_args with script_name, txt2img's denoising_strength with enable_hr) are not listed apart.
+# Fields that only matter beside another (subseed with subseed_strength, script_args with
+# script_name) are not listed apart; enable_hr and its hr_* fields are read by `hires_of`, and
+# alwayson_scripts by controlnet.py (its ControlNet units applied, any other script listed).
 NOT_APPLIED: dict[str, tuple[Any, ...]] = {
-    "restore_faces": (False,), "tiling": (False,), "enable_hr": (False,), "styles": (),
+    "restore_faces": (False,), "tiling": (False,), "styles": (),
     "subseed_strength": (0,), "seed_resize_from_w": (-1, 0), "seed_resize_from_h": (-1, 0),
     "clip_skip": (1,), "eta": (1,), "s_churn": (0,), "s_tmax": (0,), "s_tmin": (0,), "s_noise": (1,),
-    "s_min_uncond": (0,), "script_name": (), "alwayson_scripts": (), "refiner_checkpoint": (),
+    "s_min_uncond": (0,), "script_name": (), "refiner_checkpoint": (),
     "refiner_switch_at": (), "send_images": (True,), "save_images": (False,),
     "disable_extra_networks": (False,), "firstpass_image": (), "force_task_id": (), "infotext": (),
     "resize_mode": (0,), "image_cfg_scale": (1.5,), "inpainting_fill": (0,), "inpaint_full_res": (True,),
@@ -89,9 +90,28 @@ OPTIONS: dict[str, Any] = {
 }
 
 # slotq's request fields as A1111's clients name them, for the `loc` of a refusal's details.
+# A nested field is named by its path's first two parts ("hires.scale").
 A1111_FIELDS = {"guidance_scale": "cfg_scale", "strength": "denoising_strength", "num_images": "batch_size",
                 "image": "init_images", "scheduler": "sampler_name", "loras": "prompt",
-                "model": "override_settings.sd_model_checkpoint"}
+                "model": "override_settings.sd_model_checkpoint", "hires": "enable_hr",
+                "hires.scale": "hr_scale", "hires.steps": "hr_second_pass_steps",
+                "hires.denoise": "denoising_strength", "hires.upscaler": "hr_upscaler",
+                "controlnets": "alwayson_scripts.controlnet.args"}
+
+# txt2img's hires fix (enable_hr) as slotq's hires pass. A1111's "Latent" resizes the latents
+# bilinearly, as slotq's `latent` does; its "Lanczos" and "None" (a plain resize, which A1111 makes
+# with Lanczos) resize the image, as `lanczos` does. Any other upscaler runs as the nearer of the two
+# and is listed in not_applied: A1111's other latent modes (bicubic, nearest, antialiased) as
+# `latent`, its upscaling models (ESRGAN, SwinIR, LDSR...), which slotq has none of, as `lanczos`.
+HIRES_UPSCALERS = {"Latent": "latent", "Lanczos": "lanczos", "None": "lanczos"}
+DEFAULT_UPSCALER = "Latent"  # A1111's latent_upscale_default_mode: what an hr_upscaler of null runs
+HIRES_SCALE, HIRES_DENOISE = 2.0, 0.75  # StableDiffusionProcessingTxt2Img's hr_scale, denoising_strength
+# The second pass's own choices, and the first pass's field each means "the same" when equal to
+# (A1111's "Use same ..." choices too): slotq's hires pass runs the first pass's; any other is listed.
+HIRES_SAME: dict[str, str | None] = {
+    "hr_sampler_name": "sampler_name", "hr_scheduler": "scheduler", "hr_prompt": "prompt",
+    "hr_negative_prompt": "negative_prompt", "hr_cfg": "cfg_scale", "hr_checkpoint_name": None}
+SAME_CHOICES = ("Use same sampler", "Use same scheduler", "Use same checkpoint")
 
 # A1111's extra-network syntax for a LoRA (and LyCORIS, its older name): <lora:name[:weight[:...]]>.
 LORA_TAG = re.compile(r"<(?:lora|lyco):([^:>]+)(?::([^:>]*))?((?::[^:>]*)*)>", re.IGNORECASE)
@@ -104,11 +124,14 @@ class Call:
 
     body: dict[str, Any]
     model: ModelInfo
+    img2img: bool = False
     job: dict[str, Any] = field(default_factory=dict)
+    size: tuple[int, int] | None = None  # img2img's: its start image's, once added
     sampler: str = DEFAULT_SAMPLER
     schedule: str = "automatic"
     seed: int = 0
     not_applied: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)  # A1111's extra_generation_params: hires, units
 
 
 # --- checkpoints -------------------------------------------------------------------------------------
@@ -270,7 +293,83 @@ def translate(call: Call) -> Call:
     if isinstance(job.get("guidance_scale"), int) and not isinstance(job["guidance_scale"], bool):
         job["guidance_scale"] = float(job["guidance_scale"])  # A1111 takes 7 for 7.0
     call.job = job
+    hires = hires_of(call)
+    if hires is not None:
+        job["hires"] = hires
     return call
+
+
+# --- the hires fix -----------------------------------------------------------------------------------
+
+def hires_of(call: Call) -> dict[str, Any] | None:
+    """txt2img's ``enable_hr`` and its ``hr_*`` fields as slotq's hires pass (None without one), with
+    what A1111 writes of it in ``extra``; img2img has no such pass (``enable_hr`` is listed there)."""
+    body = call.body
+    if not body.get("enable_hr"):
+        return None
+    if call.img2img:
+        call.not_applied.append("enable_hr")
+        return None
+    asked = body.get("hr_upscaler")
+    named = asked if isinstance(asked, str) and asked else DEFAULT_UPSCALER
+    upscaler, flux = HIRES_UPSCALERS.get(named), call.model.family == "flux"
+    if upscaler is None or (upscaler == "latent" and flux):  # Flux's latents are packed: images resized
+        upscaler = "latent" if named.startswith("Latent") and not flux else "lanczos"
+        call.not_applied.append("hr_upscaler")
+    denoise = body.get("denoising_strength")
+    hires: dict[str, Any] = {"scale": hires_scale(call), "upscaler": upscaler,
+                             "denoise": HIRES_DENOISE if denoise is None else denoise}
+    if body.get("hr_second_pass_steps"):  # 0: the first pass's steps
+        hires["steps"] = call.extra["Hires steps"] = body["hr_second_pass_steps"]
+    if asked is not None:  # A1111 writes the upscaler only where the body names one
+        call.extra["Hires upscaler"] = asked
+    call.not_applied += [name for name in HIRES_SAME if not same_as_first_pass(call, name)]
+    return hires
+
+
+def hires_scale(call: Call) -> Any:
+    """The hires pass's scale: ``hr_scale``, or where ``hr_resize_x`` or ``hr_resize_y`` is set, the
+    scale that makes that size; a size of another shape than the first pass's is refused (slotq's
+    pass scales both sides alike, where A1111 would crop)."""
+    body = call.body
+    resize = (body.get("hr_resize_x") or 0, body.get("hr_resize_y") or 0)
+    if resize == (0, 0):
+        scale = HIRES_SCALE if body.get("hr_scale") is None else body["hr_scale"]
+        call.extra["Hires upscale"] = float(scale) if type(scale) is int else scale  # A1111's float
+        return scale
+    call.extra["Hires resize"] = f"{resize[0]}x{resize[1]}"
+    defaults = call.model.defaults
+    first = (call.job.get("width", defaults.width), call.job.get("height", defaults.height))
+    if not all(type(side) is int and side >= 0 for side in resize) or not all(
+            type(side) is int and side > 0 for side in first):
+        raise InvalidRequestError(details=[{"loc": ["hr_resize_x"], "msg": "hr_resize_x, hr_resize_y, width "
+                                            "and height must be whole numbers"}])
+    scales = [side / before for side, before in zip(resize, first, strict=True) if side]
+    made = {output_size(*first, scale, call.model.side_multiple) for scale in scales}
+    if len(made) > 1:
+        message = (f"{resize[0]}x{resize[1]} is not {first[0]}x{first[1]} scaled: slotq's hires pass scales "
+                   "both sides alike; send hr_scale, or one of hr_resize_x and hr_resize_y")
+        raise InvalidRequestError(details=[{"loc": ["hr_resize_x"], "msg": message}])
+    return scales[0]
+
+
+def same_as_first_pass(call: Call, name: str) -> bool:
+    """Whether the second pass's own choice ``name`` is unset, or the first pass's."""
+    value, body = call.body.get(name), call.body
+    if value in UNSET or value in SAME_CHOICES:
+        return True
+    first = HIRES_SAME[name]
+    if first is None:  # the checkpoint
+        return value in (call.model.name, title(call.model.name))
+    if value == body.get(first):
+        return True
+    if name == "hr_sampler_name":
+        return str(value).lower() == call.sampler.lower()
+    if name == "hr_scheduler":  # "Automatic": the sampler's own schedule
+        own = next((sampler.own for sampler in SAMPLERS if sampler.name == call.sampler), None)
+        named = schedule_named(str(value))
+        return call.schedule in (named, own if named == "automatic" else None)
+    return name == "hr_cfg" and value == call.job.get("guidance_scale", call.model.defaults.guidance_scale)
 
 
 # --- the answer --------------------------------------------------------------------------------------
@@ -284,12 +383,16 @@ def info(call: Call, request: JobRequest, view: JobView | None, job_id: str | No
     digest = model_hash(call.model.name)[:10]
     schedule = SCHEDULES[call.schedule][0]
     strength = request.strength if request.image is not None else None
+    if request.hires is not None:  # txt2img's denoising_strength is its hires pass's
+        strength = request.hires.denoise
     made = (view.started_at or view.created_at) if view else None
-    line = (f"Steps: {request.steps}, Sampler: {call.sampler}, Schedule type: {schedule}, "
-            f"CFG scale: {request.guidance_scale}, Seed: {{seed}}, Size: {request.width}x{request.height}, "
-            f"Model hash: {digest}, Model: {call.model.name}"
-            + (f", Denoising strength: {strength}" if strength is not None else "") + f", Version: {VERSION}")
-    texts = [f"{prompt}\n" + (f"Negative prompt: {negative}\n" if negative else "") + line.format(seed=seed)
+    head = (f"Steps: {request.steps}, Sampler: {call.sampler}, Schedule type: {schedule}, "
+            f"CFG scale: {request.guidance_scale}, Seed: ")
+    extra = "".join(f", {key}: {quote(value)}" for key, value in call.extra.items())
+    tail = (f", Size: {request.width}x{request.height}, Model hash: {digest}, Model: {call.model.name}"
+            + (f", Denoising strength: {strength}" if strength is not None else "")
+            + f"{extra}, Version: {VERSION}")
+    texts = [f"{prompt}\n" + (f"Negative prompt: {negative}\n" if negative else "") + f"{head}{seed}{tail}"
              for seed in seeds]
     return {
         "prompt": prompt, "all_prompts": [prompt] * count, "negative_prompt": negative,
@@ -300,11 +403,17 @@ def info(call: Call, request: JobRequest, view: JobView | None, job_id: str | No
         "restore_faces": False, "face_restoration_model": None, "sd_model_name": call.model.name,
         "sd_model_hash": digest, "sd_vae_name": None, "sd_vae_hash": None,
         "seed_resize_from_w": -1, "seed_resize_from_h": -1, "denoising_strength": strength,
-        "extra_generation_params": {"Schedule type": schedule}, "index_of_first_image": 0,
+        "extra_generation_params": {"Schedule type": schedule, **call.extra}, "index_of_first_image": 0,
         "infotexts": texts, "styles": [], "job_timestamp": timestamp(made), "clip_skip": 1,
         "is_using_inpainting_conditioning": False, "version": VERSION,
         "job_id": job_id, "interrupted": view is None, "not_applied": call.not_applied,
     }
+
+
+def quote(value: Any) -> Any:
+    """An infotext value as A1111 writes it: JSON-quoted where it holds a comma, colon or newline."""
+    text = str(value)
+    return json.dumps(text, ensure_ascii=False) if any(char in text for char in ",:\n") else value
 
 
 def timestamp(moment: datetime | None) -> str:

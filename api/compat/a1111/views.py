@@ -15,7 +15,7 @@ from typing import Any
 from flask import Blueprint, Response, current_app, g, jsonify, request
 
 from api.compat import calls
-from api.compat.a1111 import images, translate
+from api.compat.a1111 import controlnet, images, translate
 from api.errors import as_service_error
 from shared.contract.errors import (
     AlreadyFinishedError,
@@ -76,7 +76,11 @@ bp.register_error_handler(Exception, render)
 
 
 def renamed(loc: list[Any]) -> list[Any]:
-    """A refusal's location in the names the client sent (``cfg_scale``, not ``guidance_scale``)."""
+    """A refusal's location in the names the client sent (``cfg_scale``, not ``guidance_scale``;
+    ``hr_scale``, not ``hires.scale``)."""
+    nested = translate.A1111_FIELDS.get(".".join(map(str, loc[:2]))) if len(loc) > 1 else None
+    if nested is not None:
+        return [nested, *loc[2:]]
     return [translate.A1111_FIELDS.get(loc[0], loc[0]), *loc[1:]] if loc else loc
 
 
@@ -100,9 +104,10 @@ def generate(img2img: bool) -> Response:
     """Translate the body, run its job through the one admission and answer with its images; a job
     interrupted (``/interrupt``) answers 200 with none, as its ``info`` says."""
     body = json_object()
-    call = translate.translate(translate.Call(body, model_of(body)))
+    call = translate.translate(translate.Call(body, model_of(body), img2img=img2img))
     if img2img:
         images.add_inputs(call, calls.settings())
+    controlnet.add_controls(call, calls.settings())
     submitted = calls.submission(call.job)
     try:
         finished = calls.run(submitted)

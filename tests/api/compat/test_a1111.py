@@ -1,10 +1,12 @@
 """The AUTOMATIC1111 surface (``/sdapi/v1``): the real ``webuiapi`` package against real API
-processes, on a worker of this module's own that has the tiny LoRA adapters; the request bodies that
-Open WebUI, SillyTavern, LibreChat and webuiapi send, replayed; and its refusals in A1111's envelope."""
+processes, on a worker of this module's own that has the tiny LoRA adapters and ControlNets; the
+request bodies that Open WebUI, SillyTavern, LibreChat and webuiapi send, replayed; and its refusals in
+A1111's envelope."""
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import json
 import time
@@ -19,7 +21,7 @@ import numpy as np
 import pytest
 import webuiapi
 from flask.testing import FlaskClient
-from PIL import Image
+from PIL import Image, ImageDraw
 from redis import Redis
 
 from shared.contract.settings import Settings
@@ -32,6 +34,7 @@ DATABASE = 13  # apart from the others' (0 per test, 1 the worker, 2-3, 5-8 othe
 REQUESTS = Path(__file__).parent / "requests"
 KEY_A, KEY_B = "a1111-key-of-alpha", "a1111-key-of-beta"
 SMALL = {"width": 64, "height": 64, "steps": 3}  # the tiny model's image in a blink
+TINY = {"width": 64, "height": 64, "steps": 2}
 LONG = {"width": 256, "height": 256, "steps": 60}  # runs for seconds, with previews on the way
 
 
@@ -45,13 +48,21 @@ def lora_dir(model_cache: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def a1111_settings(redis_url: str, model_cache: Path, lora_dir: Path) -> Settings:
+def controlnet_dir(model_cache: Path) -> Path:
+    """The tiny SD's ControlNets (chalk, ember, chalk-file) at the top level: every model's."""
+    from worker.tiny_controlnets import ensure_tiny_controlnets
+
+    return ensure_tiny_controlnets(model_cache, "tiny") / "tiny"
+
+
+@pytest.fixture(scope="module")
+def a1111_settings(redis_url: str, model_cache: Path, lora_dir: Path, controlnet_dir: Path) -> Settings:
     """Two models offered (``second`` has no worker: a choice to switch to, never to run on)."""
     url = redis_url.removesuffix("/0") + f"/{DATABASE}"
     Redis.from_url(url).flushdb()
     return Settings(redis_url=url, queue_name="a1111-tests", queue_capacity=50, cache_dir=model_cache,
-                    lora_dir=lora_dir, model_names=["default", "second"], preview_interval_ms=100,
-                    drain_s=0, worker_metrics_port=free_port())
+                    lora_dir=lora_dir, controlnet_dir=controlnet_dir, model_names=["default", "second"],
+                    preview_interval_ms=100, drain_s=0, worker_metrics_port=free_port())
 
 
 @pytest.fixture(scope="module")
@@ -195,11 +206,66 @@ def test_batch_size_times_n_iter_images_in_one_job(api: Process) -> None:
 
 
 def test_fields_slotq_does_not_apply_are_accepted_and_listed(api: Process) -> None:
-    result = webui(api).txt2img(prompt="a lighthouse", restore_faces=True, tiling=True, enable_hr=True,
-                                styles=["noir"], sampler_name="LMS", **SMALL)
+    result = webui(api).txt2img(prompt="a lighthouse", restore_faces=True, tiling=True, styles=["noir"],
+                                sampler_name="LMS", alwayson_scripts={"ADetailer": {"args": [True]}}, **SMALL)
     assert len(result.images) == 1
-    assert result.info["not_applied"] == ["restore_faces", "tiling", "enable_hr", "styles", "sampler_name"]
+    assert result.info["not_applied"] == ["restore_faces", "tiling", "styles", "sampler_name",
+                                          "alwayson_scripts.ADetailer"]
     assert result.info["sampler_name"] == "DPM++ 2M"  # A1111's fallback for a sampler it lacks: its first
+
+
+def test_enable_hr_makes_the_larger_image_in_one_job(api: Process) -> None:
+    client = webui(api)
+    result = client.txt2img(prompt="a castle", seed=31, enable_hr=True, hr_scale=2, **TINY)
+    [image], info = result.images, result.info
+    assert image.size == (128, 128) and info["not_applied"] == []
+    assert (info["width"], info["height"], info["denoising_strength"]) == (64, 64, 0.7)  # webuiapi's
+    assert info["extra_generation_params"] == {"Schedule type": "Normal", "Hires upscale": 2.0,
+                                               "Hires upscaler": "Latent"}
+    assert "Size: 64x64, " in info["infotexts"][0]
+    assert "Denoising strength: 0.7, Hires upscale: 2.0, Hires upscaler: Latent" in info["infotexts"][0]
+    ran = job(api, info["job_id"])
+    assert ran["request"]["hires"] == {"scale": 2.0, "steps": None, "denoise": 0.7, "upscaler": "latent"}
+    assert ran["progress"] == {"step": 3, "total": 3}  # 2 steps, then int(2 x 0.7) at 128x128
+    # An upscaling model slotq has not runs as Lanczos, and says so; hr_resize_x sets the size.
+    other = client.txt2img(prompt="a castle", seed=31, enable_hr=True, hr_resize_x=128,
+                           hr_second_pass_steps=3, hr_upscaler=webuiapi.HiResUpscaler.ESRGAN_4x, **TINY)
+    assert other.images[0].size == (128, 128) and other.info["not_applied"] == ["hr_upscaler"]
+    assert job(api, other.info["job_id"])["request"]["hires"] == {"scale": 2.0, "steps": 3, "denoise": 0.7,
+                                                                  "upscaler": "lanczos"}
+    assert "Hires resize: 128x0, Hires steps: 3, Hires upscaler: R-ESRGAN 4x+" in other.info["infotexts"][0]
+
+
+def control_picture() -> Image.Image:
+    """A picture whose edges (a square's) are a canny ControlNet's control image."""
+    picture = Image.new("RGB", (64, 64), "black")
+    ImageDraw.Draw(picture).rectangle((16, 16, 47, 47), fill="white")
+    return picture
+
+
+def test_a_controlnet_unit_steers_the_image_and_at_weight_0_is_the_bare_model(api: Process) -> None:
+    client = webui(api)
+
+    def made(*units: webuiapi.ControlNetUnit) -> webuiapi.WebUIApiResult:
+        return client.txt2img(prompt="a red fox", seed=13, controlnet_units=list(units), **TINY)
+
+    bare = made()
+    # The canny thresholds slotq's preprocessor applies (the extension's defaults); webuiapi's own are 64.
+    chalk = made(webuiapi.ControlNetUnit(image=control_picture(), module="canny", model="chalk", weight=1.0,
+                                         threshold_a=100, threshold_b=200))
+    zero = made(webuiapi.ControlNetUnit(image=control_picture(), module="canny", model="chalk [0123abcd]",
+                                        weight=0.0))
+    assert np.abs(pixels(chalk.images[0]) - pixels(bare.images[0])).mean() > 5  # another image
+    assert np.array_equal(pixels(zero.images[0]), pixels(bare.images[0]))
+    [control] = job(api, chalk.info["job_id"])["request"]["controlnets"]
+    assert {key: control[key] for key in ("name", "scale", "start", "end", "preprocess")} == {
+        "name": "chalk", "scale": 1.0, "start": 0.0, "end": 1.0, "preprocess": "canny"}
+    assert (control["image"]["width"], control["image"]["height"]) == (64, 64)
+    unit = "Module: canny, Model: chalk, Weight: 1.0, Guidance Start: 0.0, Guidance End: 1.0"
+    assert chalk.info["extra_generation_params"]["ControlNet 0"] == unit and chalk.info["not_applied"] == []
+    assert f'ControlNet 0: "{unit}"' in chalk.info["infotexts"][0]
+    assert zero.info["not_applied"] == ["alwayson_scripts.controlnet.args[0].threshold_a",
+                                        "alwayson_scripts.controlnet.args[0].threshold_b"]
 
 
 def test_a_lora_in_the_prompt_changes_the_image_and_at_weight_0_is_the_bare_model(api: Process) -> None:
@@ -465,6 +531,8 @@ def test_a_full_line_answers_429_with_retry_after_in_a1111s_envelope(client: Fla
     ({"width": 100}, ["width"]),
     ({"override_settings": {"sd_model_checkpoint": "nope.safetensors"}}, None),
     ({"prompt": "<lora:ink:heavy>"}, ["prompt"]),
+    ({"enable_hr": True, "hr_scale": 1}, ["hr_scale"]),
+    ({"enable_hr": True, "hr_resize_x": 128, "hr_resize_y": 96}, ["hr_resize_x"]),
 ])
 def test_an_invalid_call_is_422_naming_the_field_as_sent(client: FlaskClient, redis: Redis,
                                                          changes: dict[str, Any], loc: Any) -> None:
@@ -474,6 +542,61 @@ def test_an_invalid_call_is_422_naming_the_field_as_sent(client: FlaskClient, re
     if loc is not None:
         assert body["errors"][0]["loc"] == loc, body
     assert redis.keys("*") == []  # nothing admitted
+
+
+def unit(**fields: Any) -> dict[str, Any]:
+    """A ControlNet unit as webuiapi sends it."""
+    return {**webuiapi.ControlNetUnit(image=control_picture(), model="chalk").to_dict(), **fields}
+
+
+def with_controlnets(settings: Settings, controlnet_dir: Path) -> Settings:
+    """The tiny ControlNets offered, and a short wait: without a worker, a call that admits its job
+    answers 504 at once, naming it."""
+    return settings.model_copy(update={"controlnet_dir": controlnet_dir, "sync_wait_s": 0.05})
+
+
+@pytest.mark.parametrize(("units", "code", "loc"), [
+    ([unit(model="control_v11p_sd15_canny [d14c016b]")], "unknown_controlnet", None),
+    ([unit(module="openpose")], "invalid_request", ["alwayson_scripts", "controlnet", "args", 0, "module"]),
+    ([unit(enabled=False), unit(image="")], "invalid_request",
+     ["alwayson_scripts", "controlnet", "args", 1, "image"]),
+    ([unit(), unit(), unit(model="ember")], "invalid_request", ["alwayson_scripts", "controlnet", "args"]),
+    ([unit(weight=2.5)], "invalid_request", ["alwayson_scripts.controlnet.args", 0, "scale"]),
+])
+def test_a_controlnet_unit_slotq_cannot_run_is_refused_in_a1111s_envelope(
+        settings: Settings, controlnet_dir: Path, redis: Redis, units: list[dict[str, Any]], code: str,
+        loc: Any) -> None:
+    body = {"prompt": "a fox", **TINY, "alwayson_scripts": {"controlnet": {"args": units}}}
+    for client in app_client(with_controlnets(settings, controlnet_dir)):
+        response = client.post("/sdapi/v1/txt2img", json=body)
+        answer = response.get_json()
+        assert response.status_code == 422 and answer["code"] == code, answer
+        assert set(answer) == {"error", "detail", "body", "errors", "code"}
+        if loc is None:
+            assert answer["error"] == "UnknownControlNetError"
+            assert "chalk, chalk-file, ember" in answer["detail"]
+        else:
+            assert answer["errors"][0]["loc"] == loc, answer
+    assert redis.keys("*") == []  # nothing admitted
+
+
+def test_an_img2img_unit_without_an_image_takes_the_start_image(settings: Settings, controlnet_dir: Path
+                                                                 ) -> None:
+    buffer = io.BytesIO()
+    start_image(64, 64).save(buffer, "PNG")
+    picture = unit()["image"]  # webuiapi's raw base64 PNG
+    # The second unit as older clients send one: `input_image`, few fields.
+    units = [unit(image="", weight=0.5), {"model": "ember", "input_image": picture, "module": "none"}]
+    body = {"prompt": "a fox", "init_images": [base64.b64encode(buffer.getvalue()).decode()],
+            "alwayson_scripts": {"ControlNet": {"args": units}}}
+    for client in app_client(with_controlnets(settings, controlnet_dir)):
+        answer = client.post("/sdapi/v1/img2img", json=body).get_json()
+        assert answer["code"] == "sync_wait_exceeded", answer  # admitted: no worker here
+        ran = client.get(f"/v1/jobs/{answer['detail'].split()[1]}").get_json()["request"]
+        first, second = ran["controlnets"]
+        assert first["image"]["sha256"] == ran["image"]["sha256"] and first["scale"] == 0.5
+        assert second["name"] == "ember" and second["preprocess"] == "none"
+        assert second["image"]["sha256"] == hashlib.sha256(base64.b64decode(picture)).hexdigest()
 
 
 def test_img2img_takes_raw_base64_and_any_format_pillow_reads(client: FlaskClient) -> None:
