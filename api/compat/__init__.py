@@ -5,4 +5,4 @@ Nothing below ``api/`` knows they exist."""
 
 from api.compat import a1111, openai_images
 
-SURFACES = (openai_images.bp, a1111.bp)  # registered by api/app.py
+SURFACES = (openai_images.bp, a1111.bp, a1111.controlnet_bp)  # registered by api/app.py

@@ -124,7 +124,17 @@ def paths() -> dict[str, Any]:
             (401,))},
         "/sdapi/v1/embeddings": {"get": _operation(A1111_TAG, "a1111_embeddings", "None.",
                                                    _json(_OBJECT, "No embeddings."), (401,))},
-        "/sdapi/v1/scripts": {"get": _operation(A1111_TAG, "a1111_scripts", "None: `{txt2img, img2img}`.",
-                                                _json(_OBJECT, "No scripts."), (401,))},
+        "/sdapi/v1/scripts": {"get": _operation(
+            A1111_TAG, "a1111_scripts", "`{txt2img, img2img}`: `controlnet` where the caller's model has "
+            "ControlNets (its units are mapped), else none.", _json(_OBJECT, "The scripts."), (401,))},
+        "/controlnet/version": {"get": _operation(
+            A1111_TAG, "a1111_controlnet_version", "The ControlNet extension's API version whose units "
+            "slotq reads.", _json(_OBJECT, "`{version}`."), (401,))},
+        "/controlnet/model_list": {"get": _operation(
+            A1111_TAG, "a1111_controlnet_model_list", "The ControlNets a unit on the caller's model may "
+            "name.", _json(_OBJECT, "`{model_list}`."), (401,))},
+        "/controlnet/module_list": {"get": _operation(
+            A1111_TAG, "a1111_controlnet_module_list", "The preprocessors a unit may name: `none`, "
+            "`canny`.", _json(_OBJECT, "`{module_list, module_detail}`."), (401,))},
         **a1111,
     }

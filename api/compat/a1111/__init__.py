@@ -3,6 +3,6 @@
 ``controlnet`` (the ControlNet extension's units) and ``views`` (the routes, their auth and their error
 envelope)."""
 
-from api.compat.a1111.views import bp
+from api.compat.a1111.views import bp, controlnet_bp
 
-__all__ = ["bp"]
+__all__ = ["bp", "controlnet_bp"]

@@ -22,6 +22,7 @@ from shared.contract.jobs import MAX_CONTROLNETS
 from shared.contract.models import ModelInfo
 from shared.contract.settings import Settings
 
+VERSION = 2  # the extension's API version whose unit fields this module reads
 SCRIPT = "controlnet"  # the extension's script title: A1111 finds an alwayson script by title, in any case
 # The preprocessors slotq runs, by the extension's module names ("None" too). Any other is refused:
 # the unit would steer with the picture itself where the extension makes a map of it (a pose, a depth),

@@ -31,6 +31,8 @@ from shared.contract.tenants import tenant_of_key
 from shared.store import preferences
 
 bp = Blueprint("a1111", __name__, url_prefix="/sdapi/v1")
+# The ControlNet extension's own routes (webuiapi's ControlNetInterface lists models and modules there).
+controlnet_bp = Blueprint("a1111_controlnet", __name__, url_prefix="/controlnet")
 SURFACE = "a1111"
 BASIC_REALM = 'Basic realm="slotq"'
 NEEDS_KEY = "Send the API key as the password of HTTP Basic authentication (any user name)."
@@ -39,13 +41,14 @@ NEEDS_KEY = "Send the API key as the password of HTTP Basic authentication (any 
 # fails its upscaler list unless both of the first two answer; webuiapi reads /scripts when it starts).
 EMPTY: dict[str, Any] = {
     "upscalers": [], "latent-upscale-modes": [], "sd-vae": [], "sd-modules": [],
-    "scripts": {"txt2img": [], "img2img": []}, "embeddings": {"loaded": {}, "skipped": {}},
+    "embeddings": {"loaded": {}, "skipped": {}},
 }
 IDLE_STATE = {"skipped": False, "interrupted": False, "stopping_generation": False, "job": "",
               "job_count": 0, "job_timestamp": "0", "job_no": 0, "sampling_step": 0, "sampling_steps": 0}
 
 
 @bp.before_request
+@controlnet_bp.before_request
 def authenticate() -> None:
     """With API keys on, the caller's tenant from its key: Basic's password (or a bearer token)."""
     table = current_app.extensions["slotq.keys"]
@@ -73,6 +76,7 @@ def render(exc: Exception) -> tuple[Response, int]:
 
 
 bp.register_error_handler(Exception, render)
+controlnet_bp.register_error_handler(Exception, render)
 
 
 def renamed(loc: list[Any]) -> list[Any]:
@@ -253,6 +257,34 @@ def stop_running() -> None:
             calls.jobs().cancel(view.id, calls.tenant())
         except (AlreadyFinishedError, JobNotFoundError):
             pass  # it ended meanwhile
+
+
+# --- scripts: the ControlNet extension where there are ControlNets ------------------------------------
+
+@bp.get("/scripts")
+def scripts() -> Response:
+    """The scripts by mode, as A1111 lists them: ``controlnet`` (its alwayson units, which slotq maps)
+    where the caller's model has ControlNets; clients look for it before they send units."""
+    names = [controlnet.SCRIPT] if caller_model().controlnets else []
+    return jsonify({"txt2img": names, "img2img": names})
+
+
+@controlnet_bp.get("/version")
+def controlnet_version() -> Response:
+    """The extension's API version its clients check (sd-webui-controlnet's ``/controlnet/version``)."""
+    return jsonify({"version": controlnet.VERSION})
+
+
+@controlnet_bp.get("/model_list")
+def controlnet_models() -> Response:
+    """The ControlNets a unit on the caller's model may name (SLOTQ_CONTROLNET_DIR)."""
+    return jsonify({"model_list": caller_model().controlnets})
+
+
+@controlnet_bp.get("/module_list")
+def controlnet_modules() -> Response:
+    """The preprocessors a unit may name: those slotq runs."""
+    return jsonify({"module_list": list(dict.fromkeys(controlnet.MODULES)), "module_detail": {}})
 
 
 # --- what slotq has none of ---------------------------------------------------------------------------

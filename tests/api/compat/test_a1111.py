@@ -268,6 +268,14 @@ def test_a_controlnet_unit_steers_the_image_and_at_weight_0_is_the_bare_model(ap
                                         "alwayson_scripts.controlnet.args[0].threshold_b"]
 
 
+def test_the_extensions_routes_list_the_controlnets_and_preprocessors(api: Process) -> None:
+    client = webui(api)  # webuiapi's own calls of the extension's routes
+    assert client.controlnet_model_list() == ["chalk", "chalk-file", "ember"]
+    assert client.controlnet_module_list() == ["none", "canny"]
+    assert client.controlnet_version() == 2
+    assert client.get_scripts() == {"txt2img": ["controlnet"], "img2img": ["controlnet"]}
+
+
 def test_a_lora_in_the_prompt_changes_the_image_and_at_weight_0_is_the_bare_model(api: Process) -> None:
     client = webui(api)
 
@@ -436,7 +444,8 @@ def reads(path: str, answer: Any, titles: list[str]) -> None:
         == {sampler["name"] for sampler in answer},
         "/sdapi/v1/schedulers": lambda: {"automatic", "karras"} <= {item["name"] for item in answer},
         "/sdapi/v1/progress": lambda: answer["progress"] == 0 and answer["state"]["job_count"] == 0,
-        "/sdapi/v1/scripts": lambda: answer == {"txt2img": [], "img2img": []},
+        # The module's service has ControlNets: the extension's script is listed.
+        "/sdapi/v1/scripts": lambda: answer == {"txt2img": ["controlnet"], "img2img": ["controlnet"]},
         "/sdapi/v1/loras": lambda: [lora["name"] for lora in answer] == ["ink", "moss", "neon"],
         "/sdapi/v1/interrupt": lambda: answer == {},
     }
