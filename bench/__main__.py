@@ -31,6 +31,7 @@ from bench import (
     images,
     memory,
     models,
+    stepping,
     streams,
 )
 from slotq.harness import Service
@@ -58,7 +59,8 @@ def quick_sections(shared: Service) -> list[Section]:
             ("Several models", lambda: models.report(rounds=1, line_rounds=1, jobs=4)),
             ("ControlNets and hires", lambda: control.report(rounds=1, size=64)),
             # As many threads as streams and more: no call waits out its timeout.
-            ("Event streams", lambda: streams.report(streams=4, threads=8, requests=5))]
+            ("Event streams", lambda: streams.report(streams=4, threads=8, requests=5)),
+            ("Step-level scheduling", lambda: stepping.report(rounds=1, jobs=8, settle_s=0))]
 
 
 @contextmanager
@@ -83,7 +85,8 @@ def sections() -> list[Section]:
             ("LoRA adapters", adapters.report),
             ("Several models", models.report),
             ("ControlNets and hires", control.report),
-            ("Event streams", streams.report)]
+            ("Event streams", streams.report),
+            ("Step-level scheduling", stepping.report)]
 
 
 def cpu_model() -> str:

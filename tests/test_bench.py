@@ -56,6 +56,8 @@ ROWS = {
     # gthread's row with its streams open has no figure when every call timed out, as it should.
     "Event streams": ["gthread, POST /v1/jobs, no stream", "gevent, POST /v1/jobs, no stream",
                       "gevent, POST /v1/jobs, 4 streams", "gevent, GET /v1/queue, 4 streams"],
+    "Step-level scheduling": ["start-only batching (baseline)", "step-level joining",
+                              "without preemption (baseline)", "with preemption"],
 }
 
 
@@ -132,6 +134,27 @@ def test_control_alone_prints_each_table_with_its_baseline() -> None:
     # Each table's baseline is its own unit, and the hires pass's cost is said in ms.
     assert len(re.findall(r"\(baseline\) +\d+\.\d+ +1\.0+x$", done.stdout, re.MULTILINE)) == 3, done.stdout
     assert re.search(r"^the second pass adds -?\d+\.\d ms to the job at 64x64", done.stdout, re.MULTILINE)
+
+
+# A guard against a hang: the run takes about 10 s on 2 cores, most of it importing torch and diffusers.
+@pytest.mark.timeout(120)
+def test_stepping_alone_prints_both_policies_their_ratios_and_equal_images() -> None:
+    # bench.stepping also runs alone with its own options; one round of 8 jobs is its smoke run.
+    done = subprocess.run([sys.executable, "-m", "bench.stepping", "--rounds", "1", "--jobs", "8",
+                           "--settle", "0"],
+                          capture_output=True, text=True, timeout=100,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout + done.stderr[-5000:]
+    for name in ROWS["Step-level scheduling"]:
+        assert has_row(done.stdout, name), f"no row {name!r}\n{done.stdout}"
+    # Each baseline row is its own unit; each part says whether its difference stood above the noise.
+    assert len(re.findall(r"^start-only batching \(baseline\) .* 1\.00x$", done.stdout, re.MULTILINE)) == 1
+    verdicts = re.findall(r"^noise: .*: the .+ (stood above it from round 1 of 1|did not stand above it in 1 "
+                          r"rounds)$", done.stdout, re.MULTILINE)
+    assert len(verdicts) == 2, done.stdout
+    # The same job's image, whatever the policy or a pause: the loop's batched kernels' bound (1e-5).
+    differences = re.findall(r"^images: .* at most (\S+) \(max abs", done.stdout, re.MULTILINE)
+    assert len(differences) == 2 and all(float(each) <= 1e-5 for each in differences), done.stdout
 
 
 FULLSIZE_FAMILIES = {"sd": "SD 1.5", "sdxl": "SDXL", "flux": "Flux.1-dev"}
