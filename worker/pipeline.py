@@ -289,7 +289,7 @@ def upscaled(first_pass: Any, size: tuple[int, int], upscaler: str, vae_scale_fa
 def control_images(controls: Sequence[ControlRequest], inputs: Inputs) -> list[Image.Image]:
     """One request's control images in its controls' order, each preprocessed as its control asks."""
     images = [inputs[f"control{index}"] for index in range(len(controls))]
-    return [canny(image) if control.preprocess == "canny" else image
+    return [canny(image, control.low, control.high) if control.preprocess == "canny" else image
             for control, image in zip(controls, images, strict=True)]
 
 

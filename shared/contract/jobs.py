@@ -117,17 +117,22 @@ class ControlRequest(BaseModel):
                        "which it stops")
     preprocess: Literal["none", "canny"] = Field("none", description="`canny`: the image is a picture, "
                                                  "and its edges (OpenCV's Canny) are the control image")
+    low: int = Field(100, ge=0, le=255, description="with `canny`: the lower threshold of its hysteresis")
+    high: int = Field(200, ge=0, le=255, description="with `canny`: the upper one (edges start above it)")
 
     @model_validator(mode="after")
     def _acts(self) -> ControlRequest:
         if self.start >= self.end:
             raise ValueError(f"`start` ({self.start}) must be below `end` ({self.end})")
+        if self.low > self.high:
+            raise ValueError(f"`low` ({self.low}) must not be above `high` ({self.high})")
         return self
 
     @property
     def key(self) -> str:
         """Its settings as a batch key's part: jobs batch only with jobs of the same controls."""
-        return f"{self.name}:{self.scale!r}:{self.start!r}:{self.end!r}:{self.preprocess}"
+        canny = f":{self.low}-{self.high}" if self.preprocess == "canny" else ""
+        return f"{self.name}:{self.scale!r}:{self.start!r}:{self.end!r}:{self.preprocess}{canny}"
 
 
 class IpAdapterRequest(BaseModel):

@@ -121,6 +121,8 @@ def test_a_hostile_control_image_is_refused_cleanly(client: FlaskClient, redis: 
     ({"start": 0.5, "end": 0.5}, "must be below `end`"),
     ({"start": 0.8, "end": 0.2}, "must be below `end`"),
     ({"preprocess": "depth"}, "'none' or 'canny'"),
+    ({"preprocess": "canny", "low": 150, "high": 100}, "must not be above `high`"),
+    ({"preprocess": "canny", "high": 300}, "less than or equal to 255"),
     ({"weight": 1.0}, "Extra inputs are not permitted"),
     ({"name": "../chalk"}, "should match pattern"),
 ])
@@ -206,6 +208,9 @@ def test_the_batch_key_and_affinity_name_the_controls() -> None:
     # Other control images batch together; other settings do not.
     assert chalk.batch_key == request(controlnets=[{"name": "chalk", "image": other}]).batch_key
     assert chalk.batch_key != request(controlnets=[{"name": "chalk", "image": image, "scale": 0.5}]).batch_key
+    edges = request(controlnets=[{"name": "chalk", "image": image, "preprocess": "canny"}])
+    assert edges.batch_key != request(controlnets=[{"name": "chalk", "image": image, "preprocess": "canny",
+                                                    "low": 50}]).batch_key
     assert chalk.affinity_key == "@chalk:1.0"
     assert request(loras=[{"name": "ink"}], controlnets=[{"name": "chalk", "image": image}]).affinity_key == (
         "ink:1.0,@chalk:1.0")

@@ -110,6 +110,16 @@ def test_canny_preprocessing_makes_the_control_image_from_a_picture(client: Flas
     assert np.abs(edged - raw).mean() > VISIBLE
 
 
+def test_canny_thresholds_choose_which_edges_steer(client: FlaskClient) -> None:
+    faint = Image.new("RGB", (64, 64), (100, 100, 100))  # a step of 20: below the default thresholds
+    ImageDraw.Draw(faint).ellipse((12, 12, 52, 52), fill=(120, 120, 120))
+    blank = pixels(client, run(client, controlnets=[control(image=Image.new("RGB", (64, 64)))]))
+    default = pixels(client, run(client, controlnets=[control(image=faint, preprocess="canny")]))
+    assert np.abs(default - blank).max() <= 1  # no edge found: a black control image
+    low = pixels(client, run(client, controlnets=[control(image=faint, preprocess="canny", low=20, high=40)]))
+    assert np.abs(low - blank).mean() > VISIBLE
+
+
 def test_a_control_image_of_another_size_is_resized_to_the_job(client: FlaskClient) -> None:
     small = pixels(client, run(client, controlnets=[control()]))
     large = pixels(client, run(client, controlnets=[control(image=edges().resize((128, 128)))]))

@@ -40,12 +40,11 @@ RESIZE_MODES: dict[str | int, str] = {
     "Outer Fit (Shrink to Fit)": "fill", "Envelope (Outer Fit)": "fill", 0: "resize", 1: "crop", 2: "fill",
     3: "resize"}
 # A unit's fields that change the image, accepted and not applied, with the values that leave them
-# unset (None, "", [] and {} always do). Canny's only with module canny: slotq's thresholds are 100 and
-# 200 (worker/controlnets.py), the extension's defaults, which -1 stands for; hr_option only with a
-# hires pass, in both of whose passes slotq's controls act ("Both").
+# unset (None, "", [] and {} always do). Canny's only with module canny (its thresholds, threshold_a and
+# threshold_b, are applied); hr_option only with a hires pass, in both of whose passes slotq's controls
+# act ("Both").
 NOT_APPLIED: dict[str, tuple[Any, ...]] = {"control_mode": ("Balanced", 0), "advanced_weighting": ()}
-CANNY_NOT_APPLIED: dict[str, tuple[Any, ...]] = {
-    "processor_res": (-1, 512), "threshold_a": (-1, 100), "threshold_b": (-1, 200), "pixel_perfect": (False,)}
+CANNY_NOT_APPLIED: dict[str, tuple[Any, ...]] = {"processor_res": (-1, 512), "pixel_perfect": (False,)}
 HIRES_NOT_APPLIED: dict[str, tuple[Any, ...]] = {"hr_option": ("Both", 0)}
 
 
@@ -93,7 +92,18 @@ def control(call: Call, index: int, unit: dict[str, Any], settings: Settings) ->
     call.not_applied += unapplied(call, index, unit, module)
     call.extra[f"ControlNet {index}"] = (f"Module: {module}, Model: {name}, Weight: {scale}, "
                                          f"Guidance Start: {start}, Guidance End: {end}")
-    return {"name": name, "image": image, "scale": scale, "start": start, "end": end, "preprocess": module}
+    control = {"name": name, "image": image, "scale": scale, "start": start, "end": end, "preprocess": module}
+    if module == "canny":  # the extension's thresholds: threshold_a low, threshold_b high
+        control["low"] = threshold(unit.get("threshold_a"), 100)
+        control["high"] = threshold(unit.get("threshold_b"), 200)
+    return control
+
+
+def threshold(value: Any, default: int) -> Any:
+    """A canny threshold as the extension sends it: -1 or none for its default; 64.0 is 64."""
+    if value is None or value == -1:
+        return default
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 def preprocessor(index: int, value: Any) -> str:

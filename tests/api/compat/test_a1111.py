@@ -250,7 +250,6 @@ def test_a_controlnet_unit_steers_the_image_and_at_weight_0_is_the_bare_model(ap
         return client.txt2img(prompt="a red fox", seed=13, controlnet_units=list(units), **TINY)
 
     bare = made()
-    # The canny thresholds slotq's preprocessor applies (the extension's defaults); webuiapi's own are 64.
     chalk = made(webuiapi.ControlNetUnit(image=control_picture(), module="canny", model="chalk", weight=1.0,
                                          threshold_a=100, threshold_b=200))
     zero = made(webuiapi.ControlNetUnit(image=control_picture(), module="canny", model="chalk [0123abcd]",
@@ -258,14 +257,17 @@ def test_a_controlnet_unit_steers_the_image_and_at_weight_0_is_the_bare_model(ap
     assert np.abs(pixels(chalk.images[0]) - pixels(bare.images[0])).mean() > 5  # another image
     assert np.array_equal(pixels(zero.images[0]), pixels(bare.images[0]))
     [control] = job(api, chalk.info["job_id"])["request"]["controlnets"]
-    assert {key: control[key] for key in ("name", "scale", "start", "end", "preprocess")} == {
-        "name": "chalk", "scale": 1.0, "start": 0.0, "end": 1.0, "preprocess": "canny"}
+    assert {key: control[key] for key in ("name", "scale", "start", "end", "preprocess", "low", "high")} == {
+        "name": "chalk", "scale": 1.0, "start": 0.0, "end": 1.0, "preprocess": "canny", "low": 100,
+        "high": 200}
     assert (control["image"]["width"], control["image"]["height"]) == (64, 64)
     unit = "Module: canny, Model: chalk, Weight: 1.0, Guidance Start: 0.0, Guidance End: 1.0"
     assert chalk.info["extra_generation_params"]["ControlNet 0"] == unit and chalk.info["not_applied"] == []
     assert f'ControlNet 0: "{unit}"' in chalk.info["infotexts"][0]
-    assert zero.info["not_applied"] == ["alwayson_scripts.controlnet.args[0].threshold_a",
-                                        "alwayson_scripts.controlnet.args[0].threshold_b"]
+    # webuiapi's default thresholds (64, 64) are applied: the extension's canny with them.
+    assert zero.info["not_applied"] == []
+    [control] = job(api, zero.info["job_id"])["request"]["controlnets"]
+    assert (control["low"], control["high"]) == (64, 64)
 
 
 def test_the_extensions_routes_list_the_controlnets_and_preprocessors(api: Process) -> None:
