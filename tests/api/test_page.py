@@ -697,8 +697,8 @@ def test_a_control_image_and_a_hires_pass(tab: Tab, start_api: Callable[..., Pro
     job = job_of(api, page)
     data = control.read_bytes()
     assert job["request"]["controlnets"] == [
-        {"name": "ember", "scale": 0.6, "start": 0.0, "end": 1.0, "preprocess": "canny",
-         "image": {"media_type": "image/png", "width": 64, "height": 64, "bytes": len(data),
+        {"name": "ember", "scale": 0.6, "start": 0.0, "end": 1.0, "preprocess": "canny", "low": 100,
+         "high": 200, "image": {"media_type": "image/png", "width": 64, "height": 64, "bytes": len(data),
                    "sha256": hashlib.sha256(data).hexdigest()}}]
     assert job["request"]["hires"] == {"scale": 1.5, "steps": None, "denoise": 0.5, "upscaler": "lanczos"}
     assert api_get(api, f"/v1/jobs/{job['id']}/inputs/control0") == data

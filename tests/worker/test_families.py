@@ -89,7 +89,9 @@ def test_the_api_learns_the_family_from_the_worker(client: FlaskClient, family_s
     assert model["side_multiple"] == (16 if family == "flux" else 8)
     assert model["schedulers"] == (["flow_euler"] if family == "flux" else list(UNET_SCHEDULERS))
     # What a request leaves out comes from the family: Flux's low guidance, SDXL's 1024 side.
-    view = post_job(client, prompt="defaults only").get_json()
+    response = post_job(client, prompt="defaults only")
+    view = response.get_json()
+    assert response.status_code == 202, view
     request = view["request"]
     assert {key: request[key] for key in model["defaults"]} == model["defaults"]
     assert client.delete(f"/v1/jobs/{view['id']}").status_code in (200, 202)
