@@ -84,7 +84,10 @@ class ModelInfo(BaseModel):
         if max(self.defaults.width, self.defaults.height) <= largest:
             return self  # as it is (admission asks for each job)
         sides = {side: min(getattr(self.defaults, side), largest) for side in ("width", "height")}
-        return self.model_copy(update={"defaults": self.defaults.model_copy(update=sides)})
+        # A new instance, not model_copy: a copy would carry the cached ``fields`` of the family's shared
+        # defaults, dumped before the sides changed.
+        defaults = ModelDefaults(**(self.defaults.model_dump() | sides))
+        return self.model_copy(update={"defaults": defaults})
 
 
 _FAMILY_INFO: dict[Family, tuple[tuple[Scheduler, ...], ModelDefaults, int]] = {

@@ -15,6 +15,8 @@ from rq import Queue
 
 from api.openapi import openapi_document
 from shared.contract import keys
+from shared.contract.jobs import validate_submission
+from shared.contract.models import model_info
 from shared.contract.settings import Settings
 from tests.conftest import (
     Process,
@@ -204,3 +206,15 @@ def test_a_killed_workers_job_runs_again_on_its_own_models_line(fleet: FlaskClie
                      ).finished_job_registry.get_job_ids() != []
     finally:
         assert second.stop() == 0, second.output()
+
+
+def test_a_models_defaults_within_a_smaller_side_hold_whatever_was_read_before() -> None:
+    # The family's defaults are one shared instance: their fields read at full size first, as a job
+    # on a service with a larger SLOTQ_MAX_SIDE reads them, must not leak into the clamped copy.
+    assert model_info("flux-a", "flux").defaults.fields["width"] == 1024
+    clamped = model_info("flux-b", "flux").within(512)
+    assert clamped.defaults.width == 512
+    assert clamped.defaults.fields == {"steps": 28, "guidance_scale": 3.5, "width": 512, "height": 512}
+    request = validate_submission({"prompt": "defaults only"}, max_side=512, max_steps=100,
+                                  max_image_bytes=2**20, model=model_info("flux-c", "flux"))
+    assert (request.request.width, request.request.height) == (512, 512)
