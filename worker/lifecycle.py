@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import signal
 import threading
@@ -15,7 +16,9 @@ interrupting = threading.Event()
 
 
 def install(stop_timeout_s: float | None) -> None:
-    """Handle SIGTERM and SIGINT: warm stop first, then interrupt (or after ``stop_timeout_s``)."""
+    """Handle SIGTERM and SIGINT: warm stop first, then interrupt (or after ``stop_timeout_s``); and
+    SIGUSR1: every thread's stack to stderr, to see where a worker that seems stuck is."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     def handle(signum: int, frame: FrameType | None) -> None:
         if stopping.is_set():

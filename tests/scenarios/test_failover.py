@@ -260,8 +260,10 @@ def test_failover_loses_no_acknowledged_job(group: Group, start_api: Any, model_
 
         try:
             ended, lost = wait_all_ended(api.url, list(burst.acked), timeout=90)
-        except AssertionError as exc:  # what the worker did meanwhile says why
-            raise AssertionError(f"{exc}\nthe worker's log, its end:\n{worker.output()[-4000:]}") from None
+        except AssertionError as exc:  # what the worker did meanwhile, and where it is now, say why
+            worker.popen.send_signal(signal.SIGUSR1)
+            time.sleep(1)
+            raise AssertionError(f"{exc}\nthe worker's log, its end:\n{worker.output()[-8000:]}") from None
         starts = Counter(job_id for job_id, _ in STARTED.findall(worker.output()))
         twice = sorted(job_id for job_id, runs in starts.items() if runs > 1 and job_id in burst.acked)
         print(f"\nfailover: {failover_s:.2f} s from SIGKILL to the first 202 of a job first sent after it; "
