@@ -11,6 +11,7 @@ step out of line, in exchange for the throughput of one execution for several jo
 from __future__ import annotations
 
 import time
+from typing import Literal
 
 from shared.contract.jobs import JobRequest
 from shared.contract.settings import Settings
@@ -32,9 +33,11 @@ def room(settings: Settings, first: Claimed, capacity: int | None = None) -> int
     return max(0, min(settings.max_batch, fits) - 1)
 
 
-def gather(claims: Claims, settings: Settings, first: Claimed, capacity: int | None = None) -> list[Claimed]:
-    """Companions for ``first``: compatible jobs waiting now, or arriving within SLOTQ_BATCH_WAIT_MS,
-    no more than the worker's ``capacity`` allows in one execution."""
+def gather(claims: Claims, settings: Settings, first: Claimed, capacity: int | None = None,
+           by: Literal["batch", "join"] = "batch") -> list[Claimed]:
+    """Companions for ``first``: compatible jobs (``by`` their batch key, or their join key for the
+    step-level loop) waiting now, or arriving within SLOTQ_BATCH_WAIT_MS, no more than the worker's
+    ``capacity`` allows in one execution."""
     wanted = room(settings, first, capacity)
     if not wanted:
         return []
@@ -42,7 +45,7 @@ def gather(claims: Claims, settings: Settings, first: Claimed, capacity: int | N
     gathered: list[Claimed] = []
     while True:
         gathered += claims.claim_compatible(first, wanted - len(gathered),
-                                            window=WINDOW_PER_PLACE * settings.max_batch)
+                                            window=WINDOW_PER_PLACE * settings.max_batch, by=by)
         left = deadline - time.monotonic()
         if len(gathered) >= wanted or left <= 0 or lifecycle.stopping.is_set():
             return gathered

@@ -32,10 +32,11 @@ from shared.store.waiting import Claimed
 from worker import batching, lifecycle, memory, tasks
 from worker.compile import CompileError
 from worker.finisher import Finisher
+from worker.joining import JoinedExecution, steppable_model
 from worker.messages import Batch, Work
 from worker.metrics import WorkerMetrics
 from worker.models import Models
-from worker.outcomes import Member, Outcomes
+from worker.outcomes import Member, Outcomes, ids_of
 from worker.pipeline import current_pipeline, load_pipeline, resolve_device, set_current_pipeline
 from worker.rq import check_rq
 from worker.sweeper import Sweeper
@@ -83,6 +84,11 @@ class SlotWorker(Outcomes):
         self.claims_ahead = claims_ahead(settings, current_pipeline().device)
         self._ahead: Callable[[], Taken | None] | None = None
         self._claimer = ThreadPoolExecutor(1, thread_name_prefix="claim-ahead")
+        self._preempting = False  # running a higher class's job while a loop's jobs are paused
+        # By model: whether the step-level loop runs its jobs (SLOTQ_STEP_SCHEDULING), known once loaded.
+        self._steppable: dict[str, bool] = {}
+        if settings.step_scheduling:
+            self._steppable[settings.served_models[0]] = steppable_model(current_pipeline())
 
     def serve(self, burst: bool = False) -> int:
         """Take and run jobs until told to stop; the process's exit code."""
@@ -159,7 +165,8 @@ class SlotWorker(Outcomes):
         batch = [claimed]  # with claimed.at: batching's gather is part of the wait
         try:
             capacity = current_pipeline().capacity.pixels  # none known: the settings' bound alone
-            batch += batching.gather(self.claims, self.settings, claimed, capacity)
+            by: Literal["batch", "join"] = "join" if self._joins(claimed) else "batch"
+            batch += batching.gather(self.claims, self.settings, claimed, capacity, by)
             return Taken(batch, self._fenced(batch), claimed.at, claimed_at)
         except BaseException:
             for member in batch:  # not started: leftovers for recovery
@@ -171,7 +178,7 @@ class SlotWorker(Outcomes):
         while this one decodes (SLOTQ_CLAIM_AHEAD), so that its round trip is off the path between
         two GPU sections. Taken this late, a job leaves the line at most one decode before it would
         have."""
-        if self._ahead is not None or lifecycle.stopping.is_set():
+        if self._ahead is not None or self._preempting or lifecycle.stopping.is_set():
             return
         if self.claims_ahead == "thread":  # the claim and the restore, on the claiming thread
             self._ahead = self._claimer.submit(self._take, None).result
@@ -221,11 +228,82 @@ class SlotWorker(Outcomes):
         members, running, cost, canceled = self._begin(taken, line)
         if not members:
             return
+        if self._joins(taken.claims[0]):
+            members = self._run_joined(taken, members, running, cost, canceled, line)
+            if not members:
+                return
+            running, cost, canceled = "", sum(records.cost_of(member.job) for member in members), set()
+        self._execute(members, running, cost, canceled, line)
+
+    def _joins(self, claimed: Claimed) -> bool:
+        """Whether this claim's execution runs through the step-level loop: step scheduling is on, the
+        job has a join key, and its model's jobs are known to be steppable."""
+        if not self.settings.step_scheduling or not claimed.record.get(b"join"):
+            return False
+        model = self._model_of_line.get(claimed.line or self.settings.line, "")
+        return self._steppable.get(model, False)
+
+    @property
+    def _model_of_line(self) -> dict[str, str]:
+        return {self.settings.line_of(model): model for model in self.settings.served_models}
+
+    def _run_joined(self, taken: Taken, members: list[Member], running: str, cost: float, canceled: set[str],
+                    line: str) -> list[Member]:
+        """Run started jobs through the step-level loop, which others join (worker/joining.py); the
+        members it refused, for a whole-pipeline execution."""
+        started = time.perf_counter()
+        try:
+            with holding(*(member.fence for member in members)), \
+                    logs.about_job(*ids_of([member.job for member in members])):
+                self._switch_to([member.job for member in members])
+        except Exception as exc:
+            estimates.clear_running(self.connection, line, self.name)
+            for member in members:
+                self._fail(member, exc)
+            return []
+        execution = JoinedExecution(self, line, taken, running, cost)
+        refused = execution.run(members, canceled)
+        self.metrics.gpu_section.observe(time.perf_counter() - started)
+        self._describe_capacity()
+        return refused
+
+    def taken_with(self, first: Taken, claims: list[Claimed]) -> Taken:
+        """Jobs claimed to join ``first``'s execution, those that may start restored (on Redis's clock,
+        now as ``first`` reckons it)."""
+        try:
+            return Taken(claims, self._fenced(claims), first.starts_at(), time.monotonic())
+        except BaseException:
+            for member in claims:
+                self.claims.unhold(member.job_id)
+            raise
+
+    def run_preempting(self, line: str) -> None:
+        """Claim the first job of the highest class in this line and run its execution, while the
+        step-level loop's jobs are paused (worker/joining.py)."""
+        claimed = self.claims.claim_from(line)
+        if claimed is None:
+            return  # taken by another worker, canceled or expired meanwhile
+        taken = self._taken(claimed, time.monotonic())
+        if taken is None:
+            return
+        self._preempting = True
+        try:
+            self._run(taken)
+        except BaseException:
+            for member in taken.claims:
+                self.claims.unhold(member.job_id)
+            raise
+        finally:
+            self._preempting = False
+
+    def _execute(self, members: list[Member], running: str, cost: float, canceled: set[str], line: str
+                 ) -> None:
+        """Run started jobs as one whole-pipeline execution, and hand their ends over."""
         fences = [member.fence for member in members]
         live = [member.job for member in members if member.job.id not in canceled]  # the others: at start
         started = time.perf_counter()
         try:
-            with holding(*fences), logs.about_job(*_ids_of([member.job for member in members])):
+            with holding(*fences), logs.about_job(*ids_of([member.job for member in members])):
                 if live:
                     self._switch_to(live)
                 started = time.perf_counter()  # a model's load is not the execution's (ETAs, drain rate)
@@ -258,6 +336,8 @@ class SlotWorker(Outcomes):
             return  # never claimed from another model's line; the render refuses it plainly
         try:
             switch = self.models.use(model)
+            if self.settings.step_scheduling and model not in self._steppable:
+                self._steppable[model] = steppable_model(current_pipeline())
         except Exception as exc:
             log.exception("could not load model %s", model)
             raise JobFailedError("model_load_failed",
@@ -283,15 +363,17 @@ class SlotWorker(Outcomes):
         capacity = current_pipeline().capacity
         self.claims.describe_capacity(capacity.pixels, capacity.total, capacity.free_after_load)
 
-    def _begin(self, taken: Taken, line: str) -> tuple[list[Member], str, float, set[str]]:
+    def _begin(self, taken: Taken, line: str, running_cost: float = 0.0
+               ) -> tuple[list[Member], str, float, set[str]]:
         """Start the claimed jobs that may start, each under the fence its claim set: RQ's start
         bookkeeping, the attempt, the worker's running entry and step 0 in one fenced transaction.
-        The members, the running entry, their cost and the ids of those canceled by then."""
+        The members, the running entry, its cost and the ids of those canceled by then.
+        ``running_cost``: of the jobs running already, that these join (worker/joining.py)."""
         startable, at = taken.startable, taken.starts_at()
         if not startable:
             return [], "", 0.0, set()
         jobs = [job for job, _ in startable]
-        cost, executions = sum(records.cost_of(job) for job in jobs), []
+        cost, executions = running_cost + sum(records.cost_of(job) for job in jobs), []
         tier = self._tier(jobs[0], line)  # of the whole batch: its jobs asked the same speed
         try:
             with holding(*(fence for _, fence in startable)), \
@@ -448,8 +530,3 @@ def run_worker(settings: Settings | None = None, *, burst: bool = False) -> int:
     worker.metrics.serve(settings, ready=worker.check_ready)
     return worker.serve(burst=burst)
 
-
-def _ids_of(jobs: list[Job]) -> tuple[str, str | None]:
-    """The ids a log line written while these jobs run is about (a batch: all of them)."""
-    requests = [str(job.meta["request_id"]) for job in jobs if job.meta.get("request_id")]
-    return ",".join(job.id for job in jobs), ",".join(requests) or None

@@ -42,6 +42,12 @@ class Member:
     fence: Fence
 
 
+def ids_of(jobs: list[Job]) -> tuple[str, str | None]:
+    """The ids a log line written while these jobs run is about (a batch: all of them)."""
+    requests = [str(job.meta["request_id"]) for job in jobs if job.meta.get("request_id")]
+    return ",".join(job.id for job in jobs), ",".join(requests) or None
+
+
 class Outcomes(RQWorker):
     """The worker's half of ending jobs. Its subclass sets ``claims`` and ``metrics``."""
 

@@ -10,8 +10,8 @@ import inspect
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -128,8 +128,7 @@ class ImagePipeline:
         arguments = self._arguments(pipe, requests, inputs, first.kind, (first.width, first.height))
         if self.device.type == "cuda":  # this execution's peak, for the capacity admission reads
             torch.cuda.reset_peak_memory_stats(self.device)
-        began = self.running_since = time.perf_counter()
-        try:
+        with self.section():
             with torch.inference_mode(), self._tier(pipe, first):
                 output = self._denoise(pipe, first, arguments, generators, on_step, 0,
                                        "np" if first.hires is None else _FIRST_PASS[first.hires.upscaler])
@@ -140,16 +139,31 @@ class ImagePipeline:
                 width, height = first.output_size(self.info.side_multiple)
                 self.capacity.observe(width * height * first.num_images * len(requests),
                                       torch.cuda.max_memory_allocated(self.device))
-        finally:  # a canceled or failed execution held the device too
+        pixels, per_job = output.images, first.num_images
+        made = [images_of(pixels[index * per_job:(index + 1) * per_job]) for index in range(len(requests))]
+        if first.kind == "inpaint":  # every pixel was decoded from latents: the kept ones too, altered
+            made = [_kept_outside_mask(images, each) for images, each in zip(made, inputs, strict=True)]
+        return made
+
+    @contextmanager
+    def section(self) -> Iterator[None]:
+        """A GPU section: its time counts in the duty cycle, a canceled or failed one's too."""
+        began = self.running_since = time.perf_counter()
+        try:
+            yield
+        finally:
             ended = time.perf_counter()
             self.sections.append((began, ended))
             self.busy_s += ended - began
             self.running_since = None
-        pixels, per_job = output.images, first.num_images
-        made = [_images_of(pixels[index * per_job:(index + 1) * per_job]) for index in range(len(requests))]
-        if first.kind == "inpaint":  # every pixel was decoded from latents: the kept ones too, altered
-            made = [_kept_outside_mask(images, each) for images, each in zip(made, inputs, strict=True)]
-        return made
+
+    def for_stepping(self) -> DiffusionPipeline:
+        """The text-to-image pipeline, bare (no LoRA, no IP-Adapter), for the step-level loop
+        (worker/joining.py), which runs only jobs without them."""
+        self.adapters.use(self.pipe, [])
+        self.ip_adapters.use(self.pipe, None, 0.0)
+        self.last_affinity = ""
+        return self.pipe
 
     def _denoise(self, pipe: DiffusionPipeline, first: JobRequest, arguments: dict[str, object],
                  generators: list[torch.Generator], on_step: StepCallback | None, done: int,
@@ -259,7 +273,7 @@ NAN_OUTPUT = ("The model's output was not a number (NaN): it overflowed, as half
               "operator can run the model in bfloat16 or float32 (SLOTQ_DTYPE).")
 
 
-def _images_of(pixels: np.ndarray) -> list[Image.Image] | JobFailedError:
+def images_of(pixels: np.ndarray) -> list[Image.Image] | JobFailedError:
     """One request's images from the pipeline's floats in [0, 1], or its failure where any is NaN:
     converted as they are, NaN would be a black image that looks like a success."""
     if np.isnan(pixels).any():

@@ -107,6 +107,22 @@ class Flight:
                 *((name, tuple(tensor.shape)) for name, tensor in sorted(self.shared.items())))
 
 
+def model_refusal(pipe: Any, samplers: Samplers | None = None, own_sampler: bool = True) -> str | None:
+    """Why the loop cannot run this pipeline's jobs, or None where it can; ``own_sampler``: jobs that
+    name no sampler (they run with the model's own)."""
+    family = PIPELINE_CLASSES.get(type(pipe).__name__)
+    if family is None:
+        return f"{type(pipe).__name__} is not a text-to-image pipeline the loop knows"
+    default = (samplers.default if samplers is not None else pipe.scheduler)
+    if own_sampler and not isinstance(default, STEPPABLE_CLASSES):
+        return (f"the model's own sampler, {type(default).__name__}, is not steppable; name one of "
+                f"{', '.join(STEPPABLE[family])}")
+    denoiser = getattr(pipe, "unet", None)
+    if denoiser is not None and denoiser.config.time_cond_proj_dim is not None:
+        return "a UNet with a guidance embedding (LCM) is not steppable yet"
+    return None
+
+
 def refusal(request: JobRequest, pipe: Any, samplers: Samplers | None = None) -> str | None:
     """Why the loop cannot run this request on this pipeline, or None where it can."""
     family = PIPELINE_CLASSES.get(type(pipe).__name__)
@@ -122,14 +138,7 @@ def refusal(request: JobRequest, pipe: Any, samplers: Samplers | None = None) ->
     if request.scheduler is not None and request.scheduler not in STEPPABLE[family]:
         return (f"the sampler {request.scheduler!r} is not steppable on {family} models; steppable: "
                 f"{', '.join(STEPPABLE[family])}")
-    default = (samplers.default if samplers is not None else pipe.scheduler)
-    if request.scheduler is None and not isinstance(default, STEPPABLE_CLASSES):
-        return (f"the model's own sampler, {type(default).__name__}, is not steppable; name one of "
-                f"{', '.join(STEPPABLE[family])}")
-    denoiser = getattr(pipe, "unet", None)
-    if denoiser is not None and denoiser.config.time_cond_proj_dim is not None:
-        return "a UNet with a guidance embedding (LCM) is not steppable yet"
-    return None
+    return model_refusal(pipe, samplers, own_sampler=request.scheduler is None)
 
 
 def supports(request: JobRequest, pipe: Any, samplers: Samplers | None = None) -> bool:
@@ -469,4 +478,4 @@ class _FluxDenoiser(_Denoiser):
 
 
 __all__ = ["STEPPABLE", "STEPPABLE_CLASSES", "Flight", "FlightState", "NotSteppableError", "SteppingError",
-           "SteppingLoop", "refusal", "supports"]
+           "SteppingLoop", "model_refusal", "refusal", "supports"]

@@ -73,7 +73,7 @@ def render(jobs: list[Job], announced: bool = False,
     ``announced``: step 0 is recorded already (the slotq worker records it as it starts the jobs).
     ``last_step`` is called once the last denoising step is done, before the decoding.
     """
-    prepared = [_prepared(job) for job in jobs]
+    prepared = [prepared_request(job) for job in jobs]
     outcomes: list[RenderResult | None] = [each if isinstance(each, Exception) else None for each in prepared]
     members = [index for index, each in enumerate(prepared) if not isinstance(each, Exception)]
     if not members:
@@ -139,7 +139,7 @@ class PreviewOffers:
             self.previewer.flush()
 
 
-def _prepared(job: Job) -> tuple[JobRequest, Inputs] | Exception:
+def prepared_request(job: Job) -> tuple[JobRequest, Inputs] | Exception:
     """A claimed job's request and its decoded input images, or the failure that ends it now."""
     request = _validated(job)
     return request if isinstance(request, Exception) else _with_inputs(job, request)

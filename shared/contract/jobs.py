@@ -358,6 +358,17 @@ class JobRequest(BaseModel):
                 f"/{self.speed}{self._syntax_key}{negative}/{self.adapters_key}/{controls}/{self.num_images}")
 
     @property
+    def join_key(self) -> str:
+        """Jobs with equal keys may share the step-level loop's batch (worker/joining.py), joining it
+        at any step: same size and tier, whatever their steps, guidance, sampler, seed or image count.
+        '' for a job the loop does not run (an input image, a hires pass, adapters, controls, weighted
+        prompts, the fast or auto tier): it keeps start-only batching."""
+        if (self.image is not None or self.hires is not None or self.loras or self.controlnets
+                or self.ip_adapter is not None or self.prompt_syntax != "plain" or self.speed != "normal"):
+            return ""
+        return f"{self.width}x{self.height}/join"
+
+    @property
     def _syntax_key(self) -> str:
         """'' for plain prompts; for weighted ones, the prompts themselves: their embeddings are padded
         to the batch's longest, which would change a shorter prompt's image, so only equal ones batch."""
@@ -613,4 +624,7 @@ class JobView(BaseModel):
                                                            "it ran; null until then")
     tier: Tier | None = Field(None, description="the tier it runs or ran in (`fast`: with step caching); "
                                                 "null until it starts")
+    paused: bool = Field(False, description="while it runs: set aside at a step boundary for a job of a "
+                                            "higher class (SLOTQ_PREEMPT_AFTER_S); it resumes where it "
+                                            "stopped")
     request: JobRequest

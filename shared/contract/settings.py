@@ -143,6 +143,10 @@ class Settings(BaseSettings):
     job_timeout_s: int = Field(900, ge=1)
     max_batch: int = Field(1, ge=1, le=64)
     batch_wait_ms: int = Field(0, ge=0, le=10_000)
+    # Step-level scheduling (worker/joining.py): compatible jobs join a running batch at a step
+    # boundary, and a higher class preempts it there after SLOTQ_PREEMPT_AFTER_S (negative: never).
+    step_scheduling: bool = False
+    preempt_after_s: float = Field(2.0, le=3600)
     progress_interval_ms: int = Field(100, ge=0, le=60_000)
     # Claim the next execution's jobs while the current one decodes; auto: on a GPU, not on the CPU,
     # where the claiming thread's Python slows the decode more than the round trip it saves.

@@ -234,10 +234,11 @@ def _line_parameters(settings: Settings, line: str, priority: Priority) -> str:
 
 def _fields(record: Record, request: JobRequest) -> list[Any]:
     """The job's hash as the script writes it: RQ's fields, which jobs it may share a GPU execution
-    with (worker/batching.py), the adapters it runs with (the claim's affinity), and whether its
-    expiry in the line sends a webhook (the Lua cannot read the compressed request)."""
+    with (worker/batching.py) or join at a step (worker/joining.py), the adapters it runs with (the
+    claim's affinity), and whether its expiry in the line sends a webhook (the Lua cannot read the
+    compressed request)."""
     fields = [item for pair in record.fields.items() for item in pair]
-    fields += ["batch", request.batch_key, "adapters", request.affinity_key]
+    fields += ["batch", request.batch_key, "join", request.join_key, "adapters", request.affinity_key]
     if webhooks.wants(record.stored, "completed"):
         fields += ["webhook", "1"]
     return fields

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 from redis import WatchError
 from rq.exceptions import NoSuchJobError
@@ -99,6 +100,11 @@ class Claims:
             claimed = waiting.claim(self.connection, lines, self.key, affinity, self.fence_ttl_s)
         return self._noted(claimed)
 
+    def claim_from(self, line: str) -> waiting.Claimed | None:
+        """Claim the next job of one of this worker's lines, without affinity (a preemption takes the
+        highest class's first); None when none waits."""
+        return self._noted(waiting.claim(self.connection, line, self.key, None, self.fence_ttl_s))
+
     def send_claim(self, holding: Holding = Holding()) -> waiting.SentClaim:
         """:meth:`claim` sent now, waiting for nothing: :meth:`received` reads what it took."""
         return waiting.send_claim(self.connection, self._lines(holding), self.key, self._affinity(holding),
@@ -108,10 +114,12 @@ class Claims:
         """What a claim sent earlier took; None when nothing waited."""
         return self._noted(sent.claimed())
 
-    def claim_compatible(self, like: waiting.Claimed, count: int, window: int) -> list[waiting.Claimed]:
-        """Claim up to ``count`` more waiting jobs that may share a batch with ``like``."""
+    def claim_compatible(self, like: waiting.Claimed, count: int, window: int,
+                         by: Literal["batch", "join"] = "batch") -> list[waiting.Claimed]:
+        """Claim up to ``count`` more waiting jobs that may share a batch with ``like`` (``by``: its
+        batch key, or its join key for the step-level loop)."""
         claimed = waiting.claim_compatible(self.connection, like.line or self.lines[0], self.key, like,
-                                           count, window, self.fence_ttl_s)
+                                           count, window, self.fence_ttl_s, by)
         self._held.update(member.job_id for member in claimed)
         return claimed
 

@@ -108,6 +108,7 @@ def job_view(job: Job, position: int | None = None) -> JobView:
         preview=f"/v1/jobs/{job.id}/preview" if request.previews and status is JobStatus.RUNNING else None,
         model_load=ModelLoad(**meta["model_load"]) if meta.get("model_load") else None,
         tier=meta.get("tier"),
+        paused=bool(meta.get("paused")) and status is JobStatus.RUNNING,
         request=request,
     )
 
@@ -169,6 +170,14 @@ def report_progress(jobs: list[Job], step: int, total: int) -> list[bool]:
         announce_start(jobs, pipe)
         answers = pipe.execute()
     return [bool(answer) for answer in answers[-len(jobs):]]
+
+
+def report_steps(jobs: list[Job], steps: Sequence[tuple[int, int]]) -> list[bool]:
+    """:func:`report_progress` for jobs each at its own step (``(step, total)`` each, none 0: the
+    step-level loop's), in one round trip; whether each was canceled by its client."""
+    for job, (step, total) in zip(jobs, steps, strict=True):
+        job.meta["progress"] = {"step": step, "total": total}
+    return _report_step(jobs)
 
 
 def announce_start(jobs: list[Job], pipe: Pipeline) -> None:

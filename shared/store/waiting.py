@@ -22,13 +22,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 from redis import Redis
 from redis.client import Pipeline
 from rq.job import Job
 from rq.queue import Queue
-from rq.utils import utcformat
+from rq.utils import utcformat, utcparse
 
 from shared.contract import keys
 from shared.contract.jobs import PRIORITIES
@@ -123,15 +123,19 @@ def _claimed(answer: Any, token: str) -> Claimed | None:
 
 
 def claim_compatible(connection: Redis, line: str, claims_key: str, like: Claimed, count: int,
-                     window: int, fence_ttl_s: int = 0) -> list[Claimed]:
-    """Claim up to ``count`` more jobs that may share a batch with ``like``: of its class and batch
-    key, among the first ``window`` of that class (a bounded step out of line). With a
-    ``fence_ttl_s``, each claim starts an attempt, as :func:`claim`'s does."""
-    priority, batch = like.record.get(b"priority", b"normal"), like.record.get(b"batch", b"")
+                     window: int, fence_ttl_s: int = 0, by: Literal["batch", "join"] = "batch"
+                     ) -> list[Claimed]:
+    """Claim up to ``count`` more jobs that may share a batch with ``like``: of its class and key
+    (``by``: its batch key, or its join key for the step-level loop), among the first ``window`` of
+    that class (a bounded step out of line). With a ``fence_ttl_s``, each claim starts an attempt,
+    as :func:`claim`'s does."""
+    priority, key = like.record.get(b"priority", b"normal"), like.record.get(by.encode(), b"")
+    if not key or not count:
+        return []
     tokens = [fencing.new_token() for _ in range(count)] if fence_ttl_s else []
     taken = scripts.run(connection, "claim_compatible", [claims_key],
-                        [like.line or line, Job.redis_job_namespace_prefix, priority, batch, count, window,
-                         fence_ttl_s, *tokens])
+                        [like.line or line, Job.redis_job_namespace_prefix, priority, key, count, window,
+                         fence_ttl_s, by, *tokens])
     return [Claimed(job_id.decode(), dict(zip(flat[::2], flat[1::2], strict=True)), like.at,
                     tokens[index] if tokens else "", like.line or line)
             for index, (job_id, flat) in enumerate(taken)]
@@ -158,6 +162,18 @@ def recount_costs(connection: Redis, line: str) -> dict[str, float]:
     """Set each class's waiting-cost sum (which ETAs read) to what its waiting jobs cost; the sums."""
     flat = scripts.run(connection, "recount_costs", [], [line, Job.redis_job_namespace_prefix])
     return {name.decode(): float(value) for name, value in zip(flat[::2], flat[1::2], strict=True)}
+
+
+def waited_above(connection: Redis, line: str, priority: str) -> float | None:
+    """How long the first job of the highest class above ``priority`` that has work has waited, in
+    seconds; None when no job of a higher class waits."""
+    answer = scripts.run(connection, "waiting_above", [], [line, priority, Job.redis_job_namespace_prefix])
+    if not answer:
+        return None
+    _, admitted, now = answer
+    if not admitted:
+        return 0.0
+    return max(0.0, float(now) - utcparse(admitted.decode()).replace(tzinfo=UTC).timestamp())
 
 
 def counts(connection: Redis, line: str) -> dict[str, int]:

@@ -12,6 +12,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +28,7 @@ from rq.job import Job
 from shared.contract import keys
 from shared.contract.settings import Settings
 from shared.store import waiting
+from shared.store.connection import text
 from tests.conftest import (
     Process,
     app_client,
@@ -574,3 +576,44 @@ def test_recounting_sets_the_sums_of_jobs_admitted_before_they_were_kept(keyed: 
     assert waiting.recount_costs(redis, settings.line) == pytest.approx(actual)
     assert waiting_costs(redis, settings.line)[0] == pytest.approx(actual)
     assert all(actual.values()) and kept == pytest.approx(actual)
+
+
+def test_a_join_claims_jobs_of_the_first_ones_size_and_class_whatever_their_steps(
+        settings: Settings, redis: Redis) -> None:
+    clients = with_settings(settings, queue_capacity=20)
+    client = next(clients)
+    try:
+        def job(**body: Any) -> str:
+            response = submit(client, **({"width": 64, "height": 64} | body))
+            assert response.status_code == 202, response.get_json()
+            return str(response.get_json()["id"])
+
+        first = job(steps=4)
+        joiners = [job(steps=30, guidance_scale=2.0), job(steps=8, scheduler="euler", num_images=2)]
+        others = [job(steps=4, width=128), job(steps=4, priority="low"), job(steps=4, speed="fast"),
+                  job(steps=4, prompt_syntax="weighted")]
+    finally:
+        clients.close()
+    line, claims = settings.line, keys.claims_key("join-worker")
+    claimed = waiting.claim(redis, line, claims)
+    assert claimed is not None and claimed.job_id == first
+    # By batch key none of them would batch with the first (other steps or sampler); by join key two do.
+    assert waiting.claim_compatible(redis, line, claims, claimed, 8, 16) == []
+    joined = waiting.claim_compatible(redis, line, claims, claimed, 8, 16, by="join")
+    assert [each.job_id for each in joined] == joiners
+    assert [text(each) for each in redis.lrange(claims, 0, -1)] == [first, *joiners]  # each one claimed
+    assert sorted(waiting_ids(redis, settings)) == sorted(others)
+
+
+def test_the_wait_of_a_higher_class_is_read_for_preemption(settings: Settings, redis: Redis,
+                                                          client: FlaskClient) -> None:
+    line = settings.line
+    assert waiting.waited_above(redis, line, "low") is None  # nothing waits
+    submit_id(client, None, "low")
+    assert waiting.waited_above(redis, line, "low") is None  # not above
+    submit_id(client, None, "normal")
+    time.sleep(0.2)
+    waited = waiting.waited_above(redis, line, "low")
+    assert waited is not None and 0.2 <= waited < 5
+    assert waiting.waited_above(redis, line, "normal") is None
+    assert waiting.waited_above(redis, line, "high") is None

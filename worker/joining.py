@@ -1,0 +1,360 @@
+"""Step-level scheduling in the worker (SLOTQ_STEP_SCHEDULING): one GPU execution that compatible
+jobs join at step boundaries and leave as each is done, and that a job of a higher class preempts.
+
+The denoising is worker/stepping.py's loop; this module is the worker's side of it. Each job in the
+loop keeps everything a job of a whole-pipeline execution has, on its own: its attempt's fence
+(its writes are checked against it), its progress and cancel at the reports, a NaN check, its job
+timeout, its end handed to the finishing process as soon as its last step is decoded. A job that
+joins is claimed by the same atomic claim as a batch's companions (``claim_compatible``, by join
+key), from its own class, at most SLOTQ_MAX_BATCH jobs in the loop at once and never more pixels than
+batching allows. Preemption pauses the loop's jobs (their state kept: on the CPU where the models
+run on a GPU), runs the higher class's job as an execution of its own, then resumes them: a worker
+crash meanwhile leaves them claimed, and recovery runs them again as after any crash.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from redis.exceptions import RedisError
+from rq.job import Job
+from rq.timeouts import JobTimeoutException
+
+from shared.contract import logs
+from shared.contract.errors import JobCanceledError, JobFailedError, JobInterruptedError, WorkerFatalError
+from shared.contract.jobs import JobRequest
+from shared.store import estimates, records, waiting
+from shared.store.fencing import Fence, StaleAttemptError, holding
+from worker import lifecycle, previews, progress, tasks
+from worker.messages import Batch, Rendered, Work
+from worker.outcomes import Member, ids_of
+from worker.pipeline import NAN_OUTPUT, ImagePipeline, current_pipeline, images_of
+from worker.stepping import Flight, NotSteppableError, SteppingLoop, model_refusal
+from worker.threads import work_of
+
+if TYPE_CHECKING:
+    from worker.main import SlotWorker, Taken
+
+log = logging.getLogger(__name__)
+WINDOW = 64  # how far into its class a join looks for compatible jobs
+LOOK_ABOVE_EVERY_S = 0.1  # how often the loop looks for a higher class's job (SLOTQ_PREEMPT_AFTER_S > 0)
+
+
+@dataclass(eq=False)
+class Seat:
+    """One job in the loop: its member of the execution, its request and its flights (one per image)."""
+
+    member: Member
+    request: JobRequest
+    flights: list[Flight]
+    began: float  # time.perf_counter() as it entered the loop
+    timeout_at: float  # time.perf_counter() past which its job timeout ends it
+    previews: previews.Cadence
+
+    @property
+    def job(self) -> Job:
+        return self.member.job
+
+    @property
+    def progress(self) -> tuple[int, int]:
+        """Its steps done, of its total (its flights step together)."""
+        return self.flights[0].step, self.flights[0].total
+
+    @property
+    def done(self) -> bool:
+        return all(flight.step == flight.total for flight in self.flights)
+
+
+def steppable_model(pipeline: ImagePipeline) -> bool:
+    """Whether the loop runs this model's jobs (its family, its own sampler, its UNet)."""
+    reason = model_refusal(pipeline.pipe, pipeline.samplers)
+    if reason is not None:
+        log.info("step-level scheduling is off for this model: %s", reason)
+    return reason is None
+
+
+class JoinedExecution:
+    """One GPU execution through the stepping loop, for a :class:`~worker.main.SlotWorker`."""
+
+    def __init__(self, worker: SlotWorker, line: str, first: Taken, running: str, cost: float) -> None:
+        self.worker, self.settings, self.line = worker, worker.settings, line
+        self.first, self.like = first, first.claims[0]  # joiners are claimed like its first job
+        self.connection = worker.connection
+        self.pipeline = current_pipeline()
+        self.loop = SteppingLoop(self.pipeline.for_stepping(), self.pipeline.samplers)
+        self.priority = self.like.record.get(b"priority", b"normal").decode()
+        self.running, self.cost = running, cost  # the worker's running entry, and its jobs' cost
+        self.seats: list[Seat] = []
+        self.cadence = progress.Cadence(self.settings.progress_interval_ms / 1000)
+        self.slot_since = time.perf_counter()  # since the last job left: its share of the slot's time
+        self.looked_above = 0.0  # when the loop last looked for a higher class's job (time.monotonic())
+
+    def run(self, members: list[Member], canceled: set[str]) -> list[Member]:
+        """Run these started jobs and those that join them until all have ended; the members the loop
+        refused (they run as a whole-pipeline execution instead)."""
+        refused = self._seat(members, canceled)
+        try:
+            try:
+                while self.seats:
+                    self._step()
+            except WorkerFatalError:
+                raise  # the device is lost: the jobs stay claimed, for the next worker to run again
+            except Exception as exc:  # a fault of the device or the loop: every job in it ends by it
+                estimates.clear_running(self.connection, self.line, self.worker.name)
+                for seat in list(self.seats):
+                    self._end(seat, exc)
+        except BaseException:
+            for seat in self.seats:  # not ended: leftovers, which recovery runs again
+                self.worker.claims.unhold(seat.job.id)
+            raise
+        return refused
+
+    # --- the loop's turn -----------------------------------------------------------------------------
+
+    def _step(self) -> None:
+        """One step boundary: reports and cancels, a preemption, joiners, then one denoising step."""
+        self._check_in()
+        if self.seats and self._preemption_due():
+            self._preempt()
+        if self.seats and not lifecycle.stopping.is_set():
+            self._join()
+        if not self.seats:
+            return
+        first = {seat for seat in self.seats if seat.progress[0] == 0}
+        left = min(seat.timeout_at for seat in self.seats) - time.perf_counter()
+        with holding(*self._fences()), logs.about_job(*ids_of([seat.job for seat in self.seats])), \
+                self.worker.death_penalty_class(max(1, math.ceil(left)), JobTimeoutException,
+                                                job_id=self.seats[0].job.id), self.pipeline.section():
+            self.loop.step()
+        self._offer_previews()
+        for seat in [seat for seat in self.seats if seat in first]:
+            self._end_if_overflowed(seat)  # after its first step, as a whole execution looks
+        for seat in [seat for seat in self.seats if seat.done]:
+            self._finish(seat)
+
+    def _check_in(self) -> None:
+        """Interrupt, timeouts; when a report is due, each job's progress and whether it was canceled,
+        and a NaN check."""
+        if lifecycle.interrupting.is_set():
+            for seat in list(self.seats):
+                self._end(seat, JobInterruptedError())
+            return
+        now = time.perf_counter()
+        for seat in [seat for seat in self.seats if now > seat.timeout_at]:
+            timeout = seat.job.timeout or self.settings.job_timeout_s
+            self._end(seat, JobTimeoutException(f"Task exceeded maximum timeout value ({timeout} seconds)"))
+        reporting = [seat for seat in self.seats if seat.progress[0] > 0]  # step 0: announced at start
+        if not reporting or not self.cadence.due(len(self.seats), -1):  # a loop has no last step
+            return
+        try:
+            with holding(*self._fences(reporting)):
+                canceled = records.report_steps([seat.job for seat in reporting],
+                                                [seat.progress for seat in reporting])
+        except StaleAttemptError:
+            canceled = [False] * len(reporting)
+            self._drop_stale(reporting)
+        except RedisError as exc:  # progress is best effort, as in a whole execution
+            log.warning("could not report progress of %d job(s): %s", len(reporting), exc)
+            return
+        for seat, flag in zip(reporting, canceled, strict=True):
+            if flag and seat in self.seats:
+                self._end(seat, JobCanceledError())
+            elif seat in self.seats:
+                self._end_if_overflowed(seat)
+
+    # --- jobs in and out -----------------------------------------------------------------------------
+
+    def _seat(self, members: Sequence[Member], canceled: set[str]) -> list[Member]:
+        """Admit started jobs' images as flights; the members the loop refused."""
+        prepared = [tasks.prepared_request(member.job) for member in members]
+        refused = []
+        for member, each in zip(members, prepared, strict=True):
+            if member.job.id in canceled:
+                self.worker._fail(member, JobCanceledError())
+            elif isinstance(each, Exception):
+                self.worker._fail(member, each)
+            else:
+                try:
+                    flights = [self.loop.admit(each[0], image) for image in range(each[0].num_images)]
+                except NotSteppableError as exc:
+                    log.info("job %s runs as a whole-pipeline execution: %s", member.job.id, exc)
+                    refused.append(member)
+                    continue
+                now = time.perf_counter()
+                timeout = member.job.timeout or self.settings.job_timeout_s
+                cadence = previews.Cadence(self.settings.preview_interval_ms / 1000)
+                self.seats.append(Seat(member, each[0], flights, now, now + timeout, cadence))
+        if self.seats:
+            self.pipeline.threads.use(work_of([seat.request for seat in self.seats]))
+        return refused
+
+    def _join(self) -> None:
+        """Claim compatible jobs waiting in the first job's class, as many as there is room for, and
+        start them: they take their first step with the others."""
+        room = self._room()
+        if room <= 0:
+            return
+        claims = self.worker.claims.claim_compatible(self.like, room, WINDOW, by="join")
+        if not claims:
+            return
+        taken = self.worker.taken_with(self.first, claims)
+        members, running, cost, canceled = self.worker._begin(taken, self.line, running_cost=self.cost)
+        if not members:
+            return
+        self.running, self.cost = running, cost
+        log.info("%d job(s) joined the running batch at a step boundary", len(members))
+        for member in self._seat(members, canceled):  # the model refused none before: it cannot now
+            self.worker._fail(member, JobFailedError("invalid_request", "the job cannot join the loop"))
+
+    def _room(self) -> int:
+        """How many more jobs may join: SLOTQ_MAX_BATCH jobs in all, and no more pixels than batching
+        allows (each newcomer counted at the most images a job may ask)."""
+        width, height = self.seats[0].request.width, self.seats[0].request.height
+        capacity = self.pipeline.capacity.pixels
+        pixels = self.settings.batch_pixels if capacity is None else min(self.settings.batch_pixels, capacity)
+        held = sum(len(seat.flights) for seat in self.seats) * width * height
+        fits = (pixels - held) // (width * height * 4)
+        return min(self.settings.max_batch - len(self.seats), fits)
+
+    def _finish(self, seat: Seat) -> None:
+        """A job past its last step: decode its images and hand them to the finishing process."""
+        with self.pipeline.section():
+            pixels = self.loop.decode(seat.flights)
+        made = images_of(np.stack(pixels))
+        if isinstance(made, JobFailedError):
+            self._ended(seat, made)
+            return
+        self.seats.remove(seat)
+        rendered: Rendered = (seat.request, made)
+        job, member = seat.job, seat.member
+        self.worker.executions.pop(member.execution.id, None)
+        now = time.perf_counter()
+        seconds, self.slot_since = now - self.slot_since, now
+        last = not self.seats
+        self.cost -= records.cost_of(job)
+        work = Work.of(job, member.execution, member.fence, rendered)
+        # The running entry is cleared with the loop's last job only; each job feeds the drain rate
+        # with its cost and the slot time since the one before it left.
+        try:
+            self.worker.finisher.submit([member], Batch([work], self.running if last else "",
+                                                        records.cost_of(job), seconds, self.line))
+        except BaseException:
+            self.worker.claims.unhold(job.id)  # not handed over: a leftover, which recovery runs again
+            raise
+
+    def _end(self, seat: Seat, error: Exception) -> None:
+        """End one job before its last step (canceled, timed out, NaN); the others go on."""
+        for flight in seat.flights:
+            if flight in self.loop.running or flight in self.loop.paused:
+                self.loop.cancel(flight)
+        self._ended(seat, error)
+
+    def _ended(self, seat: Seat, error: Exception) -> None:
+        """Record a job's failure (or cancel), then let go of it: a failure that could not be recorded
+        leaves it in the loop's seats, for the caller to hand to recovery."""
+        self.worker._fail(seat.member, error)
+        if seat in self.seats:
+            self.seats.remove(seat)
+        self.cost -= records.cost_of(seat.job)
+        if not self.seats:
+            estimates.clear_running(self.connection, self.line, self.worker.name)
+
+    def _end_if_overflowed(self, seat: Seat) -> None:
+        if any(torch.isnan(flight.latents).any() for flight in seat.flights):
+            self._end(seat, JobFailedError("nan_output", NAN_OUTPUT))
+
+    def _drop_stale(self, seats: list[Seat]) -> None:
+        """A report found a newer attempt at some of these jobs: find which, and drop them unwritten."""
+        for seat in seats:
+            try:
+                with holding(seat.member.fence):
+                    records.report_steps([seat.job], [seat.progress])
+            except StaleAttemptError as exc:
+                self._end(seat, exc)
+            except RedisError:
+                pass
+
+    # --- preemption ----------------------------------------------------------------------------------
+
+    def _preemption_due(self) -> bool:
+        """Whether a job of a higher class has waited SLOTQ_PREEMPT_AFTER_S (negative: never)."""
+        after = self.settings.preempt_after_s
+        if after < 0 or self.priority == "high" or lifecycle.stopping.is_set():
+            return False
+        if sum(len(seat.flights) for seat in self.seats) > self.loop.max_paused - len(self.loop.paused):
+            return False  # no room to keep their state: they finish first
+        now = time.monotonic()
+        if after > 0 and now - self.looked_above < min(after / 4, LOOK_ABOVE_EVERY_S):
+            return False  # a round trip at every step would cost more than the wait it saves
+        self.looked_above = now
+        try:
+            waited = waiting.waited_above(self.connection, self.line, self.priority)
+        except RedisError as exc:
+            log.warning("could not look for a higher class's job (%s): no preemption now", exc)
+            return False
+        return waited is not None and waited >= after
+
+    def _preempt(self) -> None:
+        """Pause every job in the loop, run the higher class's job as an execution of its own, then
+        resume them where they stopped."""
+        paused, self.seats = self.seats, []
+        for seat in paused:
+            for flight in seat.flights:
+                self.loop.pause(flight)
+        self._mark_paused(paused, True)
+        log.info("%d job(s) paused at a step boundary for a job of a higher class", len(paused))
+        try:
+            self.worker.run_preempting(self.line)
+        finally:
+            for seat in paused:
+                for flight in seat.flights:
+                    self.loop.resume(flight)
+            self.seats = paused
+            try:
+                with holding(*self._fences()), self.connection.pipeline(transaction=False) as pipe:
+                    self.running = estimates.mark_running(pipe, self.line, self.worker.name, self.cost,
+                                                          time.time())
+                    pipe.execute()
+            except (RedisError, StaleAttemptError) as exc:
+                log.warning("could not mark the resumed jobs running: %s", exc)
+            self._mark_paused(paused, False)
+            self.slot_since = time.perf_counter()  # the preempting execution's time was its own
+
+    def _mark_paused(self, seats: list[Seat], paused: bool) -> None:
+        """Say on each job whether it is paused (``GET /v1/jobs/<id>``: running, ``"paused": true``)."""
+        for seat in seats:
+            seat.job.meta["paused"] = paused
+        try:
+            with holding(*(seat.member.fence for seat in seats)):
+                records.report_steps([seat.job for seat in seats], [seat.progress for seat in seats])
+        except StaleAttemptError:
+            self._drop_stale(seats)
+        except RedisError as exc:
+            log.warning("could not mark %d job(s) %s: %s", len(seats), "paused" if paused else "resumed", exc)
+
+    # --- helpers -------------------------------------------------------------------------------------
+
+    def _fences(self, seats: Sequence[Seat] | None = None) -> list[Fence]:
+        return [seat.member.fence for seat in (self.seats if seats is None else seats)]
+
+    def _offer_previews(self) -> None:
+        """The first image's latents of jobs that asked for previews and are due one, those at the step
+        of the first of them (the preview thread takes one offer at a time)."""
+        wanted = [seat for seat in self.seats if seat.request.previews]
+        due = [seat for seat in wanted if seat.previews.due(*seat.progress)]
+        if not due:
+            return
+        step = due[0].progress[0]
+        group = [seat for seat in due if seat.progress[0] == step]
+        latents = torch.cat([seat.flights[0].latents for seat in group])
+        width, height = group[0].request.width, group[0].request.height
+        self.pipeline.previewer.offer([seat.job for seat in group], step, latents, width, height)
+
+
