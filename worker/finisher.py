@@ -84,9 +84,12 @@ class Finisher(Generic[Handoff]):
         self._reader = threading.Thread(target=self._read, name="finisher", daemon=True)
         self._reader.start()
 
-    def submit(self, handoff: Handoff, batch: Batch) -> None:
-        """Hand one batch over; blocks while the previous one is still being finished."""
+    def submit(self, handoff: Handoff, batch: Batch, wait: bool = True) -> bool:
+        """Hand one batch over; blocks while the previous one is still being finished, or without
+        ``wait`` answers False at once (nothing handed over). True once handed over."""
         if not self._free.acquire(blocking=False):
+            if not wait:
+                return False
             # The next GPU section waits on this: finishing (PNGs, the store, RQ) is the slower half.
             log.info("waiting for the finishing process to finish the previous batch")
             self._free.acquire()
@@ -99,6 +102,7 @@ class Finisher(Generic[Handoff]):
             connection.send(batch)  # a ToFinisher message
         except OSError:  # the process died meanwhile; unless its reader let go of the batch already
             self._lose(handoff)
+        return True
 
     def close(self) -> None:
         """Let the last batch finish, then stop the process and the reader."""

@@ -32,6 +32,7 @@ from shared.contract.errors import JobCanceledError, JobFailedError, JobInterrup
 from shared.contract.jobs import JobRequest
 from shared.store import estimates, records, waiting
 from shared.store.fencing import Fence, StaleAttemptError, holding
+from shared.store.waiting import SentCompatible
 from worker import lifecycle, previews, progress, tasks
 from worker.messages import Batch, Rendered, Work
 from worker.outcomes import Member, ids_of
@@ -92,6 +93,8 @@ class JoinedExecution:
         self.priority = self.like.record.get(b"priority", b"normal").decode()
         self.running, self.cost = running, cost  # the worker's running entry, and its jobs' cost
         self.seats: list[Seat] = []
+        self.done: list[tuple[Member, Work]] = []  # decoded, not yet handed to the finishing process
+        self.joining: SentCompatible | None = None  # a join's claim sent, its answer not yet read
         self.cadence = progress.Cadence(self.settings.progress_interval_ms / 1000)
         self.slot_since = time.perf_counter()  # since the last job left: its share of the slot's time
         self.looked_above = 0.0  # when the loop last looked for a higher class's job (time.monotonic())
@@ -102,7 +105,7 @@ class JoinedExecution:
         refused = self._seat(members, canceled)
         try:
             try:
-                while self.seats:
+                while self.seats or self.joining is not None:
                     self._step()
             except WorkerFatalError:
                 raise  # the device is lost: the jobs stay claimed, for the next worker to run again
@@ -110,23 +113,29 @@ class JoinedExecution:
                 estimates.clear_running(self.connection, self.line, self.worker.name)
                 for seat in list(self.seats):
                     self._end(seat, exc)
+            finally:
+                self._put_back_joiners()
+                self._hand_over(wait=True)  # the decoded ones are done whatever became of the others
         except BaseException:
-            for seat in self.seats:  # not ended: leftovers, which recovery runs again
-                self.worker.claims.unhold(seat.job.id)
+            # Not ended, or not handed over: leftovers, which recovery runs again.
+            for job in [seat.job for seat in self.seats] + [member.job for member, _ in self.done]:
+                self.worker.claims.unhold(job.id)
             raise
         return refused
 
     # --- the loop's turn -----------------------------------------------------------------------------
 
     def _step(self) -> None:
-        """One step boundary: reports and cancels, a preemption, joiners, then one denoising step."""
+        """One step boundary: joiners, reports and cancels, a preemption, then one denoising step
+        (while Redis claims the next joiners)."""
+        self._take_joiners()
         self._check_in()
         if self.seats and self._preemption_due():
             self._preempt()
-        if self.seats and not lifecycle.stopping.is_set():
-            self._join()
         if not self.seats:
             return
+        if not lifecycle.stopping.is_set():
+            self._send_join()
         first = {seat for seat in self.seats if seat.progress[0] == 0}
         left = min(seat.timeout_at for seat in self.seats) - time.perf_counter()
         with holding(*self._fences()), logs.about_job(*ids_of([seat.job for seat in self.seats])), \
@@ -136,8 +145,8 @@ class JoinedExecution:
         self._offer_previews()
         for seat in [seat for seat in self.seats if seat in first]:
             self._end_if_overflowed(seat)  # after its first step, as a whole execution looks
-        for seat in [seat for seat in self.seats if seat.done]:
-            self._finish(seat)
+        self._finish([seat for seat in self.seats if seat.done])
+        self._hand_over(wait=not self.seats and self.joining is None)
 
     def _check_in(self) -> None:
         """Interrupt, timeouts; when a report is due, each job's progress and whether it was canceled,
@@ -195,13 +204,20 @@ class JoinedExecution:
             self.pipeline.threads.use(work_of([seat.request for seat in self.seats]))
         return refused
 
-    def _join(self) -> None:
-        """Claim compatible jobs waiting in the first job's class, as many as there is room for, and
-        start them: they take their first step with the others."""
+    def _send_join(self) -> None:
+        """Send the claim of compatible jobs waiting in the first job's class, as many as there is room
+        for: Redis runs it during this step's compute, and they join at the next boundary."""
         room = self._room()
-        if room <= 0:
+        if room > 0:
+            self.joining = self.worker.claims.send_claim_compatible(self.like, room, WINDOW, by="join")
+
+    def _take_joiners(self) -> None:
+        """Read the join sent during the last step and start its jobs: they take this step with the
+        others."""
+        sent, self.joining = self.joining, None
+        if sent is None:
             return
-        claims = self.worker.claims.claim_compatible(self.like, room, WINDOW, by="join")
+        claims = self.worker.claims.received_compatible(sent)
         if not claims:
             return
         taken = self.worker.taken_with(self.first, claims)
@@ -213,6 +229,18 @@ class JoinedExecution:
         for member in self._seat(members, canceled):  # the model refused none before: it cannot now
             self.worker._fail(member, JobFailedError("invalid_request", "the job cannot join the loop"))
 
+    def _put_back_joiners(self) -> None:
+        """The loop ends with a join's answer unread (an error): the jobs it took go back to the head of
+        the line (if it cannot be read, their claims are leftovers, which recovery puts back)."""
+        sent, self.joining = self.joining, None
+        if sent is None:
+            return
+        try:
+            for claimed in self.worker.claims.received_compatible(sent):
+                self.worker.claims.recover_now(claimed.job_id)
+        except RedisError as exc:  # what it took stays claimed, not held: leftovers
+            log.warning("could not put back the last join's jobs (%s): recovery does", exc)
+
     def _room(self) -> int:
         """How many more jobs may join: SLOTQ_MAX_BATCH jobs in all, and no more pixels than batching
         allows (each newcomer counted at the most images a job may ask)."""
@@ -223,31 +251,39 @@ class JoinedExecution:
         fits = (pixels - held) // (width * height * 4)
         return min(self.settings.max_batch - len(self.seats), fits)
 
-    def _finish(self, seat: Seat) -> None:
-        """A job past its last step: decode its images and hand them to the finishing process."""
-        with self.pipeline.section():
-            pixels = self.loop.decode(seat.flights)
-        made = images_of(np.stack(pixels))
-        if isinstance(made, JobFailedError):
-            self._ended(seat, made)
+    def _finish(self, seats: list[Seat]) -> None:
+        """Jobs past their last step: decode their images (one VAE call), out of the loop, ready to be
+        handed over."""
+        if not seats:
             return
-        self.seats.remove(seat)
-        rendered: Rendered = (seat.request, made)
-        job, member = seat.job, seat.member
-        self.worker.executions.pop(member.execution.id, None)
+        with self.pipeline.section():
+            pixels = self.loop.decode([flight for seat in seats for flight in seat.flights])
+        for seat in seats:
+            mine, pixels = pixels[:len(seat.flights)], pixels[len(seat.flights):]
+            made = images_of(np.stack(mine))
+            if isinstance(made, JobFailedError):
+                self._ended(seat, made)
+                continue
+            self.seats.remove(seat)
+            self.cost -= records.cost_of(seat.job)
+            rendered: Rendered = (seat.request, made)
+            member = seat.member
+            self.worker.executions.pop(member.execution.id, None)  # cleaned up by the finishing process
+            self.done.append((member, Work.of(seat.job, member.execution, member.fence, rendered)))
+
+    def _hand_over(self, wait: bool) -> None:
+        """Hand the decoded jobs to the finishing process as one batch; without ``wait``, only if it
+        is free (it finishes one batch at a time: the loop goes on rather than wait for it)."""
+        if not self.done:
+            return
+        members, works = [member for member, _ in self.done], [work for _, work in self.done]
         now = time.perf_counter()
-        seconds, self.slot_since = now - self.slot_since, now
-        last = not self.seats
-        self.cost -= records.cost_of(job)
-        work = Work.of(job, member.execution, member.fence, rendered)
-        # The running entry is cleared with the loop's last job only; each job feeds the drain rate
-        # with its cost and the slot time since the one before it left.
-        try:
-            self.worker.finisher.submit([member], Batch([work], self.running if last else "",
-                                                        records.cost_of(job), seconds, self.line))
-        except BaseException:
-            self.worker.claims.unhold(job.id)  # not handed over: a leftover, which recovery runs again
-            raise
+        # The running entry is cleared with the loop's last jobs only; each batch feeds the drain rate
+        # with its cost and the slot time since the one before it.
+        batch = Batch(works, "" if self.seats else self.running, sum(records.cost_of(m.job) for m in members),
+                      now - self.slot_since, self.line)
+        if self.worker.finisher.submit(members, batch, wait=wait):
+            self.done, self.slot_since = [], now
 
     def _end(self, seat: Seat, error: Exception) -> None:
         """End one job before its last step (canceled, timed out, NaN); the others go on."""
@@ -304,6 +340,7 @@ class JoinedExecution:
     def _preempt(self) -> None:
         """Pause every job in the loop, run the higher class's job as an execution of its own, then
         resume them where they stopped."""
+        self._hand_over(wait=True)  # before the preempting execution's own
         paused, self.seats = self.seats, []
         for seat in paused:
             for flight in seat.flights:

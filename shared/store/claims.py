@@ -123,6 +123,19 @@ class Claims:
         self._held.update(member.job_id for member in claimed)
         return claimed
 
+    def send_claim_compatible(self, like: waiting.Claimed, count: int, window: int,
+                              by: Literal["batch", "join"] = "batch") -> waiting.SentCompatible | None:
+        """:meth:`claim_compatible` sent now, waiting for nothing: :meth:`received_compatible` reads
+        what it took (until then, a claim it made is a leftover to recovery)."""
+        return waiting.send_claim_compatible(self.connection, like.line or self.lines[0], self.key, like,
+                                             count, window, self.fence_ttl_s, by)
+
+    def received_compatible(self, sent: waiting.SentCompatible) -> list[waiting.Claimed]:
+        """What a claim sent earlier took, noted as held."""
+        claimed = sent.claimed()
+        self._held.update(member.job_id for member in claimed)
+        return claimed
+
     def _noted(self, claimed: waiting.Claimed | None) -> waiting.Claimed | None:
         """The claimed job, noted as held by this worker (until its end or release)."""
         if claimed is not None:

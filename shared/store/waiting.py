@@ -129,16 +129,39 @@ def claim_compatible(connection: Redis, line: str, claims_key: str, like: Claime
     (``by``: its batch key, or its join key for the step-level loop), among the first ``window`` of
     that class (a bounded step out of line). With a ``fence_ttl_s``, each claim starts an attempt,
     as :func:`claim`'s does."""
+    sent = send_claim_compatible(connection, line, claims_key, like, count, window, fence_ttl_s, by)
+    return [] if sent is None else sent.claimed()
+
+
+def send_claim_compatible(connection: Redis, line: str, claims_key: str, like: Claimed, count: int,
+                          window: int, fence_ttl_s: int = 0, by: Literal["batch", "join"] = "batch"
+                          ) -> SentCompatible | None:
+    """:func:`claim_compatible`, sent now and answered by :meth:`SentCompatible.claimed` later (the
+    step-level loop reads it after a step's compute); None when there is nothing to send."""
     priority, key = like.record.get(b"priority", b"normal"), like.record.get(by.encode(), b"")
     if not key or not count:
-        return []
+        return None
     tokens = [fencing.new_token() for _ in range(count)] if fence_ttl_s else []
-    taken = scripts.run(connection, "claim_compatible", [claims_key],
-                        [like.line or line, Job.redis_job_namespace_prefix, priority, key, count, window,
-                         fence_ttl_s, by, *tokens])
-    return [Claimed(job_id.decode(), dict(zip(flat[::2], flat[1::2], strict=True)), like.at,
-                    tokens[index] if tokens else "", like.line or line)
-            for index, (job_id, flat) in enumerate(taken)]
+    args = [like.line or line, Job.redis_job_namespace_prefix, priority, key, count, window, fence_ttl_s, by,
+            *tokens]
+    return SentCompatible(scripts.Sent(connection, "claim_compatible", [claims_key], args), tokens, like,
+                          like.line or line)
+
+
+@dataclass(frozen=True)
+class SentCompatible:
+    """A :func:`send_claim_compatible` in flight."""
+
+    call: scripts.Sent
+    tokens: list[str]
+    like: Claimed
+    line: str
+
+    def claimed(self) -> list[Claimed]:
+        """The jobs claimed, as :func:`claim_compatible` answers."""
+        return [Claimed(job_id.decode(), dict(zip(flat[::2], flat[1::2], strict=True)), self.like.at,
+                        self.tokens[index] if self.tokens else "", self.line)
+                for index, (job_id, flat) in enumerate(self.call.reply())]
 
 
 def wait_for_work(connection: Redis, line: str | Sequence[str], timeout: float) -> None:
