@@ -29,6 +29,7 @@ from bench import (
     end_to_end,
     gpu,
     images,
+    joining,
     memory,
     models,
     stepping,
@@ -60,7 +61,8 @@ def quick_sections(shared: Service) -> list[Section]:
             ("ControlNets and hires", lambda: control.report(rounds=1, size=64)),
             # As many threads as streams and more: no call waits out its timeout.
             ("Event streams", lambda: streams.report(streams=4, threads=8, requests=5)),
-            ("Step-level scheduling", lambda: stepping.report(rounds=1, jobs=8, settle_s=0))]
+            ("Step-level scheduling", lambda: stepping.report(rounds=1, jobs=8, settle_s=0)),
+            ("Step-level scheduling through workers", lambda: joining.report(rounds=1, jobs=6))]
 
 
 @contextmanager
@@ -86,7 +88,8 @@ def sections() -> list[Section]:
             ("Several models", models.report),
             ("ControlNets and hires", control.report),
             ("Event streams", streams.report),
-            ("Step-level scheduling", stepping.report)]
+            ("Step-level scheduling", stepping.report),
+            ("Step-level scheduling through workers", joining.report)]
 
 
 def cpu_model() -> str:

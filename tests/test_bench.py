@@ -58,6 +58,8 @@ ROWS = {
                       "gevent, POST /v1/jobs, 4 streams", "gevent, GET /v1/queue, 4 streams"],
     "Step-level scheduling": ["start-only batching (baseline)", "step-level joining",
                               "without preemption (baseline)", "with preemption"],
+    "Step-level scheduling through workers": ["start-only batching (baseline)", "step-level joining",
+                                              "without preemption (baseline)", "preempting at the next step"],
 }
 
 
