@@ -191,7 +191,7 @@ class JoinedExecution:
                 self.worker._fail(member, each)
             else:
                 try:
-                    flights = [self.loop.admit(each[0], image) for image in range(each[0].num_images)]
+                    flights = self.loop.admit_all(each[0])
                 except NotSteppableError as exc:
                     log.info("job %s runs as a whole-pipeline execution: %s", member.job.id, exc)
                     refused.append(member)

@@ -167,24 +167,35 @@ class SteppingLoop:
         self.running: list[Flight] = []
         self.paused: list[Flight] = []
 
-    @torch.inference_mode()
     def admit(self, request: JobRequest, image: int = 0) -> Flight:
         """Image ``image`` of a request as a new flight, in the batch from the next ``step``."""
+        if not 0 <= image < request.num_images:
+            raise ValueError(f"the request makes {request.num_images} images: there is no image {image}")
+        return self._admit(request, [image])[0]
+
+    def admit_all(self, request: JobRequest) -> list[Flight]:
+        """Every image of a request as a flight (its prompt encoded once), in the batch from the next
+        ``step``."""
+        return self._admit(request, list(range(request.num_images)))
+
+    @torch.inference_mode()
+    def _admit(self, request: JobRequest, images: list[int]) -> list[Flight]:
         reason = refusal(request, self.pipe, self.samplers)
         if reason is not None:
             raise NotSteppableError(reason)
         assert request.seed is not None  # refusal() refuses none
-        if not 0 <= image < request.num_images:
-            raise ValueError(f"the request makes {request.num_images} images: there is no image {image}")
-        template = self.samplers.get(request.scheduler)
-        scheduler = type(template).from_config(template.config)  # its own, fresh: no shared step index
-        generator = torch.Generator("cpu").manual_seed(request.seed + image)  # as ImagePipeline seeds
         conditioning, shared, rows = self.denoiser.condition(self.pipe, request, self.device)
-        latents, positions = self.denoiser.start(self.pipe, request, scheduler, generator, self.device,
-                                                 conditioning["encoder_hidden_states"].dtype)
-        flight = Flight(request, image, scheduler, generator, latents, conditioning, shared | positions, rows)
-        self.running.append(flight)
-        return flight
+        template = self.samplers.get(request.scheduler)
+        flights = []
+        for image in images:
+            scheduler = type(template).from_config(template.config)  # its own, fresh: no shared step index
+            generator = torch.Generator("cpu").manual_seed(request.seed + image)  # as ImagePipeline seeds
+            latents, positions = self.denoiser.start(self.pipe, request, scheduler, generator, self.device,
+                                                     conditioning["encoder_hidden_states"].dtype)
+            flights.append(Flight(request, image, scheduler, generator, latents, conditioning,
+                                  shared | positions, rows))
+        self.running.extend(flights)
+        return flights
 
     @torch.inference_mode()
     def step(self) -> list[Flight]:

@@ -271,3 +271,21 @@ def test_a_sampler_or_job_the_loop_cannot_step_is_refused(loaded: Any, cache: Pa
     assert reason == ("step-level scheduling does not run jobs with a hires pass, weighted prompts, the fast "
                       "tier yet")
     assert loop.running == [] and loop.paused == []  # nothing admitted by a refusal
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_a_requests_images_admitted_together_are_those_it_makes_one_by_one(loaded: Any, cache: Path,
+                                                                          model: str) -> None:
+    pipe, samplers = pipeline(loaded, cache, model)
+    request = job(model).model_copy(update={"num_images": 2})  # the model's own sampler
+    loop = SteppingLoop(pipe, samplers)
+    flights = loop.admit_all(request)
+    assert [flight.image for flight in flights] == [0, 1]
+    run_out(loop)
+    together = loop.decode(flights)
+    for image, made in enumerate(together):  # image i is seeded seed + i, as ImagePipeline seeds it
+        single = SteppingLoop(pipe, samplers)
+        flight = single.admit(request, image)
+        run_out(single)
+        assert difference(made, single.decode([flight])[0]) <= SAME
+    assert difference(together[0], together[1]) > 0.01  # two seeds, two images
