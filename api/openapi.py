@@ -186,6 +186,10 @@ JOB_LINKS = {"getJob": {"operationId": "getJob", "parameters": _OF_THE_JOB},
              "getFirstImage": {"operationId": "getImage", "parameters": {**_OF_THE_JOB, "index": "0"}}}
 
 
+# A request line or headers past gunicorn's limits (4094 and 8190 bytes): answered before the app.
+SERVER_REFUSALS = (414, 431)
+
+
 @lru_cache(maxsize=8)
 def _document(max_side: int, max_steps: int, webhooks: bool, names: tuple[str, ...], common: str
               ) -> dict[str, Any]:
@@ -206,8 +210,9 @@ def _document(max_side: int, max_steps: int, webhooks: bool, names: tuple[str, .
 
 def _operation(codes: dict[int, list[str]], operation_id: str, summary: str, responses: dict[str, Any],
                failures: tuple[int, ...], **extra: Any) -> dict[str, Any]:
-    """One operation, with the error answers of each of its ``failures`` statuses."""
-    refusals = {str(status): _error(status, codes[status]) for status in failures}
+    """One operation, with the error answers of each of its ``failures`` statuses, and those the web
+    server gives any request it cannot read (api/server.py's error pages)."""
+    refusals = {str(status): _error(status, codes[status]) for status in (*failures, *SERVER_REFUSALS)}
     return {"operationId": operation_id, "summary": summary, **extra, "responses": {**responses, **refusals}}
 
 

@@ -72,22 +72,22 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
 def list_jobs() -> Response:
     """The caller's jobs, newest first: ``?status=`` (repeated or comma-separated), ``?limit=``
     (default 20, at most 100) and ``?cursor=`` (the ``next`` of the page before)."""
-    page = _jobs().page(_tenant(), _limit(request.args.get("limit")),
-                        _statuses(request.args.getlist("status")), request.args.get("cursor"))
+    page = _jobs().page(_tenant(), _limit(_single("limit")), _statuses(request.args.getlist("status")),
+                        _single("cursor"))
     return jsonify({"jobs": [view.model_dump(mode="json") for view in page.jobs], "next": page.next})
 
 
 @bp.get("/v1/jobs/<job_id>")
 def get_job(job_id: str) -> Response:
     """A job's status, progress and result links; with ``?wait=N``, once its status changes or N s pass."""
-    return _json(_jobs().read(job_id, _tenant(), longpoll.wait_query(request.args.get("wait"))))
+    return _json(_jobs().read(job_id, _tenant(), longpoll.wait_query(_single("wait"))))
 
 
 @bp.get("/v1/jobs/<job_id>/events")
 def job_events(job_id: str) -> Response:
     """A job's events as server-sent events, from after ``Last-Event-ID`` (the header, or the
     ``last_event_id`` query for a first connection); 204 once the client had the final one."""
-    last = request.headers.get("Last-Event-ID") or request.args.get("last_event_id")
+    last = request.headers.get("Last-Event-ID") or _single("last_event_id")
     stream = current_app.extensions["slotq.streams"].open(job_id, _tenant(), last)
     if stream is None:
         return Response(status=204)
@@ -180,6 +180,14 @@ def readyz() -> Response:
         raise DrainingError(retry_after=1)
     _jobs().check_ready()  # a Redis or store error becomes 503 in the app's error handler
     return jsonify({"status": "ready"})
+
+
+def _single(name: str) -> str | None:
+    """A query parameter that takes one value (None when absent); given more than once, a 422."""
+    values = request.args.getlist(name)
+    if len(values) > 1:
+        raise InvalidRequestError(details=[{"loc": ["query", name], "msg": "must be given at most once"}])
+    return values[0] if values else None
 
 
 def _limit(value: str | None) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import shutil
 import signal
@@ -14,11 +15,13 @@ from types import FrameType
 from typing import Any
 
 from flask import Flask
+from gunicorn import util as gunicorn_util
 from gunicorn.app.base import BaseApplication
 
 from api import metrics
 from api.app import create_app
 from shared.contract import logs
+from shared.contract.errors import HeadersTooLargeError, MalformedRequestError, ServiceError, UriTooLongError
 from shared.contract.settings import Settings, get_settings
 
 
@@ -102,7 +105,29 @@ def serve(host: str | None = None, port: int | None = None, settings: Settings |
         # Room for the drain pause plus the slowest request.
         "graceful_timeout": int(settings.drain_s) + 20,
     }
+    json_error_pages()
     APIServer(settings, options, factory).run()
+
+
+def json_error_pages() -> None:
+    """gunicorn answers a request it cannot parse (a request line past its limit: 414; headers past
+    theirs: 431; malformed HTTP: 400) before the app sees it, with an HTML page: answer those in the
+    service's JSON envelope instead, as every other error. gunicorn writes each through
+    ``gunicorn.util.write_error``, which this replaces in the process."""
+
+    def write_error(sock: Any, status_int: int, reason: str, mesg: str) -> None:
+        error = ERROR_PAGES.get(status_int, MalformedRequestError if status_int < 500 else ServiceError)
+        envelope = error(f"{error.message} ({mesg})" if mesg else None).to_dict()
+        body = json.dumps(envelope).encode()
+        head = (f"HTTP/1.1 {status_int} {reason}\r\nConnection: close\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode("latin-1")
+        gunicorn_util.write_nonblock(sock, head + body)
+
+    gunicorn_util.write_error = write_error
+
+
+ERROR_PAGES: dict[int, type[ServiceError]] = {400: MalformedRequestError, 414: UriTooLongError,
+                                              431: HeadersTooLargeError}
 
 
 def _configure_logging(settings: Settings) -> None:

@@ -30,6 +30,20 @@ class InvalidJSONError(ServiceError):
     status, code, message = 400, "invalid_json", "The request body is not valid JSON."
 
 
+class MalformedRequestError(ServiceError):
+    """An HTTP request the server could not parse (the web server answers it before the app)."""
+
+    status, code, message = 400, "malformed_request", "The HTTP request is malformed."
+
+
+class UriTooLongError(ServiceError):
+    status, code, message = 414, "uri_too_long", "The request line is longer than the server reads."
+
+
+class HeadersTooLargeError(ServiceError):
+    status, code, message = 431, "headers_too_large", "The request's headers are more than the server reads."
+
+
 class UnauthorizedError(ServiceError):
     status, code, message = 401, "unauthorized", "Send a valid API key as `Authorization: Bearer <key>`."
 

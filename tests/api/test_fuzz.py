@@ -7,6 +7,7 @@ import base64
 import hashlib
 import json
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -301,10 +302,10 @@ def test_webhooks_are_offered_only_where_they_are_sent(settings: Settings) -> No
     assert request_schema(off).is_valid({"prompt": "a", "webhook": None})
     assert "webhooks_disabled" in off["components"]["schemas"]["JobRequest"]["properties"]["webhook"][
         "description"]
-    assert bad_request_codes(off) == ["invalid_json", "webhooks_disabled"]
+    assert bad_request_codes(off) == ["invalid_json", "malformed_request", "webhooks_disabled"]
     on = openapi_document(settings.model_copy(update={"webhook_secret": "s" * 32}))
     assert request_schema(on).is_valid(body)
-    assert bad_request_codes(on) == ["invalid_json", "webhook_not_allowed"]
+    assert bad_request_codes(on) == ["invalid_json", "malformed_request", "webhook_not_allowed"]
 
 
 def test_every_undocumented_method_gets_405_with_allow(fuzz_client: FlaskClient, document: dict[str, Any],
@@ -548,6 +549,50 @@ def test_an_id_with_a_slash_at_an_end_is_not_redirected(fuzz_client: FlaskClient
 
 def test_an_id_with_a_final_newline_is_not_found(fuzz_client: FlaskClient) -> None:
     assert [response.status_code for response in id_requests(fuzz_client, "abc\n")] == [404, 404, 404]
+
+
+def test_a_query_parameter_that_takes_one_value_given_twice_is_refused(fuzz_client: FlaskClient,
+                                                                       validators: dict[str, Any]) -> None:
+    job_id = fuzz_client.post("/v1/jobs", json={"prompt": "a"}).get_json()["id"]
+    for path in (f"/v1/jobs/{job_id}?wait=1&wait=2", "/v1/jobs?limit=1&limit=2", "/v1/jobs?cursor=a&cursor=b",
+                 f"/v1/jobs/{job_id}/events?last_event_id=1-0&last_event_id=2-0"):
+        response = fuzz_client.get(path)
+        assert response.status_code == 422, (path, response.status_code)
+        assert assert_error(response, validators) == "invalid_request"
+        assert response.get_json()["error"]["details"][0]["msg"] == "must be given at most once"
+    assert fuzz_client.get("/v1/jobs?status=queued&status=running").status_code == 200  # a list: repeated
+
+
+def raw_request(port: int, request: bytes) -> tuple[int, dict[str, str], bytes]:
+    """Send bytes as they are (no client library would send them) and read the answer whole."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(request)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = {name.lower(): value.strip() for name, _, value in (line.partition(":") for line in lines)}
+    return int(status_line.split()[1]), headers, body
+
+
+def test_what_the_web_server_refuses_before_the_app_is_answered_in_the_envelope(
+        start_api: Callable[..., Process], settings: Settings, document: dict[str, Any]) -> None:
+    api = start_api(settings)
+    long_line = b"GET /v1/jobs/" + b"a" * 5000 + b" HTTP/1.1\r\nHost: x\r\n\r\n"
+    large_header = b"GET /v1/queue HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * 9000 + b"\r\n\r\n"
+    for request, status, code in [(long_line, 414, "uri_too_long"), (large_header, 431, "headers_too_large"),
+                                  (b"NOT HTTP AT ALL\r\n\r\n", 400, "malformed_request")]:
+        answered, headers, body = raw_request(api.port, request)
+        assert (answered, headers["content-type"]) == (status, "application/json"), body[:300]
+        envelope = json.loads(body)
+        assert envelope["error"]["code"] == code and envelope["error"]["message"]
+        # Documented for every operation, with the code it answers.
+        for operations in document["paths"].values():
+            for method, operation in operations.items():
+                if method != "parameters" and status != 400 and not operation.get("tags"):
+                    schema = operation["responses"][str(status)]["content"]["application/json"]["schema"]
+                    assert schema["allOf"][1]["properties"]["error"]["properties"]["code"]["enum"] == [code]
 
 
 # --- c) schemathesis against a real gunicorn API, from the document it serves --------------------
