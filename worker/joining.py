@@ -392,6 +392,7 @@ class JoinedExecution:
         group = [seat for seat in due if seat.progress[0] == step]
         latents = torch.cat([seat.flights[0].latents for seat in group])
         width, height = group[0].request.width, group[0].request.height
-        self.pipeline.previewer.offer([seat.job for seat in group], step, latents, width, height)
+        with holding(*self._fences(group)):  # each preview is written under its job's attempt
+            self.pipeline.previewer.offer([seat.job for seat in group], step, latents, width, height)
 
 

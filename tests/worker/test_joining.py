@@ -92,6 +92,24 @@ def test_a_short_job_joins_a_long_one_ends_first_and_makes_its_own_image(
     assert_same_image(client, short, worker_client, **short_request)
 
 
+def test_a_joined_job_has_its_previews_and_events(client: FlaskClient) -> None:
+    long = post_job(client, seed=5, steps=60, **SIZE).get_json()["id"]
+    running_past(client, long, 2)
+    joined = post_job(client, seed=6, steps=40, previews=True, **SIZE).get_json()["id"]
+
+    def previewed() -> bool:
+        return client.get(f"/v1/jobs/{joined}/preview").status_code == 200
+
+    wait_for(previewed, timeout=30, what="the joined job's preview")
+    assert client.get(f"/v1/jobs/{joined}/preview").content_type == "image/jpeg"
+    assert view(client, long)["status"] == "running"  # it was previewed inside the shared batch
+    wait_for_status(client, joined, "succeeded")
+    events = client.get(f"/v1/jobs/{joined}/events").get_data(as_text=True)
+    for name in ("progress", "preview", "succeeded"):  # its log keeps the latest events
+        assert f"event: {name}" in events, (name, events[-2000:])
+    wait_for_status(client, long, "succeeded")
+
+
 def test_canceling_one_job_of_a_shared_batch_ends_only_that_job(client: FlaskClient) -> None:
     long = post_job(client, seed=2, steps=60, **SIZE).get_json()["id"]
     running_past(client, long, 1)
