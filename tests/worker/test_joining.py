@@ -151,3 +151,29 @@ def test_join_keys_separate_what_the_loop_cannot_share() -> None:
     for not_joinable in ({"speed": "fast"}, {"speed": "auto"}, {"loras": [{"name": "ink"}]},
                          {"prompt_syntax": "weighted"}, {"hires": {"scale": 2}}):
         assert JobRequest(prompt="a", **not_joinable).join_key == "", not_joinable
+
+
+def test_a_crash_while_jobs_are_paused_runs_them_again_as_it_would_running_ones(
+        settings: Settings, tmp_path: Path) -> None:
+    crashing = settings.model_copy(update={"step_scheduling": True, "max_batch": 4, "preempt_after_s": 0,
+                                           "heartbeat_ttl_s": 2, "progress_interval_ms": 0,
+                                           "worker_metrics_port": 0, "queue_capacity": 10})
+    clients = app_client(crashing)
+    client = next(clients)
+    started = [start_worker(crashing, tmp_path / "first.log")]
+    try:
+        low = post_job(client, seed=8, steps=60, priority="low", **SIZE).get_json()["id"]
+        running_past(client, low, 2)
+        high = post_job(client, seed=9, steps=100, priority="high", width=128, height=256).get_json()["id"]
+        wait_for(lambda: view(client, low)["paused"], timeout=30, what="the low job to pause")
+        started[0].popen.kill()  # SIGKILL: the paused job's state is lost with the process
+        started.append(start_worker(crashing, tmp_path / "second.log"))
+        ended = [wait_for_status(client, job_id, "succeeded", timeout=120) for job_id in (low, high)]
+        assert [each["attempt"] for each in ended] == [2, 2]  # each ran again, from its start
+        assert ended[0]["paused"] is False and ended[0]["progress"] == {"step": 60, "total": 60}
+        with Redis.from_url(crashing.redis_url) as redis:
+            assert all(redis.llen(key) == 0 for key in redis.keys("slotq:claims:*"))
+    finally:
+        for process in started:
+            process.stop()
+        clients.close()
