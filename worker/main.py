@@ -128,11 +128,7 @@ class SlotWorker(Outcomes):
         backoff = 0.5
         while not lifecycle.stopping.is_set():
             try:
-                ahead = self._taken_ahead()  # first: recovery would take a claim in flight for a leftover
-                if self.claims.recover() is not None:  # at most once a second, like the expiry
-                    for line in self.claims.lines:
-                        waiting.expire_due(self.queue, self.settings, line)
-                taken = ahead or self._take(None if burst else CLAIM_TIMEOUT_S)
+                taken = self._next(burst)
                 if taken is None:
                     if self.get_state() != WorkerStatus.IDLE:
                         self.set_state(WorkerStatus.IDLE)  # for `rq info` and dashboards: nothing runs
@@ -151,6 +147,22 @@ class SlotWorker(Outcomes):
                 lifecycle.stopping.wait(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
         return 0
+
+    def _next(self, burst: bool) -> Taken | None:
+        """The next execution's jobs: those claimed ahead, else a claim now (waiting a moment for one
+        unless in burst mode), after the recovery and expiry that are due; None when none waits."""
+        ahead = self._taken_ahead()  # first: recovery would take a claim in flight for a leftover
+        try:
+            if self.claims.recover() is not None:  # at most once a second, like the expiry
+                for line in self.claims.lines:
+                    waiting.expire_due(self.queue, self.settings, line)
+        except BaseException:
+            # Not run: what was claimed ahead is a leftover now, which recovery puts back once Redis
+            # answers (held, it would stay claimed, and queued, for as long as this worker lives).
+            for member in ahead.claims if ahead else []:
+                self.claims.unhold(member.job_id)
+            raise
+        return ahead or self._take(None if burst else CLAIM_TIMEOUT_S)
 
     def _take(self, timeout: float | None) -> Taken | None:
         """Claim the next execution's jobs (waiting up to ``timeout`` for one) and restore those

@@ -214,12 +214,6 @@ def wait_all_ended(url: str, job_ids: list[str], timeout: float) -> tuple[Counte
     return ended, lost
 
 
-# Quarantined, not retired: in 2 of 5 full CI runs on 2026-12-06 (never alone: 3 of 3 passed) one
-# acknowledged job stayed queued after the failover while the worker, alive, logged nothing for 90 s
-# (blocked somewhere, or claiming from another node): the failure shows the worker's log. It still runs
-# and reports XPASS or XFAIL; remove the mark with the fix.
-@pytest.mark.xfail(strict=False, reason="after a failover the worker sometimes stops claiming (under "
-                   "investigation: tests/scenarios/test_failover.py's note)")
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_failover_loses_no_acknowledged_job(group: Group, start_api: Any, model_cache: Path,

@@ -225,3 +225,25 @@ def test_a_claim_that_cannot_be_sent_is_made_after_the_decode(
     monkeypatch.undo()
     taken = sending_worker._take(None)  # as the loop does next
     assert taken is not None and [job.id for job, _ in taken.startable] == [job_id]
+
+
+def test_a_job_claimed_ahead_runs_after_redis_failed_before_its_start(
+        slot_worker: SlotWorker, client: FlaskClient, redis: Redis, settings: Settings,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failover between the claim made ahead and the execution's start (the worker's recovery
+    meets the dead master first): the job is put back and runs, not held unrun for good."""
+    [job_id] = submitted(client, 1)
+    slot_worker._claim_ahead()  # as at the last step of an execution
+    claimed_by(redis, settings, [])
+    recover, failures = slot_worker.claims.recover, [RedisConnectionError("the master went away")]
+
+    def failing_once() -> int | None:
+        if failures:
+            raise failures.pop()
+        return recover()
+
+    monkeypatch.setattr(slot_worker.claims, "recover", failing_once)
+    assert slot_worker.serve(burst=True) == 0
+    view = client.get(f"/v1/jobs/{job_id}").get_json()
+    assert (view["status"], view["attempt"]) == ("succeeded", 1) and not failures
+    assert redis.llen(keys.claims_key(slot_worker.name)) == 0
