@@ -29,7 +29,7 @@ from rq.timeouts import JobTimeoutException
 
 from shared.contract import logs
 from shared.contract.errors import JobCanceledError, JobFailedError, JobInterruptedError, WorkerFatalError
-from shared.contract.jobs import JobRequest
+from shared.contract.jobs import PRIORITIES, JobRequest
 from shared.store import estimates, records, waiting
 from shared.store.fencing import Fence, StaleAttemptError, holding
 from shared.store.waiting import SentCompatible
@@ -98,6 +98,7 @@ class JoinedExecution:
         self.cadence = progress.Cadence(self.settings.progress_interval_ms / 1000)
         self.slot_since = time.perf_counter()  # since the last job left: its share of the slot's time
         self.looked_above = 0.0  # when the loop last looked for a higher class's job (time.monotonic())
+        self.looked_aside, self.others_wait = 0.0, False  # the other lines of a worker of several models
 
     def run(self, members: list[Member], canceled: set[str]) -> list[Member]:
         """Run these started jobs and those that join them until all have ended; the members the loop
@@ -208,8 +209,28 @@ class JoinedExecution:
         """Send the claim of compatible jobs waiting in the first job's class, as many as there is room
         for: Redis runs it during this step's compute, and they join at the next boundary."""
         room = self._room()
-        if room > 0:
-            self.joining = self.worker.claims.send_claim_compatible(self.like, room, WINDOW, by="join")
+        if room > 0 and not self._other_lines_wait():
+            self.joining = self.worker.claims.send_join(self.like, room, WINDOW)
+
+    def _other_lines_wait(self) -> bool:
+        """Whether another of this worker's lines (another model's) has a job of this class or a higher
+        one waiting: then nothing joins, the loop drains, and the next claim chooses between the lines
+        as it always does (looked at most every LOOK_ABOVE_EVERY_S; never for a worker of one model)."""
+        others = [line for line in self.worker.claims.lines if line != self.line]
+        if not others:
+            return False
+        now = time.monotonic()
+        if now - self.looked_aside < LOOK_ABOVE_EVERY_S:
+            return self.others_wait
+        self.looked_aside = now
+        classes = PRIORITIES[:PRIORITIES.index(self.priority) + 1]
+        try:
+            self.others_wait = any(waiting.counts(self.connection, line)[name] for line in others
+                                   for name in classes)
+        except RedisError as exc:
+            log.warning("could not look at the other lines (%s): no job joins now", exc)
+            self.others_wait = True
+        return self.others_wait
 
     def _take_joiners(self) -> None:
         """Read the join sent during the last step and start its jobs: they take this step with the

@@ -123,12 +123,13 @@ class Claims:
         self._held.update(member.job_id for member in claimed)
         return claimed
 
-    def send_claim_compatible(self, like: waiting.Claimed, count: int, window: int,
-                              by: Literal["batch", "join"] = "batch") -> waiting.SentCompatible | None:
-        """:meth:`claim_compatible` sent now, waiting for nothing: :meth:`received_compatible` reads
-        what it took (until then, a claim it made is a leftover to recovery)."""
+    def send_join(self, like: waiting.Claimed, count: int, window: int) -> waiting.SentCompatible | None:
+        """A join's claim for the step-level loop, sent now, waiting for nothing: jobs of ``like``'s
+        class and join key, passing none over more than SLOTQ_AFFINITY_MAX_SKIP times.
+        :meth:`received_compatible` reads what it took (until then, a claim it made is a leftover)."""
         return waiting.send_claim_compatible(self.connection, like.line or self.lines[0], self.key, like,
-                                             count, window, self.fence_ttl_s, by)
+                                             count, window, self.fence_ttl_s, "join",
+                                             self.settings.affinity_max_skip)
 
     def received_compatible(self, sent: waiting.SentCompatible) -> list[waiting.Claimed]:
         """What a claim sent earlier took, noted as held."""

@@ -123,19 +123,20 @@ def _claimed(answer: Any, token: str) -> Claimed | None:
 
 
 def claim_compatible(connection: Redis, line: str, claims_key: str, like: Claimed, count: int,
-                     window: int, fence_ttl_s: int = 0, by: Literal["batch", "join"] = "batch"
-                     ) -> list[Claimed]:
+                     window: int, fence_ttl_s: int = 0, by: Literal["batch", "join"] = "batch",
+                     max_skip: int | None = None) -> list[Claimed]:
     """Claim up to ``count`` more jobs that may share a batch with ``like``: of its class and key
     (``by``: its batch key, or its join key for the step-level loop), among the first ``window`` of
-    that class (a bounded step out of line). With a ``fence_ttl_s``, each claim starts an attempt,
-    as :func:`claim`'s does."""
-    sent = send_claim_compatible(connection, line, claims_key, like, count, window, fence_ttl_s, by)
+    that class (a bounded step out of line). With ``max_skip``, a job of another key is passed over
+    at most that many times (counted on it), then nothing behind it is taken. With a
+    ``fence_ttl_s``, each claim starts an attempt, as :func:`claim`'s does."""
+    sent = send_claim_compatible(connection, line, claims_key, like, count, window, fence_ttl_s, by, max_skip)
     return [] if sent is None else sent.claimed()
 
 
 def send_claim_compatible(connection: Redis, line: str, claims_key: str, like: Claimed, count: int,
-                          window: int, fence_ttl_s: int = 0, by: Literal["batch", "join"] = "batch"
-                          ) -> SentCompatible | None:
+                          window: int, fence_ttl_s: int = 0, by: Literal["batch", "join"] = "batch",
+                          max_skip: int | None = None) -> SentCompatible | None:
     """:func:`claim_compatible`, sent now and answered by :meth:`SentCompatible.claimed` later (the
     step-level loop reads it after a step's compute); None when there is nothing to send."""
     priority, key = like.record.get(b"priority", b"normal"), like.record.get(by.encode(), b"")
@@ -143,7 +144,7 @@ def send_claim_compatible(connection: Redis, line: str, claims_key: str, like: C
         return None
     tokens = [fencing.new_token() for _ in range(count)] if fence_ttl_s else []
     args = [like.line or line, Job.redis_job_namespace_prefix, priority, key, count, window, fence_ttl_s, by,
-            *tokens]
+            "" if max_skip is None else max_skip, *tokens]
     return SentCompatible(scripts.Sent(connection, "claim_compatible", [claims_key], args), tokens, like,
                           like.line or line)
 

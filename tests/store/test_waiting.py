@@ -617,3 +617,32 @@ def test_the_wait_of_a_higher_class_is_read_for_preemption(settings: Settings, r
     assert waited is not None and 0.2 <= waited < 5
     assert waiting.waited_above(redis, line, "normal") is None
     assert waiting.waited_above(redis, line, "high") is None
+
+
+def test_joins_pass_a_job_of_another_size_over_at_most_max_skip_times(settings: Settings,
+                                                                      redis: Redis) -> None:
+    clients = with_settings(settings, queue_capacity=20)
+    client = next(clients)
+    try:
+        def job(side: int) -> str:
+            response = submit(client, width=side, height=side, steps=4)
+            assert response.status_code == 202, response.get_json()
+            return str(response.get_json()["id"])
+
+        first, other, *small = job(64), job(128), job(64), job(64), job(64)
+    finally:
+        clients.close()
+    line, claims = settings.line, keys.claims_key("join-worker")
+    claimed = waiting.claim(redis, line, claims)
+    assert claimed is not None and claimed.job_id == first
+
+    def join(max_skip: int) -> list[str]:
+        return [each.job_id for each in
+                waiting.claim_compatible(redis, line, claims, claimed, 1, 16, by="join", max_skip=max_skip)]
+
+    assert join(0) == []  # no bound to spend: nothing passes the 128x128 job at the head
+    # Each join that takes a job behind it counts one pass on it; at the bound, nothing behind it goes.
+    assert [join(2), join(2), join(2)] == [small[:1], small[1:2], []]
+    assert redis.hget(Job.key_for(other), "skips") == b"2"
+    assert waiting_ids(redis, settings) == [other, small[2]]
+    assert waiting.claim(redis, line, claims).job_id == other  # type: ignore[union-attr]  # next

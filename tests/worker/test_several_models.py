@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import os
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -159,3 +160,27 @@ def test_a_memory_setting_the_device_cannot_do_stops_the_worker_at_start_saying_
     assert worker.popen.wait(120) == 1
     assert says in worker.output() and "cannot start" in worker.output()
     assert "loading sd" not in worker.output()  # refused before any weight was read
+
+
+def test_the_step_level_loop_takes_no_joiner_while_another_models_job_waits(
+        client: FlaskClient, two_models: Settings, tmp_path: Path) -> None:
+    # In the line's order across models (no affinity), so that the next claim after the loop is the
+    # oldest job: the other model's.
+    joining = two_models.model_copy(update={"step_scheduling": True, "max_batch": 4, "affinity_max_skip": 0,
+                                            "preempt_after_s": -1})
+    worker = worker_of(joining, tmp_path)
+    try:
+        size = {"width": 256, "height": 256}
+        long = post_job(client, model="sd", seed=1, steps=100, **size).get_json()["id"]
+        wait_for(lambda: (client.get(f"/v1/jobs/{long}").get_json()["progress"] or {"step": 0})["step"] >= 2,
+                 what="the sd job to run")
+        other = post_job(client, model="xl", seed=2, steps=4, **size).get_json()["id"]
+        time.sleep(0.3)  # the loop looks at the other lines every 0.1 s
+        joiner = post_job(client, model="sd", seed=3, steps=4, **size).get_json()["id"]
+        assert client.get(f"/v1/jobs/{long}").get_json()["status"] == "running"  # it could have joined
+        views = {job_id: wait_for_status(client, job_id, "succeeded") for job_id in (long, other, joiner)}
+        # The sd job did not join the running sd batch ahead of the waiting xl job: it ran after it.
+        assert views[joiner]["started_at"] > views[other]["started_at"] > views[long]["started_at"]
+        assert views[joiner]["started_at"] > views[long]["finished_at"]
+    finally:
+        assert worker.stop() == 0, worker.output()
