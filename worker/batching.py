@@ -28,9 +28,14 @@ def room(settings: Settings, first: Claimed, capacity: int | None = None) -> int
     key = first.record.get(b"batch", b"").decode()
     if settings.max_batch <= 1 or not key:
         return 0
-    pixels = settings.batch_pixels if capacity is None else min(settings.batch_pixels, capacity)
-    fits = pixels // JobRequest.pixels_of_batch_key(key)
+    fits = pixel_bound(settings, capacity) // JobRequest.pixels_of_batch_key(key)
     return max(0, min(settings.max_batch, fits) - 1)
+
+
+def pixel_bound(settings: Settings, capacity: int | None) -> int:
+    """The most pixels x images one execution may make: the largest single job's, and no more than
+    the worker's ``capacity`` where it knows it."""
+    return settings.batch_pixels if capacity is None else min(settings.batch_pixels, capacity)
 
 
 def gather(claims: Claims, settings: Settings, first: Claimed, capacity: int | None = None,

@@ -33,7 +33,7 @@ from shared.contract.jobs import PRIORITIES, JobRequest
 from shared.store import estimates, records, waiting
 from shared.store.fencing import Fence, StaleAttemptError, holding
 from shared.store.waiting import SentCompatible
-from worker import lifecycle, previews, progress, tasks
+from worker import batching, lifecycle, previews, progress, tasks
 from worker.messages import Batch, Rendered, Work
 from worker.outcomes import Member, ids_of
 from worker.pipeline import NAN_OUTPUT, ImagePipeline, current_pipeline, images_of
@@ -55,7 +55,6 @@ class Seat:
     member: Member
     request: JobRequest
     flights: list[Flight]
-    began: float  # time.perf_counter() as it entered the loop
     timeout_at: float  # time.perf_counter() past which its job timeout ends it
     previews: previews.Cadence
 
@@ -144,8 +143,7 @@ class JoinedExecution:
                                                 job_id=self.seats[0].job.id), self.pipeline.section():
             self.loop.step()
         self._offer_previews()
-        for seat in [seat for seat in self.seats if seat in first]:
-            self._end_if_overflowed(seat)  # after its first step, as a whole execution looks
+        self._end_overflowed([seat for seat in self.seats if seat in first])  # as a whole execution looks
         self._finish([seat for seat in self.seats if seat.done])
         self._hand_over(wait=not self.seats and self.joining is None)
 
@@ -176,8 +174,7 @@ class JoinedExecution:
         for seat, flag in zip(reporting, canceled, strict=True):
             if flag and seat in self.seats:
                 self._end(seat, JobCanceledError())
-            elif seat in self.seats:
-                self._end_if_overflowed(seat)
+        self._end_overflowed([seat for seat in reporting if seat in self.seats])
 
     # --- jobs in and out -----------------------------------------------------------------------------
 
@@ -200,7 +197,7 @@ class JoinedExecution:
                 now = time.perf_counter()
                 timeout = member.job.timeout or self.settings.job_timeout_s
                 cadence = previews.Cadence(self.settings.preview_interval_ms / 1000)
-                self.seats.append(Seat(member, each[0], flights, now, now + timeout, cadence))
+                self.seats.append(Seat(member, each[0], flights, now + timeout, cadence))
         if self.seats:
             self.pipeline.threads.use(work_of([seat.request for seat in self.seats]))
         return refused
@@ -266,10 +263,9 @@ class JoinedExecution:
         """How many more jobs may join: SLOTQ_MAX_BATCH jobs in all, and no more pixels than batching
         allows (each newcomer counted at the most images a job may ask)."""
         width, height = self.seats[0].request.width, self.seats[0].request.height
-        capacity = self.pipeline.capacity.pixels
-        pixels = self.settings.batch_pixels if capacity is None else min(self.settings.batch_pixels, capacity)
         held = sum(len(seat.flights) for seat in self.seats) * width * height
-        fits = (pixels - held) // (width * height * 4)
+        free = batching.pixel_bound(self.settings, self.pipeline.capacity.pixels) - held
+        fits = free // (width * height * 4)
         return min(self.settings.max_batch - len(self.seats), fits)
 
     def _finish(self, seats: list[Seat]) -> None:
@@ -323,9 +319,16 @@ class JoinedExecution:
         if not self.seats:
             estimates.clear_running(self.connection, self.line, self.worker.name)
 
-    def _end_if_overflowed(self, seat: Seat) -> None:
-        if any(torch.isnan(flight.latents).any() for flight in seat.flights):
-            self._end(seat, JobFailedError("nan_output", NAN_OUTPUT))
+    def _end_overflowed(self, seats: list[Seat]) -> None:
+        """End each of these jobs whose latents hold NaN (one read of the device for all)."""
+        if not seats:
+            return
+        flags = torch.stack([torch.isnan(flight.latents).any() for seat in seats for flight in seat.flights])
+        overflowed = flags.tolist()
+        for seat in seats:
+            mine, overflowed = overflowed[:len(seat.flights)], overflowed[len(seat.flights):]
+            if any(mine):
+                self._end(seat, JobFailedError("nan_output", NAN_OUTPUT))
 
     def _drop_stale(self, seats: list[Seat]) -> None:
         """A report found a newer attempt at some of these jobs: find which, and drop them unwritten."""
@@ -378,7 +381,7 @@ class JoinedExecution:
             try:
                 with holding(*self._fences()), self.connection.pipeline(transaction=False) as pipe:
                     self.running = estimates.mark_running(pipe, self.line, self.worker.name, self.cost,
-                                                          time.time())
+                                                          self.first.starts_at())
                     pipe.execute()
             except (RedisError, StaleAttemptError) as exc:
                 log.warning("could not mark the resumed jobs running: %s", exc)

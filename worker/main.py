@@ -89,6 +89,7 @@ class SlotWorker(Outcomes):
         self._steppable: dict[str, bool] = {}
         if settings.step_scheduling:
             self._steppable[settings.served_models[0]] = steppable_model(current_pipeline())
+        self._model_of_line = {settings.line_of(model): model for model in settings.served_models}
 
     def serve(self, burst: bool = False) -> int:
         """Take and run jobs until told to stop; the process's exit code."""
@@ -255,15 +256,10 @@ class SlotWorker(Outcomes):
         model = self._model_of_line.get(claimed.line or self.settings.line, "")
         return self._steppable.get(model, False)
 
-    @property
-    def _model_of_line(self) -> dict[str, str]:
-        return {self.settings.line_of(model): model for model in self.settings.served_models}
-
     def _run_joined(self, taken: Taken, members: list[Member], running: str, cost: float, canceled: set[str],
                     line: str) -> list[Member]:
         """Run started jobs through the step-level loop, which others join (worker/joining.py); the
         members it refused, for a whole-pipeline execution."""
-        started = time.perf_counter()
         try:
             with holding(*(member.fence for member in members)), \
                     logs.about_job(*ids_of([member.job for member in members])):
@@ -273,6 +269,7 @@ class SlotWorker(Outcomes):
             for member in members:
                 self._fail(member, exc)
             return []
+        started = time.perf_counter()  # a model's load is not the execution's
         execution = JoinedExecution(self, line, taken, running, cost)
         refused = execution.run(members, canceled)
         self.metrics.gpu_section.observe(time.perf_counter() - started)

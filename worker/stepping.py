@@ -128,12 +128,8 @@ def refusal(request: JobRequest, pipe: Any, samplers: Samplers | None = None) ->
     family = PIPELINE_CLASSES.get(type(pipe).__name__)
     if family is None:
         return f"{type(pipe).__name__} is not a text-to-image pipeline the loop knows"
-    features = {"an input image": request.image is not None, "a hires pass": request.hires is not None,
-                "ControlNets": bool(request.controlnets), "an IP-Adapter": request.ip_adapter is not None,
-                "LoRAs": bool(request.loras), "weighted prompts": request.prompt_syntax == "weighted",
-                "the fast tier": request.speed == "fast", "no seed": request.seed is None}
-    missing = [name for name, asked in features.items() if asked]
-    if missing:  # each changes the model call for its rows alone, or holds state across a whole call
+    missing = [*request.not_steppable, *(["no seed"] if request.seed is None else [])]
+    if missing:
         return f"step-level scheduling does not run jobs with {', '.join(missing)} yet"
     if request.scheduler is not None and request.scheduler not in STEPPABLE[family]:
         return (f"the sampler {request.scheduler!r} is not steppable on {family} models; steppable: "

@@ -361,12 +361,18 @@ class JobRequest(BaseModel):
     def join_key(self) -> str:
         """Jobs with equal keys may share the step-level loop's batch (worker/joining.py), joining it
         at any step: same size and tier, whatever their steps, guidance, sampler, seed or image count.
-        '' for a job the loop does not run (an input image, a hires pass, adapters, controls, weighted
-        prompts, the fast or auto tier): it keeps start-only batching."""
-        if (self.image is not None or self.hires is not None or self.loras or self.controlnets
-                or self.ip_adapter is not None or self.prompt_syntax != "plain" or self.speed != "normal"):
-            return ""
-        return f"{self.width}x{self.height}/join"
+        '' for a job the loop does not run (:attr:`not_steppable`): it keeps start-only batching."""
+        return "" if self.not_steppable else f"{self.width}x{self.height}/join"
+
+    @property
+    def not_steppable(self) -> list[str]:
+        """What in this job the step-level loop does not run, by name ([] where it runs it): each
+        changes the model call for its rows alone, or holds state across a whole call."""
+        features = {"an input image": self.image is not None, "a hires pass": self.hires is not None,
+                    "ControlNets": bool(self.controlnets), "an IP-Adapter": self.ip_adapter is not None,
+                    "LoRAs": bool(self.loras), "weighted prompts": self.prompt_syntax == "weighted",
+                    "the fast tier": self.speed == "fast", "the auto tier": self.speed == "auto"}
+        return [name for name, asked in features.items() if asked]
 
     @property
     def _syntax_key(self) -> str:

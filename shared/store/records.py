@@ -162,10 +162,8 @@ def report_progress(jobs: list[Job], step: int, total: int) -> list[bool]:
     itself, writes the progress and answers whether the job was canceled, rather than the two
     round trips of a watched transaction.
     """
-    for job in jobs:
-        job.meta["progress"] = {"step": step, "total": total}
     if step:
-        return _report_step(jobs)
+        return report_steps(jobs, [(step, total)] * len(jobs))
     with jobs[0].connection.pipeline(transaction=False) as pipe:
         announce_start(jobs, pipe)
         answers = pipe.execute()
