@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # slotq HTTP API: Flask under gunicorn. CPU-only, deliberately without torch.
 FROM python:3.11-slim
 

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from shared.contract.settings import Settings
+from tests.deploy import engine
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -261,7 +262,7 @@ def _host_ips(service: dict[str, Any]) -> list[str]:
         if isinstance(port, dict):
             hosts.append(str(port.get("host_ip", "")))
         else:
-            parts = str(port).split(":")
+            parts = _interpolated(str(port)).split(":")
             hosts.append(parts[0] if len(parts) == 3 else "")
     return hosts
 
@@ -333,6 +334,8 @@ def _docker_compose() -> list[str] | None:
         major = re.match(r"v?(\d+)\.", version.stdout.strip())
         if version.returncode == 0 and major and int(major.group(1)) >= 2:
             return command
+    if engine.compose_cached() or os.environ.get("SLOTQ_REQUIRE_DOCKER") == "1":
+        return [str(engine.compose_binary())]  # the one the container tests use
     return None
 
 
@@ -422,6 +425,38 @@ def test_proxy_publishes_nginx_port() -> None:
     assert targets, "proxy publishes no port"
     listens = {int(port) for port in re.findall(r"^\s*listen\s+(\d+)", NGINX_CONF.read_text(), re.M)}
     assert set(targets) <= listens, f"published {targets}, nginx listens on {listens}"
+
+
+def test_proxy_publishes_on_loopback_by_default() -> None:
+    """With no API keys by default, the proxy is reached from this host only unless told."""
+    assert _host_ips(_service("proxy")) == ["127.0.0.1"]
+    assert "${SLOTQ_BIND_ADDRESS:-127.0.0.1}:" in _service("proxy")["ports"][0]
+
+
+def test_worker_is_healthy_once_ready() -> None:
+    """The worker's healthcheck reads its /readyz, on the port its metrics are served on."""
+    compose = " ".join(_service("worker")["healthcheck"]["test"])
+    for healthcheck in (compose, _last(WORKER_DOCKERFILE, "HEALTHCHECK")):
+        assert "/readyz" in healthcheck and "SLOTQ_WORKER_METRICS_PORT" in healthcheck
+
+
+def test_every_worker_service_runs_one_image() -> None:
+    """worker-xl and worker-folder run the worker's image, not images of their own."""
+    image = _service("worker")["image"]
+    for name in ("worker-xl", "worker-folder"):
+        assert _extended(name).get("image") == image
+
+
+def test_dockerfiles_fetch_no_frontend() -> None:
+    """No `# syntax=` line: BuildKit would fetch that front end from Docker Hub before building."""
+    for dockerfile in (API_DOCKERFILE, WORKER_DOCKERFILE):
+        assert not re.search(r"^#\s*syntax\s*=", dockerfile.read_text(), re.M | re.I), dockerfile.name
+
+
+def test_env_example_changes_nothing_until_uncommented() -> None:
+    """`cp .env.example .env` sets nothing: each setting is shown commented out, at its default."""
+    assignment = r"^\s*(?:export\s+)?[A-Za-z_][A-Za-z0-9_]*\s*=.*$"
+    assert re.findall(assignment, ENV_EXAMPLE.read_text(), re.M) == []
 
 
 def test_proxy_mounts_nginx_conf_read_only() -> None:
@@ -616,6 +651,29 @@ def test_monitoring_service_conventions(name: str) -> None:
     hosts = _host_ips(service)
     assert hosts, f"{name} publishes no port"
     assert set(hosts) == {"127.0.0.1"}, f"{name} is published beyond 127.0.0.1: {service['ports']}"
+
+
+def test_cpu_override_reserves_no_gpu() -> None:
+    """With docker-compose.cpu.yml every worker service runs on the CPU and reserves no device."""
+    command = _docker_compose()
+    if command is None:
+        pytest.skip("Docker Compose v2 is not installed here; the file is checked as YAML only")
+    result = subprocess.run(
+        [*command, "-f", "docker-compose.yml", "-f", "docker-compose.cpu.yml", "--profile", "*", "config",
+         "--format", "json"], cwd=ROOT, capture_output=True, text=True, timeout=60, env=_without_env_file(),
+    )
+    assert result.returncode == 0, result.stderr
+    services = json.loads(result.stdout)["services"]
+    workers = {name for name in services if name.startswith("worker")}
+    assert workers == {"worker", "worker-xl", "worker-folder"}
+    for name in workers:
+        assert "deploy" not in services[name], name
+        assert services[name]["environment"]["SLOTQ_DEVICE"] == "cpu", name
+
+
+def _without_env_file() -> dict[str, str]:
+    """The environment with no SLOTQ_ or COMPOSE_ variable, which compose would read."""
+    return {key: value for key, value in os.environ.items() if not key.startswith(("SLOTQ_", "COMPOSE_"))}
 
 
 def test_compose_config_is_valid() -> None:
