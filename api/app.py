@@ -34,7 +34,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     draining = app.extensions["slotq.draining"] = threading.Event()  # set by the server on SIGTERM
     waits = app.extensions["slotq.waits"] = Waits.for_settings(queue.connection, settings, draining)
     app.extensions["slotq.jobs"] = Jobs(queue, settings, waits)
-    app.extensions["slotq.streams"] = Streams(queue, waits, settings.max_streams)
+    app.extensions["slotq.streams"] = Streams(queue, waits, settings.max_streams, settings.tenant_wait_share)
     app.extensions["slotq.keys"] = policies(settings)
     if app.extensions["slotq.keys"]:  # an open service reads no key, and sets no tenant
         app.before_request(authenticate)

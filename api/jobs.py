@@ -89,7 +89,9 @@ class Jobs:
                                          ticket.idempotency_key, ticket.tenant, ticket.request_id,
                                          submission.inputs)
         fetch = partial(records.fetch_job, self.queue, admitted.job_id, ticket.tenant)
-        held = self.waits.hold(admitted.job_id, fetch, wait, longpoll.finished, reserved) if wait else None
+        # Admitted already: a tenant over its share of the waiting slots is answered at once, not refused.
+        held = self.waits.hold(admitted.job_id, fetch, wait, longpoll.finished, reserved,
+                               tenant=ticket.tenant.name if ticket.tenant else None) if wait else None
         if held is not None:
             view = records.current_view(self.queue, self.settings, held, ticket.tenant)
         elif admitted.prior is not None:
@@ -106,7 +108,8 @@ class Jobs:
     def read(self, job_id: str, tenant: Tenant | None = None, wait: float | None = None) -> JobView:
         """A job's view; with ``wait``, once its status changes or ``wait`` seconds pass."""
         fetch = partial(records.fetch_job, self.queue, job_id, tenant)
-        job = self.waits.hold(job_id, fetch, wait, longpoll.changed) if wait else None
+        job = self.waits.hold(job_id, fetch, wait, longpoll.changed, tenant=tenant.name if tenant else None,
+                              refuse=True) if wait else None
         return records.current_view(self.queue, self.settings, job if job is not None else fetch(), tenant)
 
     def image(self, job_id: str, index: int, tenant: Tenant | None = None) -> bytes | str:

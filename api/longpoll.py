@@ -31,8 +31,9 @@ from redis.client import PubSub
 from redis.exceptions import RedisError
 from rq.job import Job
 
+from api.slots import Slots, Taken
 from shared.contract import keys
-from shared.contract.errors import InvalidRequestError, TooManyWaitingError
+from shared.contract.errors import InvalidRequestError, TenantWaitShareError, TooManyWaitingError
 from shared.contract.jobs import JobStatus
 from shared.contract.settings import Settings
 from shared.store import events, records
@@ -93,12 +94,14 @@ def finished(first: JobStatus, now: JobStatus) -> bool:
 class Waits:
     """The requests of one API process that wait on jobs, and the listener thread that wakes them."""
 
-    def __init__(self, connection: Redis, queue_name: str, draining: threading.Event, capacity: int) -> None:
+    def __init__(self, connection: Redis, queue_name: str, draining: threading.Event, capacity: int,
+                 tenant_share: float = 1.0) -> None:
         self._connection = connection
         self._queue_name = queue_name
         self._draining = draining
         # Past this many waiting requests a wait is not held: threads stay free for submits and reads.
-        self._slots = threading.BoundedSemaphore(capacity)
+        # And a tenant holds at most its share of them.
+        self.slots = Slots(capacity, tenant_share)
         self._lock = threading.Lock()
         self._waiters: dict[str, set[threading.Event]] = {}
         self._seen: dict[threading.Event, tuple[str, JobStatus]] = {}  # each held request's job, as last read
@@ -113,7 +116,8 @@ class Waits:
     @classmethod
     def for_settings(cls, connection: Redis, settings: Settings, draining: threading.Event) -> Waits:
         """Waits for this API process: half its threads may wait, the other half stay free."""
-        return cls(connection, settings.queue_name, draining, max(1, settings.api_threads // 2))
+        return cls(connection, settings.queue_name, draining, max(1, settings.api_threads // 2),
+                   settings.tenant_wait_share)
 
     @property
     def waiting(self) -> int:
@@ -122,27 +126,36 @@ class Waits:
             return sum(len(events) for events in self._waiters.values())
 
     @contextmanager
-    def reserved(self) -> Iterator[None]:
+    def reserved(self, tenant: str | None = None) -> Iterator[None]:
         """A waiting slot taken before the job is admitted, for a call that must wait (the
-        compatibility surfaces' synchronous calls): ``TooManyWaitingError`` where none is free, so
-        that a refused call leaves no job behind. ``hold(..., reserved=True)`` uses it."""
-        if not self._slots.acquire(blocking=False):
+        compatibility surfaces' synchronous calls): ``TooManyWaitingError`` where none is free,
+        ``TenantWaitShareError`` where the tenant holds its share, so that a refused call leaves no
+        job behind. ``hold(..., reserved=True)`` uses it."""
+        taken = self.slots.take(tenant)
+        if taken is Taken.OVER_SHARE:
+            raise TenantWaitShareError(retry_after=1)
+        if taken is Taken.FULL:
             raise TooManyWaitingError(retry_after=1)
         try:
             yield
         finally:
-            self._slots.release()
+            self.slots.give(tenant)
 
     def hold(self, job_id: str, read: Callable[[], Job], seconds: float, done: Done,
-             reserved: bool = False) -> Job | None:
+             reserved: bool = False, tenant: str | None = None, refuse: bool = False) -> Job | None:
         """The job as ``read`` gives it once ``done``, ``seconds`` pass or the process drains (at once
         where it is done already); None when not held: the process drains, or every waiting slot is
-        taken. ``reserved``: the caller holds a slot already (:meth:`reserved`)."""
+        taken, or the tenant holds its share of them (``refuse``: ``TenantWaitShareError`` then).
+        ``reserved``: the caller holds a slot already (:meth:`reserved`)."""
         if self._draining.is_set():
             return None
-        if not reserved and not self._slots.acquire(blocking=False):
-            log.info("too many requests waiting; job %s answered at once", job_id)
-            return None
+        if not reserved:
+            taken = self.slots.take(tenant)
+            if taken is Taken.OVER_SHARE and refuse:
+                raise TenantWaitShareError(retry_after=1)
+            if taken is not Taken.TAKEN:
+                log.info("too many requests waiting (%s); job %s answered at once", taken.value, job_id)
+                return None
         wake = threading.Event()
         try:
             # Waiting before the first read: whatever is announced after that read wakes this one.
@@ -164,7 +177,7 @@ class Waits:
         finally:
             self._leave(job_id, wake)
             if not reserved:
-                self._slots.release()
+                self.slots.give(tenant)
 
     @contextmanager
     def watching(self, *names: str) -> Iterator[threading.Event]:

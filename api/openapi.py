@@ -233,7 +233,7 @@ def _job_paths(codes: dict[int, list[str]]) -> dict[str, Any]:
         "/v1/jobs/{id}": {
             "parameters": [JOB_ID],
             "get": _operation(codes, "getJob", "A job's status, progress and result links.",
-                              {"200": _json("The job.", "JobView")}, (404, 410, 422, 503), parameters=[WAIT]),
+                              {"200": _json("The job.", "JobView")}, (404, 410, 422, 429, 503), parameters=[WAIT]),
             "delete": _operation(codes, "cancelJob", "Cancel a job.",
                                  {"200": _json("Canceled now.", "JobView"),
                                   "202": _json("Its worker stops it at its next step.", "JobView")},
@@ -244,7 +244,7 @@ def _job_paths(codes: dict[int, list[str]]) -> dict[str, Any]:
             "get": _operation(codes, "streamJobEvents", "A job's events, as server-sent events.",
                               {"200": _text(EVENTS_DESCRIPTION, "text/event-stream"),
                                "204": {"description": "The client had the final event: nothing more comes."}},
-                              (404, 410, 422, 503), parameters=EVENT_PARAMETERS),
+                              (404, 410, 422, 429, 503), parameters=EVENT_PARAMETERS),
         },
         "/v1/jobs/{id}/images/{index}": {
             "parameters": [JOB_ID, IMAGE_INDEX],

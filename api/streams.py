@@ -15,15 +15,15 @@ every ``KEEPALIVE_S`` so that proxies keep the stream open; the stream ends afte
 or when the process drains (the client reconnects to another).
 
 A stream holds one of the process's SLOTQ_MAX_STREAMS slots while it is open; past them a request
-is refused with 503 and ``Retry-After``.
+is refused with 503 and ``Retry-After``, and past its tenant's share of them (SLOTQ_TENANT_WAIT_SHARE)
+with 429.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import threading
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import cast
 
@@ -33,8 +33,9 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job
 
 from api.longpoll import Waits
+from api.slots import Slots, Taken
 from shared.contract import keys
-from shared.contract.errors import InvalidRequestError, TooManyStreamsError
+from shared.contract.errors import InvalidRequestError, TenantStreamShareError, TooManyStreamsError
 from shared.contract.jobs import JobStatus, JobView
 from shared.contract.tenants import Tenant
 from shared.store import records, waiting
@@ -72,11 +73,12 @@ class Cursor:
 
 
 class Streams:
-    """The event streams of one API process, at most ``capacity`` open at once."""
+    """The event streams of one API process, at most ``capacity`` open at once, at most
+    ``tenant_share`` of them a tenant's."""
 
-    def __init__(self, queue: Queue, waits: Waits, capacity: int) -> None:
+    def __init__(self, queue: Queue, waits: Waits, capacity: int, tenant_share: float = 1.0) -> None:
         self.queue, self.waits = queue, waits
-        self._slots = threading.BoundedSemaphore(capacity)
+        self.slots = Slots(capacity, tenant_share)
 
     def open(self, job_id: str, tenant: Tenant | None, last_event_id: str | None) -> Opened | None:
         """The stream of a job this tenant may read (else ``JobNotFoundError``), as SSE text; None
@@ -85,9 +87,13 @@ class Streams:
         cursor = Cursor.parse(last_event_id)
         if cursor.ended:
             return None
-        if not self._slots.acquire(blocking=False):
+        caller = tenant.name if tenant else None
+        taken = self.slots.take(caller)
+        if taken is Taken.OVER_SHARE:
+            raise TenantStreamShareError(retry_after=2)
+        if taken is Taken.FULL:
             raise TooManyStreamsError(retry_after=2)
-        return Opened(self._events(job, cursor), self._slots)
+        return Opened(self._events(job, cursor), lambda: self.slots.give(caller))
 
     def _events(self, job: Job, cursor: Cursor) -> Iterator[str]:
         line = keys.line_changed(waiting.line_of(job))
@@ -177,8 +183,8 @@ class Opened:
     """An open stream as the WSGI server iterates it; closing it (the server does, however the
     stream ends, even unread) gives its slot back once."""
 
-    def __init__(self, events: Iterator[str], slots: threading.BoundedSemaphore) -> None:
-        self._events, self._slots, self._open = events, slots, True
+    def __init__(self, events: Iterator[str], give_back: Callable[[], None]) -> None:
+        self._events, self._give_back, self._open = events, give_back, True
 
     def __iter__(self) -> Iterator[str]:
         return self._events
@@ -187,7 +193,7 @@ class Opened:
         if self._open:
             self._open = False
             getattr(self._events, "close", lambda: None)()  # the watch ends with the generator
-            self._slots.release()
+            self._give_back()
 
 
 def _frame(event_id: str, event: str, data: str) -> str:

@@ -5,7 +5,8 @@ The job is an ordinary slotq job: admitted by the same script under every limit,
 and readable at ``/v1/jobs/<id>`` while and after the call waits. A call that outlasts its wait, or
 that this process stops holding (it drains) raises ``SyncWaitExceededError`` naming the job, which
 goes on. A call waits in one of the process's waiting slots (``api/longpoll.py``), taken before the
-job is admitted: where none is free, the call is refused (``TooManyWaitingError``) and admits nothing.
+job is admitted: where none is free (``TooManyWaitingError``), or its tenant holds its share of them
+(``TenantWaitShareError``), the call is refused and admits nothing.
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def noted(error: ServiceError) -> ServiceError:
 def run(submitted: Submission) -> Finished:
     """Admit the job and wait for its end; its images, or ``JobEndedError`` where it has none."""
     ticket, wait = Ticket(None, tenant(), logs.request_id.get()), settings().sync_wait_s
-    with jobs().waits.reserved():  # refused before admission where this process may hold no more calls
+    caller = ticket.tenant.name if ticket.tenant else None
+    with jobs().waits.reserved(caller):  # refused before admission where this process may hold no more calls
         outcome = jobs().submit(submitted, ticket, wait=wait, reserved=True)
     g.admission, g.about = "admitted", outcome.about
     view = outcome.view

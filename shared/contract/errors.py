@@ -139,6 +139,18 @@ class TenantQueueFullError(ServiceError):
     status, code, message = 429, "tenant_queue_full", "This tenant already has its most jobs waiting."
 
 
+class TenantWaitShareError(ServiceError):
+    status, code = 429, "tenant_wait_share"
+    message = ("This API key holds its share of this API process's waiting calls (SLOTQ_TENANT_WAIT_SHARE); "
+               "retry soon.")
+
+
+class TenantStreamShareError(ServiceError):
+    status, code = 429, "tenant_stream_share"
+    message = ("This API key holds its share of this API process's event streams (SLOTQ_TENANT_WAIT_SHARE); "
+               "retry shortly or poll.")
+
+
 class RateLimitedError(ServiceError):
     status, code, message = 429, "rate_limited", "This API key is over its rate; retry later."
 

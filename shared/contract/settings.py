@@ -189,6 +189,8 @@ class Settings(BaseSettings):
     # greenlet each, so open streams hold no thread (bench/streams.py measures both).
     api_worker_class: Literal["gthread", "gevent"] = "gevent"
     max_streams: int = Field(200, ge=1, le=10_000)
+    # With API keys, one tenant's most of an API process's waiting slots and of its event streams.
+    tenant_wait_share: float = Field(0.5, gt=0, le=1)
     # The compatibility surfaces (OpenAI Images, AUTOMATIC1111) answer when the job ends, up to this.
     sync_wait_s: float = Field(600.0, gt=0, le=86_400)
     # Model names a foreign client sends, each meaning one of SLOTQ_MODEL_NAMES (OpenAI's own names

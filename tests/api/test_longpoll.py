@@ -155,6 +155,38 @@ def test_waits_past_the_bound_answer_at_once(settings: Settings, pool: ThreadPoo
 
 
 @pytest.mark.usefixtures("announcements_only")
+def test_a_tenant_over_its_share_of_the_waits_is_refused_and_another_is_held(
+        settings: Settings, pool: ThreadPoolExecutor) -> None:
+    """Four waiting slots, two per tenant: alice's third ?wait is 429, bob's is held beside hers."""
+    keys = {"key-alice": "alice", "key-bob": "bob"}
+    app = create_app(settings.model_copy(update={"api_threads": 8, "api_keys": keys}))
+    alice, bob = ({"Authorization": f"Bearer {key}"} for key in keys)
+
+    def held(headers: dict[str, str], job_id: str) -> Any:
+        return app.test_client().get(f"/v1/jobs/{job_id}?wait=20", headers=headers)
+
+    def submitted(headers: dict[str, str]) -> str:
+        return str(client.post("/v1/jobs", json={"prompt": "a red fox"}, headers=headers).get_json()["id"])
+
+    try:
+        client = app.test_client()
+        alices = [submitted(alice) for _ in range(3)]
+        futures = [pool.submit(held, alice, job_id) for job_id in alices[:2]]
+        wait_for(lambda: waits_of(app).waiting == 2, timeout=10, what="alice's two waits")
+        refused = client.get(f"/v1/jobs/{alices[2]}?wait=20", headers=alice)
+        assert refused.status_code == 429 and error_of(refused)["code"] == "tenant_wait_share"
+        assert int(refused.headers["Retry-After"]) >= 1
+        bobs = submitted(bob)
+        futures.append(pool.submit(held, bob, bobs))
+        wait_for(lambda: waits_of(app).waiting == 3, timeout=10, what="bob's wait held")
+        for job_id, headers in [*((job_id, alice) for job_id in alices[:2]), (bobs, bob)]:
+            client.delete(f"/v1/jobs/{job_id}", headers=headers)
+        assert [future.result(timeout=10).get_json()["status"] for future in futures] == ["canceled"] * 3
+    finally:
+        app.extensions["slotq.queue"].connection.close()
+
+
+@pytest.mark.usefixtures("announcements_only")
 def test_draining_releases_the_waiters(client: FlaskClient, pool: ThreadPoolExecutor) -> None:
     app = client.application
     ids = [post_job(client).get_json()["id"] for _ in range(2)]

@@ -234,6 +234,21 @@ def test_streams_are_bounded_per_process(settings: Settings) -> None:
         open_stream(client, job_id).close()
 
 
+def test_a_tenant_holds_at_most_its_share_of_the_streams(settings: Settings) -> None:
+    """Of 4 streams, one tenant holds 2 (SLOTQ_TENANT_WAIT_SHARE, one half): a third is refused 429,
+    while another tenant still opens one."""
+    for client in app_client(Settings(**(settings.model_dump() | {"api_keys": KEYS, "max_streams": 4}))):
+        alices = [submit(client, "key-a") for _ in range(3)]
+        held = [open_stream(client, job_id, key="key-a") for job_id in alices[:2]]
+        refused = client.get(f"/v1/jobs/{alices[2]}/events", headers={"Authorization": "Bearer key-a"})
+        assert refused.status_code == 429 and refused.get_json()["error"]["code"] == "tenant_stream_share"
+        assert int(refused.headers["Retry-After"]) >= 1
+        open_stream(client, submit(client, "key-c"), key="key-c").close()  # carol keeps her share
+        held[0].close()  # alice's slot comes back
+        open_stream(client, alices[2], key="key-a").close()
+        held[1].close()
+
+
 @pytest.mark.parametrize("last", ["x", "1-2/q", "1-2/end/q3", "12345678901234567890123-0"])
 def test_a_malformed_last_event_id_is_refused(client: FlaskClient, last: str) -> None:
     job_id = submit(client)

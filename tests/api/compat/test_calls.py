@@ -46,6 +46,39 @@ def test_a_call_with_no_waiting_slot_free_is_refused_before_admission(one_slot: 
     assert generate(one_slot)[0] == 504  # the slot is free again
 
 
+@pytest.fixture
+def two_slots_keyed(settings: Settings) -> Iterator[FlaskClient]:
+    """An API process (no worker) with two tenants, whose calls wait 2 s, in two waiting slots (half
+    of 4 threads): one each (SLOTQ_TENANT_WAIT_SHARE, one half)."""
+    keys = {"sk-alice": "alice", "sk-bob": "bob"}
+    update = {"api_threads": 4, "sync_wait_s": 2.0, "api_keys": keys}
+    yield from app_client(settings.model_copy(update=update))
+
+
+def generate_as(client: FlaskClient, key: str) -> tuple[int, dict]:
+    answer = client.post("/v1/images/generations", data=BODY, content_type="application/json",
+                         headers={"Authorization": f"Bearer {key}"})
+    return answer.status_code, answer.get_json()
+
+
+def test_a_tenant_over_its_share_of_the_waiting_slots_is_refused_and_the_others_wait(
+        two_slots_keyed: FlaskClient, redis: Redis, settings: Settings) -> None:
+    """Alice's second call is refused with 429 before admission, while bob's call is admitted and
+    held in the slot she could not take."""
+    client, answers = two_slots_keyed, []
+    alice = threading.Thread(target=lambda: answers.append(generate_as(client, "sk-alice")))
+    alice.start()
+    wait_for(lambda: len(waiting_ids(redis, settings)) == 1, what="alice's first call admitted")
+    status, refused = generate_as(client, "sk-alice")
+    assert status == 429 and refused["error"]["code"] == "tenant_wait_share", refused
+    assert len(waiting_ids(redis, settings)) == 1  # the refused call left no job behind
+    status, answered = generate_as(client, "sk-bob")  # held until SLOTQ_SYNC_WAIT_S: no worker runs here
+    assert status == 504 and answered["error"]["code"] == "sync_wait_exceeded", answered
+    alice.join(10)
+    assert [status for status, _ in answers] == [504]
+    assert len(waiting_ids(redis, settings)) == 2
+
+
 def test_every_route_of_both_surfaces_is_documented_under_its_tag(settings: Settings) -> None:
     from api.app import create_app
     from api.openapi import openapi_document
