@@ -6,8 +6,9 @@ import threading
 
 from flask import Flask, Response, g, jsonify
 from werkzeug.exceptions import HTTPException
+from werkzeug.middleware.proxy_fix import ProxyFix
 
-from api import compat, observability
+from api import bodies, compat, observability
 from api.errors import as_service_error
 from api.jobs import Jobs
 from api.longpoll import Waits
@@ -36,12 +37,16 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.extensions["slotq.jobs"] = Jobs(queue, settings, waits)
     app.extensions["slotq.streams"] = Streams(queue, waits, settings.max_streams, settings.tenant_wait_share)
     app.extensions["slotq.keys"] = policies(settings)
+    app.before_request(bodies.buffer_unsized)  # a chunked body is bounded as a sized one is
     if app.extensions["slotq.keys"]:  # an open service reads no key, and sets no tenant
         app.before_request(authenticate)
     observability.install(app, ApiMetrics(settings, queue))
     app.register_blueprint(bp)
     app.register_blueprint(page)
     app.wsgi_app = secured(app.wsgi_app)  # type: ignore[method-assign,assignment]
+    if settings.trusted_proxies:  # X-Forwarded-For/-Proto/-Host from that many proxies, else ignored
+        hops = settings.trusted_proxies
+        app.wsgi_app = ProxyFix(app.wsgi_app, x_for=hops, x_proto=hops, x_host=hops)  # type: ignore[method-assign]
     app.register_error_handler(ServiceError, error_response)
     app.register_error_handler(HTTPException, http_error)
     app.register_error_handler(Exception, other_error)

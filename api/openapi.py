@@ -233,7 +233,8 @@ def _job_paths(codes: dict[int, list[str]]) -> dict[str, Any]:
         "/v1/jobs/{id}": {
             "parameters": [JOB_ID],
             "get": _operation(codes, "getJob", "A job's status, progress and result links.",
-                              {"200": _json("The job.", "JobView")}, (404, 410, 422, 429, 503), parameters=[WAIT]),
+                              {"200": _json("The job.", "JobView")}, (404, 410, 422, 429, 503),
+                              parameters=[WAIT]),
             "delete": _operation(codes, "cancelJob", "Cancel a job.",
                                  {"200": _json("Canceled now.", "JobView"),
                                   "202": _json("Its worker stops it at its next step.", "JobView")},

@@ -5,13 +5,12 @@ Errors are raised as the typed errors of ``shared/contract/errors.py``; ``api/ap
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from flask import Blueprint, Response, current_app, g, jsonify, request
 from pydantic import BaseModel
 
-from api import longpoll
+from api import bodies, longpoll
 from api.compat.openai_images import model_list
 from api.jobs import Jobs, Ticket
 from shared.contract import logs, tenants
@@ -138,8 +137,8 @@ def queue_state() -> Response:
 
 @bp.get("/v1/workers")
 def list_workers() -> Response:
-    """The live workers of every model: host, device, state and the ids of the jobs they hold."""
-    return jsonify({"workers": [view.model_dump(mode="json") for view in _jobs().workers()]})
+    """The live workers of every model: host, device, state and the ids of the caller's jobs they hold."""
+    return jsonify({"workers": [view.model_dump(mode="json") for view in _jobs().workers(_tenant())]})
 
 
 @bp.get("/v1/models")
@@ -223,10 +222,9 @@ def _json_body() -> Any:
     if request.mimetype != "application/json":
         raise UnsupportedMediaTypeError()
     try:
-        return json.loads(request.get_data(cache=False))
-    except (ValueError, RecursionError):
-        # RecursionError: a body of deeply nested brackets is malformed input, not a crash.
-        raise InvalidJSONError() from None
+        return bodies.loads(request.get_data(cache=False))
+    except ValueError as exc:
+        raise InvalidJSONError(f"The request body is not valid JSON: {exc}.") from None
 
 
 def _idempotency_key() -> str | None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 import re
 import time
 from collections.abc import Callable, Iterable
@@ -21,6 +20,7 @@ from flask import Blueprint, Response, jsonify, request
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from api import bodies
 from api.compat import calls, uploads
 from api.errors import as_service_error
 from shared.contract.errors import (
@@ -55,7 +55,7 @@ OUTPUT_FORMATS = {"jpeg": "JPEG", "webp": "WEBP"}  # besides png, the job's own 
 # Multipart sends every field as text: the numbers and the JSON ones, parsed.
 FORM_FIELDS: dict[str, Callable[[str], Any]] = {
     "n": int, "output_compression": int, "partial_images": int, "seed": int, "steps": int,
-    "guidance_scale": float, "strength": float, "loras": json.loads,
+    "guidance_scale": float, "strength": float, "loras": bodies.loads,
     "stream": lambda text: {"true": True, "false": False}[text.lower()],
 }
 FILE_FIELDS = ("image", "image[]", "mask")
@@ -159,9 +159,9 @@ def model_list(names: Iterable[str], aliases: Iterable[str]) -> dict[str, Any]:
 
 def _json_body() -> Any:
     try:
-        return json.loads(request.get_data(cache=False))
-    except (ValueError, RecursionError):
-        raise InvalidRequestError("The body is not valid JSON.") from None
+        return bodies.loads(request.get_data(cache=False))
+    except ValueError as exc:
+        raise InvalidRequestError(f"The body is not valid JSON: {exc}.") from None
 
 
 def _form_body() -> dict[str, Any]:
@@ -305,7 +305,8 @@ def _answer(asked: GenerationRequest, finished: calls.Finished) -> dict[str, Any
     response_format = asked.response_format or ("url" if asked.model in URL_BY_DEFAULT else "b64_json")
     if response_format == "url":
         # The client GETs it with the credentials of this call; ".png": some name the file after the URL.
-        root = request.host_url.rstrip("/")
+        # SLOTQ_PUBLIC_URL where set: the request's Host is the client's to choose.
+        root = calls.settings().public_url or request.host_url.rstrip("/")
         return {"created": created, "data": [{"url": f"{root}{path}.png"} for path in view.images]}
     encoded = [_encoded(png, asked.output_format, asked.output_compression) for png in finished.pngs]
     return {"created": created, "data": [{"b64_json": base64.b64encode(data).decode()} for data in encoded]}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import math
 import re
 import socket
 import threading
@@ -219,14 +220,26 @@ def assert_admitted(response: Any, sent: dict[str, Any], settings: Settings,
         assert type(request[key]) is int, (key, request)  # 8.0 was sent, 8 is kept
 
 
+def finite(value: Any) -> bool:
+    """Whether no number in a JSON value is NaN or infinite."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return all(finite(child) for child in children)
+
+
 def check_submit(client: FlaskClient, body: Any, settings: Settings,
                  validators: dict[str, jsonschema_rs.Validator], ensure_ascii: bool = True) -> int:
     """POST a JSON value; it is admitted exactly when the documented schema says it is valid."""
     response = post(client, json.dumps(body, ensure_ascii=ensure_ascii))  # NaN and Infinity included
     event(f"status {response.status_code}")
     assert response.status_code in (202, 400, 422), (response.status_code, response.data[:300])
+    if response.status_code == 400 and response.get_json()["error"]["code"] == "invalid_json":
+        # NaN or Infinity, which json.dumps writes and JSON has not: refused as not JSON (api/bodies.py).
+        assert not finite(body), body
+        return 400
     if response.status_code == 400:
-        # A valid body with a webhook, which this service (no secret) refuses: the only 400 here.
+        # A valid body with a webhook, which this service (no secret) refuses: the only other 400 here.
         assert isinstance(body, dict) and body.get("webhook")
         assert assert_error(response, validators) == "webhooks_disabled"
         # ...and which its document, with webhooks off, does not offer.

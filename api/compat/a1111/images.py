@@ -28,6 +28,7 @@ from shared.contract.settings import Settings
 KEPT = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp"}  # passed on as sent
 DEFAULT_STRENGTH = 0.75  # A1111's denoising_strength when a body has none
 DEFAULT_BLUR = 4  # A1111's mask_blur
+MAX_BLUR = 256  # a radius past which any mask is one grey (A1111's slider stops at 64)
 
 
 def add_inputs(call: Call, settings: Settings) -> None:
@@ -69,8 +70,9 @@ def start_image(value: Any, size: tuple[int, int] | None, settings: Settings, mu
 
 def mask(value: Any, size: tuple[int, int], settings: Settings, invert: bool, blur: Any) -> str:
     """The mask as a ``data:`` URL of the image's size: white repaints, black keeps."""
-    if not isinstance(blur, int | float) or isinstance(blur, bool) or blur < 0:
-        raise InvalidRequestError(details=[{"loc": ["mask_blur"], "msg": "must be a number of at least 0"}])
+    if not isinstance(blur, int | float) or isinstance(blur, bool) or not 0 <= blur <= MAX_BLUR:
+        message = f"must be a number from 0 to {MAX_BLUR}"
+        raise InvalidRequestError(details=[{"loc": ["mask_blur"], "msg": message}])
     grey = grey_mask(opened("mask", decoded("mask", value, settings), settings))
     if invert:
         grey = ImageOps.invert(grey)

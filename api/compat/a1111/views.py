@@ -14,6 +14,7 @@ from typing import Any
 
 from flask import Blueprint, Response, current_app, g, jsonify, request
 
+from api import bodies
 from api.compat import calls
 from api.compat.a1111 import controlnet, images, translate
 from api.errors import as_service_error
@@ -54,7 +55,10 @@ def authenticate() -> None:
     table = current_app.extensions["slotq.keys"]
     if not table:
         return
-    sent = request.authorization
+    try:
+        sent = request.authorization
+    except ValueError:  # Basic credentials that are not base64 of ASCII: no key was sent
+        sent = None
     key = (sent.password if sent.type == "basic" else sent.token) if sent is not None else None
     try:
         g.tenant = tenant_of_key(table, calls.settings(), key or None)
@@ -126,7 +130,11 @@ def generate(img2img: bool) -> Response:
 
 def json_object() -> dict[str, Any]:
     """The request's JSON object (A1111 reads a body whatever its Content-Type)."""
-    body = request.get_json(force=True, silent=True)
+    try:
+        body = bodies.loads(request.get_data(cache=False))
+    except ValueError as exc:
+        raise InvalidRequestError(f"The body is not valid JSON: {exc}.",
+                                  details=[{"loc": ["body"], "msg": str(exc)}]) from None
     if not isinstance(body, dict):
         raise InvalidRequestError("The body must be a JSON object.",
                                   details=[{"loc": ["body"], "msg": "must be a JSON object"}])
@@ -176,11 +184,9 @@ def schedulers() -> Response:
 @bp.get("/loras")
 def loras() -> Response:
     """The LoRA adapters a prompt on the caller's model may name as ``<lora:name:weight>``."""
-    model = caller_model()
-    folder = calls.settings().lora_dir_of(model.name)
-    return jsonify([{"name": name, "alias": name, "metadata": {},
-                     "path": str(folder / f"{name}.safetensors") if folder else name}
-                    for name in model.loras])
+    # The file's name within the LoRA folder: the server's own paths are not the caller's to know.
+    return jsonify([{"name": name, "alias": name, "metadata": {}, "path": f"{name}.safetensors"}
+                    for name in caller_model().loras])
 
 
 @bp.get("/options")
