@@ -166,13 +166,21 @@ class Jobs:
         return {"waiting": sum(counts.values()), "capacity": self.settings.queue_capacity,
                 "by_priority": counts, "limits": {p: self.settings.waiting_limit(p) for p in PRIORITIES}}
 
-    def workers(self) -> list[WorkerView]:
-        """The live workers of every model, by model and name; a worker serving several models once."""
+    def workers(self, tenant: Tenant | None = None) -> list[WorkerView]:
+        """The live workers of every model, by model and name; a worker serving several models once.
+        A tenant sees the ids of its own jobs among those they hold, no other's."""
         listed: dict[str, WorkerView] = {}
         for name in self.settings.offered_models:
             for view in workers.live_workers(self.queue.connection, self.settings.line_of(name)):
                 listed.setdefault(view.name, view)
-        return list(listed.values())
+        views = list(listed.values())
+        if tenant is None:
+            return views
+        held = [job_id for view in views for job_id in view.current_jobs]
+        admitted_for = records.tenants_of(self.queue.connection, held)
+        own = {job_id for job_id, of in zip(held, admitted_for, strict=True) if of == tenant.name}
+        return [view.model_copy(update={"current_jobs": [job for job in view.current_jobs if job in own]})
+                for view in views]
 
     def models(self) -> list[ModelInfo]:
         """The models a job may name, the default first: as their live workers hold them, else as

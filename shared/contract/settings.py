@@ -191,6 +191,12 @@ class Settings(BaseSettings):
     max_streams: int = Field(200, ge=1, le=10_000)
     # With API keys, one tenant's most of an API process's waiting slots and of its event streams.
     tenant_wait_share: float = Field(0.5, gt=0, le=1)
+    # The service's address as its clients reach it (https://images.example.org), for the URLs its answers
+    # carry; unset: the request's own, whose Host a client chooses.
+    public_url: str | None = None
+    # How many proxies in front of the API set X-Forwarded-For, -Proto and -Host (each overwriting what a
+    # client sent): those headers are believed from that many hops (werkzeug's ProxyFix), else ignored.
+    trusted_proxies: int = Field(0, ge=0, le=10)
     # The compatibility surfaces (OpenAI Images, AUTOMATIC1111) answer when the job ends, up to this.
     sync_wait_s: float = Field(600.0, gt=0, le=86_400)
     # Model names a foreign client sends, each meaning one of SLOTQ_MODEL_NAMES (OpenAI's own names
@@ -288,6 +294,13 @@ class Settings(BaseSettings):
         if re.fullmatch(r"s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?", value):
             return value
         raise ValueError("must be redis, file:///an/absolute/folder or s3://bucket/prefix")
+
+    @field_validator("public_url")
+    @classmethod
+    def _public_url(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"https?://[^\s/?#]+(/[^\s?#]*)?", value):
+            raise ValueError("must be an http:// or https:// URL with no query")
+        return value.rstrip("/") if value else None
 
     @field_validator("redis_url")
     @classmethod

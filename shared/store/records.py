@@ -71,6 +71,15 @@ def stored_statuses(connection: Redis, job_ids: Sequence[str]) -> list[JobStatus
     return [None if raw is None else STATUS_BY_NAME.get(text(raw), JobStatus.QUEUED) for raw in raws]
 
 
+def tenants_of(connection: Redis, job_ids: Sequence[str]) -> list[str | None]:
+    """The tenant each of these jobs was admitted for, in one round trip; None for a job whose record
+    is gone."""
+    with connection.pipeline(transaction=False) as pipe:
+        for job_id in job_ids:
+            pipe.hget(Job.key_for(job_id), "tenant")
+        return [None if raw is None else text(raw) for raw in pipe.execute()]
+
+
 def attempts_used(job: Job) -> int:
     """Starts that count against SLOTQ_MAX_ATTEMPTS: a graceful interruption does not."""
     return int(job.meta.get("attempt", 0)) - int(job.meta.get("interrupted", 0))

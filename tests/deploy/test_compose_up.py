@@ -5,7 +5,7 @@ project's Dockerfiles as they are.
 Needs a Docker engine (tests/deploy/engine.py starts Debian's dockerd as root) and reaches PyPI and
 Debian's mirror from inside its builds. Without an engine these tests skip, unless
 ``SLOTQ_REQUIRE_DOCKER=1`` (CI) makes that a failure. From cold (no image cached) it takes about
-five minutes here, most of it building the images; with the images cached, about two.
+five and a half minutes here, most of it building the images; with them cached, under three.
 """
 
 from __future__ import annotations

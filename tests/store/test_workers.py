@@ -136,6 +136,21 @@ def test_workers_need_an_api_key_when_keys_are_on(settings: Settings) -> None:
         assert listed(client, Authorization="Bearer key-alice") == []
 
 
+def test_a_tenant_sees_the_ids_of_its_own_jobs_only(settings: Settings, redis: Redis) -> None:
+    """A worker holding alice's and carol's jobs: each tenant's list names only its own job."""
+    keyed = Settings(**(settings.model_dump() | {"api_keys": {"key-alice": "alice", "key-carol": "carol"}}))
+    for client in app_client(keyed):
+        owned = {key: client.post("/v1/jobs", json={"prompt": key}, headers={"Authorization": f"Bearer {key}"}
+                                  ).get_json()["id"] for key in ("key-alice", "key-carol")}
+        redis.rpush(keys.claims_key("gpu1"), *owned.values())
+        workers.beat(redis, identity(settings, "gpu1"), ttl_s=60)
+        for key, job_id in owned.items():
+            (entry,) = listed(client, Authorization=f"Bearer {key}")
+            assert entry["state"] == "busy" and entry["current_jobs"] == [job_id]
+    for client in app_client(settings):  # with keys off, every caller is one tenant: it sees both
+        assert listed(client)[0]["current_jobs"] == list(owned.values())
+
+
 # --- docker-compose.gpus.yml: YAML only (no docker here) ---------------------------------------
 
 class Override(list[Any]):

@@ -290,7 +290,10 @@ def test_a_lora_in_the_prompt_changes_the_image_and_at_weight_0_is_the_bare_mode
     ran = job(api, ink.info["job_id"])["request"]
     assert ran["prompt"] == "a red fox" and ran["loras"] == [{"name": "ink", "scale": 1.0}]
     assert ink.info["prompt"] == "a red fox <lora:ink:1>"  # as sent: it makes this image again
-    assert [lora["name"] for lora in client.get_loras()] == ["ink", "moss", "neon"]
+    listed = client.get_loras()
+    assert [lora["name"] for lora in listed] == ["ink", "moss", "neon"]
+    # Each file named within the folder, no server path: ["ink.safetensors", ...].
+    assert [lora["path"] for lora in listed] == [f"{lora['name']}.safetensors" for lora in listed]
     status, body = refusal(lambda: made("a red fox <lora:ghost:0.5>"))
     assert status == 422 and body["code"] == "unknown_lora" and "ghost" in body["detail"]
 

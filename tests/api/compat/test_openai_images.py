@@ -128,6 +128,35 @@ def test_generate_answers_urls_the_client_can_get(client: OpenAI, api: Process) 
     assert job_id_of(image.url) in {job["id"] for job in listed(api)}
 
 
+def test_urls_never_name_the_host_a_client_chose(client: OpenAI, api: Process, worker_settings: Settings,
+                                                  tmp_path: Path) -> None:
+    """The URL's host is SLOTQ_PUBLIC_URL's where set, whatever Host the call sent; else the request's,
+    with X-Forwarded-Host believed only from SLOTQ_TRUSTED_PROXIES."""
+    forged = {"Host": "evil.example", "X-Forwarded-Host": "evil.example"}
+    public = api_process(worker_settings, tmp_path, public_url="https://images.example.org/")
+    try:
+        with sdk(public, "sk-anything") as through_public:
+            [image] = through_public.images.generate(prompt="a lighthouse, public", size="64x64",
+                                                     response_format="url", extra_body=FAST,
+                                                     extra_headers=forged).data
+        assert image.url and image.url.startswith("https://images.example.org/v1/jobs/"), image.url
+    finally:
+        public.stop()
+    [image] = client.images.generate(prompt="a lighthouse, forwarded", size="64x64", response_format="url",
+                                     extra_body=FAST, extra_headers={"X-Forwarded-Host": "evil.example"}).data
+    assert image.url and image.url.startswith(api.url + "/v1/jobs/"), image.url  # not trusted: ignored
+    (tmp_path / "proxied").mkdir()
+    proxied = api_process(worker_settings, tmp_path / "proxied", trusted_proxies="1")
+    try:
+        with sdk(proxied, "sk-anything") as behind_a_proxy:
+            [image] = behind_a_proxy.images.generate(
+                prompt="a lighthouse, proxied", size="64x64", response_format="url", extra_body=FAST,
+                extra_headers={"X-Forwarded-Host": "images.example.org", "X-Forwarded-Proto": "https"}).data
+        assert image.url and image.url.startswith("https://images.example.org/v1/jobs/"), image.url
+    finally:
+        proxied.stop()
+
+
 def test_n_makes_that_many_different_images(client: OpenAI) -> None:
     answer = client.images.generate(prompt="two boats", n=2, size="64x64", extra_body=FAST)
     assert len(answer.data) == 2
