@@ -127,7 +127,7 @@ class Outcomes(RQWorker):
         if is_device_fatal(error):
             # Leave the claim in place: the next worker retries the job as after a crash.
             raise WorkerFatalError(str(error))
-        code, message = classify(error)
+        code, message = classify(error, self.settings.weight_folders)
         if code == "out_of_memory":
             current_pipeline().release_memory()
         job.meta["error"] = {"code": code, "message": message}

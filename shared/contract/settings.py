@@ -276,6 +276,12 @@ class Settings(BaseSettings):
         """The line of the model of this name."""
         return keys.line_name(self.queue_name, model)
 
+    @property
+    def weight_folders(self) -> list[Path]:
+        """The folders weights are read from: models, adapters, ControlNets, IP-Adapters, the tiny models."""
+        folders = (self.models_dir, self.lora_dir, self.controlnet_dir, self.ip_adapter_dir, self.cache_dir)
+        return [folder for folder in folders if folder is not None]
+
     def lora_dir_of(self, model: str) -> Path | None:
         """Where a model's adapters are: the subfolder of SLOTQ_LORA_DIR named after it where there is
         one (each model its own adapters), else SLOTQ_LORA_DIR itself."""
