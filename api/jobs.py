@@ -77,9 +77,7 @@ class Jobs:
                                        controlnets=available_controlnets(settings.controlnet_dir, name),
                                        ip_adapters=available_ip_adapters(settings.ip_adapter_dir, name))
         except ValidationError as exc:
-            details = [{"loc": list(error["loc"]), "msg": error["msg"]}
-                       for error in exc.errors(include_url=False, include_input=False)]
-            raise InvalidRequestError(details=details) from None
+            raise InvalidRequestError.of(exc) from None
 
     def submit(self, submission: Submission, ticket: Ticket, wait: float | None = None,
                reserved: bool = False) -> Submitted:

@@ -61,7 +61,10 @@ class APIError(Exception):
 
     def __init__(self, status: int, code: str, message: str, retry_after: float | None = None,
                  details: list[dict[str, Any]] | None = None) -> None:
-        super().__init__(f"{status} {code}: {message}")
+        # Each detail on a line of its own: the field and the reason ("width: must be a multiple of 8 ...").
+        said = "".join(f"\n  {'.'.join(map(str, detail.get('loc') or ['body']))}: {detail.get('msg', '')}"
+                       for detail in details or [])
+        super().__init__(f"{status} {code}: {message}{said}")
         self.status, self.code, self.message = status, code, message
         self.retry_after, self.details = retry_after, details
 

@@ -190,9 +190,7 @@ def _parsed(kind: type[Asked], body: Any) -> Asked:
     try:
         return kind.model_validate(body)
     except ValidationError as exc:
-        details = [{"loc": list(error["loc"]), "msg": error["msg"]}
-                   for error in exc.errors(include_url=False, include_input=False)]
-        raise InvalidRequestError(details=details) from None
+        raise InvalidRequestError.of(exc) from None
 
 
 def _model_name(name: str | None) -> str:

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import ValidationError
+
+# What pydantic puts before a validator's own message: the client reads the message alone.
+PYDANTIC_PREFIXES = ("Value error, ", "Assertion failed, ")
+
 
 class ServiceError(Exception):
     """Base of every error a client may see; the API turns it into the JSON error envelope."""
@@ -102,6 +107,19 @@ class UnsupportedMediaTypeError(ServiceError):
 
 class InvalidRequestError(ServiceError):
     status, code, message = 422, "invalid_request", "The request failed validation."
+
+    @classmethod
+    def of(cls, exc: ValidationError) -> InvalidRequestError:
+        """The refusal of a body pydantic refused: each error's field and its message alone."""
+        return cls(details=[{"loc": list(error["loc"]), "msg": validation_message(error["msg"])}
+                            for error in exc.errors(include_url=False, include_input=False)])
+
+
+def validation_message(message: str) -> str:
+    """A pydantic error's message without the prefix pydantic adds to a validator's own."""
+    for prefix in PYDANTIC_PREFIXES:
+        message = message.removeprefix(prefix)
+    return message
 
 
 class InvalidImageError(ServiceError):

@@ -24,6 +24,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from shared.contract import keys
 from shared.contract.checkpoints import FolderModel, folder_models
+from shared.contract.errors import validation_message
 from shared.contract.jobs import MAX_IMAGES, Priority
 from shared.contract.memory import MemoryOptions, Offload, Quantize
 from shared.contract.models import DEFAULT_MODEL_NAME, FAMILIES, MODEL_NAME_PATTERN, TINY_MODELS, Family
@@ -501,7 +502,7 @@ def load_settings() -> Settings:
         problems: dict[str, list[str]] = {}
         for error in exc.errors():
             name = f"SLOTQ_{str(error['loc'][0]).upper()}: " if error["loc"] else ""
-            problems.setdefault(name, []).append(error["msg"].removeprefix("Value error, "))
+            problems.setdefault(name, []).append(validation_message(error["msg"]))
         lines = [f"slotq: bad setting {name}{'; '.join(messages)}" for name, messages in problems.items()]
         raise SettingsError("\n".join(lines)) from None
 

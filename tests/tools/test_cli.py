@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ import pytest
 from shared.contract.settings import Settings
 from slotq.client import Client
 from slotq.localredis import free_port, is_reachable, redis_server_binary, start_redis
-from tests.conftest import slotq_env, spawn, wait_for
+from tests.conftest import Process, slotq_env, spawn, wait_for
 
 
 def slotq(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -36,6 +37,18 @@ def test_worker_that_cannot_load_its_model_exits_non_zero(settings: Settings, tm
     result = slotq("worker", env=slotq_env(settings, model=str(tmp_path / "no-such-model")))
     assert result.returncode == 1
     assert "could not load model" in result.stderr
+
+
+def test_submit_prints_each_field_and_reason_of_a_refusal(start_api: Callable[..., Process],
+                                                          settings: Settings) -> None:
+    api = start_api(settings)
+    result = slotq("submit", "a fox", "--width", "65", "--steps", "0", "--url", api.url,
+                   env=slotq_env(settings))
+    assert result.returncode == 1 and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert lines[0] == "slotq: 422 invalid_request: The request failed validation.", result.stderr
+    assert sorted(line.split(":")[0].strip() for line in lines[1:]) == ["steps", "width"], result.stderr
+    assert any(line.strip().startswith("width: must be a multiple of 8") for line in lines), result.stderr
 
 
 @pytest.mark.slow
