@@ -37,3 +37,11 @@ def test_every_setting_is_documented_and_in_the_example_env() -> None:
     names = [f"SLOTQ_{name.upper()}" for name in Settings.model_fields]
     assert [name for name in names if f"`{name}`" not in reference] == []
     assert [name for name in names if not re.search(rf"^#? ?{name}=", example, re.M)] == []
+
+
+def test_every_page_is_linked_from_the_index_and_the_readme() -> None:
+    index = (ROOT / "docs" / "index.md").read_text(encoding="utf-8")
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    pages = sorted(path.name for path in (ROOT / "docs").glob("*.md") if path.name != "index.md")
+    assert [page for page in pages if f"]({page}" not in index] == []
+    assert [page for page in pages if f"](docs/{page}" not in readme] == []
