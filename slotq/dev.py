@@ -1,9 +1,12 @@
-"""``slotq dev``: Redis (started here when none answers), the API and one worker, in one command."""
+"""``slotq dev``: a throwaway Redis (unless SLOTQ_REDIS_URL names one), the API and one worker, in one
+command. A Redis that merely answers at the default address is someone else's, perhaps another
+program's: slotq writes nothing into it unless told to."""
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -32,11 +35,17 @@ def run_dev(settings: Settings, host: str, port: int) -> int:
     redis_url = settings.redis_url
     with tempfile.TemporaryDirectory(prefix="slotq-dev-") as scratch:
         try:
-            if not is_reachable(redis_url):
+            if "redis_url" in settings.model_fields_set:  # SLOTQ_REDIS_URL: the user's own choice
+                if not is_reachable(redis_url):
+                    print(f"slotq: SLOTQ_REDIS_URL ({_shown(redis_url)}) does not answer", file=sys.stderr)
+                    return 1
+                print(f"slotq: using the Redis of SLOTQ_REDIS_URL ({_shown(redis_url)})", flush=True)
+            else:
                 redis_port = free_port()
                 children.append(start_redis_server(Path(scratch) / "redis", redis_port))
                 redis_url = env["SLOTQ_REDIS_URL"] = f"redis://127.0.0.1:{redis_port}/0"
-                print(f"slotq: started redis-server on port {redis_port}", flush=True)
+                print(f"slotq: started redis-server on port {redis_port}, a throwaway one: its data goes "
+                      "when this stops (SLOTQ_REDIS_URL names a Redis to keep)", flush=True)
             # Own sessions: Ctrl-C reaches only this process, which then stops each child once.
             worker = spawn(["worker"], env, None, new_session=True)
             children.append(worker)
@@ -56,6 +65,11 @@ def run_dev(settings: Settings, host: str, port: int) -> int:
             return 0
         finally:
             _stop(reversed(children))
+
+
+def _shown(url: str) -> str:
+    """A Redis URL as printed: its password left out."""
+    return re.sub(r"//[^@/]*@", "//", url)
 
 
 def _stop(children: Iterable[Process]) -> None:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from redis import Redis
 
 from shared.contract.settings import Settings
 from slotq.client import Client
@@ -54,16 +55,20 @@ def test_submit_prints_each_field_and_reason_of_a_refusal(start_api: Callable[..
 @pytest.mark.slow
 def test_dev_starts_its_own_redis_serves_a_job_and_stops_on_ctrl_c(settings: Settings,
                                                                    tmp_path: Path) -> None:
-    unreachable = f"redis://127.0.0.1:{free_port()}/0"
-    port = free_port()
-    env = slotq_env(settings, redis_url=unreachable, api_port=port)
+    port, queue = free_port(), f"dev-test-{free_port()}"
+    env = slotq_env(settings, api_port=port, queue_name=queue)
+    del env["SLOTQ_REDIS_URL"]  # none named: a throwaway Redis of its own, whatever answers elsewhere
     env["HOME"] = str(tmp_path)  # gunicorn, caches: nothing of this test lands in the real home
+    # A Redis at the default address (this machine's, or another program's) is only read here: after
+    # the run it holds no key of this run's queue, which the old launcher would have written there.
+    default = Settings.model_fields["redis_url"].default
+    others = Redis.from_url(default, socket_timeout=1) if is_reachable(default) else None
     dev = spawn(["dev"], env, tmp_path / "dev.log")
     try:
         wait_for(lambda: "serving on" in dev.output() or dev.popen.poll() is not None, timeout=120,
                  what="slotq dev to serve")
         assert dev.popen.poll() is None, dev.output()
-        redis_port = int(dev.output().split("started redis-server on port ")[1].split()[0])
+        redis_port = int(dev.output().split("started redis-server on port ")[1].split(",")[0])
         client = Client(f"http://127.0.0.1:{port}")
         view = client.wait(client.submit("a dev job", width=64, height=64, steps=2)["id"], timeout=60)
         assert view["status"] == "succeeded"
@@ -71,8 +76,12 @@ def test_dev_starts_its_own_redis_serves_a_job_and_stops_on_ctrl_c(settings: Set
         assert dev.popen.wait(60) == 0, dev.output()
         assert not is_reachable(f"redis://127.0.0.1:{redis_port}/0", timeout=0.5)
         assert not is_reachable_http(f"http://127.0.0.1:{port}/healthz")
+        if others is not None:
+            assert list(others.scan_iter(match=f"*{queue}*", count=1000)) == []
     finally:
         dev.stop()
+        if others is not None:
+            others.close()
 
 
 def is_reachable_http(url: str) -> bool:
