@@ -168,7 +168,10 @@ def load_folder_model(path: Path, configs: Mapping[Family, str], dtype: torch.dt
         return load_checkpoint(path, configs, dtype, vae=vae)
     # A diffusers folder holds its own VAE's config: the one the VAE file replaces.
     components = {} if vae_file is None else {"vae": load_vae(vae_file, path, dtype)}
-    return DiffusionPipeline.from_pretrained(path, dtype=dtype, local_files_only=True, **components)
+    # safetensors only: a part whose weights are pickles (.bin) fails here rather than reaching
+    # torch.load (the folder's listing offers no such model).
+    return DiffusionPipeline.from_pretrained(path, dtype=dtype, local_files_only=True, use_safetensors=True,
+                                             **components)
 
 
 def load_vae(path: Path, config: Path, dtype: torch.dtype) -> AutoencoderKL:

@@ -34,7 +34,7 @@ from diffusers import (
 from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
 
-from shared.contract.controlnets import CONFIG, controlnet_paths
+from shared.contract.controlnets import CONFIG, SIDECAR_SUFFIX, controlnet_paths
 from shared.contract.jobs import JobKind
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,6 @@ log = logging.getLogger(__name__)
 AUTO_PIPELINES = {"text": AutoPipelineForText2Image, "image": AutoPipelineForImage2Image,
                   "inpaint": AutoPipelineForInpainting}
 CPU = torch.device("cpu")
-SIDECAR_SUFFIX = ".json"  # beside a single file: its diffusers configuration, where not the base UNet's
 # What the ControlNet pipelines make of a control image (their control_image_processor): RGB in [0, 1].
 CONTROL_IMAGES = VaeImageProcessor(do_convert_rgb=True, do_normalize=False)
 

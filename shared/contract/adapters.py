@@ -2,7 +2,9 @@
 
 An adapter is a ``*.safetensors`` file in diffusers' LoRA format in SLOTQ_LORA_DIR; its name is the
 file's stem. The API and the workers read the same folder (in compose both mount it), so the API
-knows the names without a live worker and refuses an unknown one at admission.
+knows the names without a live worker and refuses an unknown one at admission. Only regular files
+are offered (a FIFO would block the worker that opened it); the listing opens none, and the worker reads
+each with safetensors' own bounds on its header.
 """
 
 from __future__ import annotations

@@ -8,7 +8,11 @@ diffusers folder (a sub-folder with ``model_index.json``), named after its stem;
 memory settings. The API and the workers read the same
 folder (in compose both mount it), as they do SLOTQ_LORA_DIR: the API knows the models without a live
 worker, and a worker whose SLOTQ_MODEL_NAME names one loads it. Pickles (``.ckpt`` and the like) can
-run code when loaded: they are never offered.
+run code when loaded: they are never offered, nor a diffusers folder whose weights are pickles alone.
+
+Its files come from the internet: each is read as untrusted input. Only regular files are opened (a
+FIFO would block the reader), headers and JSON with a bound on their size and nesting, and a file that
+fails to read is not offered, with one line in the log, never an error of the listing.
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ import json
 import logging
 import os
 import re
+import stat
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -49,7 +54,14 @@ FLUX_ROOTS = (*FLUX_BLOCKS, "img_in.", "txt_in.", "time_in.", "vector_in.", "gui
 # {...}} (other keys, such as those A1111 keeps in the same file, are ignored).
 SIDECAR_SUFFIX = ".json"
 DIFFUSERS_INDEX = "model_index.json"
-MAX_HEADER_BYTES = 100 * 2**20  # the safetensors format's own bound on its JSON header
+MAX_HEADER_BYTES = 100 * 2**20  # the safetensors format's own bound on its JSON header (GGUF's here too)
+MAX_JSON_BYTES = 2**20  # a sidecar or a config: a few kilobytes in practice
+# A safetensors header nests 3 deep, model_index.json 2, a sidecar or a config 3; json.loads recurses per
+# level, so a file nested 200,000 deep would raise RecursionError (or exhaust a thread's C stack).
+MAX_NESTING = 16
+# What reading one hostile file can raise (UnicodeDecodeError is a ValueError; a seek past 2**63 an
+# OverflowError): each makes that file not offered, never an error of the listing.
+FILE_ERRORS = (OSError, ValueError, TypeError, OverflowError, RecursionError, MemoryError, struct.error)
 # GGUF's header: magic, version, tensor count, metadata count; then the metadata, each value typed by
 # number (these of fixed size: uint8 ... float64, bool), then each tensor's name, shape, type and offset.
 GGUF_HEADER = struct.Struct("<4sIQQ")
@@ -59,6 +71,63 @@ GGUF_STRING, GGUF_ARRAY = 8, 9
 
 class UnusableModelError(ValueError):
     """A file or folder of SLOTQ_MODELS_DIR that is not offered, and why."""
+
+
+def open_regular(path: Path) -> BinaryIO:
+    """Open a regular file to read; ValueError for anything else, which is never opened: a FIFO
+    would block the reader until a writer came, a device may act on being opened."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise ValueError("not a regular file")
+    # O_NONBLOCK: should a FIFO replace the file between the two calls, opening it does not block.
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        raise ValueError("not a regular file")
+    return os.fdopen(descriptor, "rb")
+
+
+# Each JSON string (its escapes taken out first) and every byte but brackets, removed before the nesting
+# is measured; UTF-8 leaves no ASCII byte inside another character, so the bytes measure the text.
+JSON_STRING = re.compile(rb'"[^"]*"')
+BRACKETS = bytes.maketrans(b"{}", b"[]")
+NOT_BRACKETS = bytes(set(range(256)) - set(b"[]{}"))
+
+
+def nests_deeper(data: bytes, limit: int = MAX_NESTING) -> bool:
+    """Whether JSON nests deeper than limit (or its brackets do not match), told without recursion:
+    each pass removes the innermost pairs, so limit passes leave nothing of JSON nested limit deep."""
+    plain = data.replace(b"\\\\", b"").replace(b'\\"', b"")
+    brackets = JSON_STRING.sub(b"", plain).translate(BRACKETS, NOT_BRACKETS)
+    if b"[" * (limit + 1) in brackets:
+        return True  # the usual attack, told in one pass
+    for _ in range(limit):
+        if not brackets:
+            return False
+        brackets = brackets.replace(b"[]", b"")
+    return bool(brackets)
+
+
+def parse_json(data: bytes) -> object:
+    """A JSON document from outside: UTF-8, its nesting bounded before json.loads recurses into it."""
+    text = data.decode("utf-8")
+    if nests_deeper(data):
+        raise ValueError(f"JSON nested deeper than {MAX_NESTING} levels")
+    return json.loads(text)
+
+
+def read_json(path: Path) -> dict[str, object]:
+    """A JSON object from a regular file of at most MAX_JSON_BYTES; UnusableModelError for anything else."""
+    try:
+        with open_regular(path) as file:
+            data = file.read(MAX_JSON_BYTES + 1)
+        if len(data) > MAX_JSON_BYTES:
+            raise ValueError(f"over {MAX_JSON_BYTES} bytes")
+        said = parse_json(data)
+    except FILE_ERRORS as exc:
+        raise UnusableModelError(f"{path}: not readable JSON: {exc}") from None
+    if not isinstance(said, dict):
+        raise UnusableModelError(f"{path}: not a JSON object")
+    return said
 
 
 class FolderModel(BaseModel):
@@ -88,9 +157,9 @@ def header_names(path: Path) -> list[str]:
     """The tensor names of a safetensors or GGUF file, from its header alone."""
     gguf = path.suffix.lower() == GGUF_SUFFIX
     try:
-        with path.open("rb") as file:
+        with open_regular(path) as file:
             return _gguf_names(file) if gguf else _safetensors_names(file)
-    except (OSError, struct.error, ValueError) as exc:
+    except FILE_ERRORS as exc:
         kind = "GGUF" if gguf else "safetensors"
         raise UnusableModelError(f"{path}: not a readable {kind} file: {exc}") from None
 
@@ -100,7 +169,7 @@ def _safetensors_names(file: BinaryIO) -> list[str]:
     (length,) = struct.unpack("<Q", file.read(8))
     if length > MAX_HEADER_BYTES:
         raise ValueError(f"a header of {length} bytes")
-    header = json.loads(file.read(length))
+    header = parse_json(file.read(length))
     if not isinstance(header, dict):
         raise ValueError("its header is not a JSON object")
     return [name for name in header if name != "__metadata__"]
@@ -119,27 +188,38 @@ def _gguf_names(file: BinaryIO) -> list[str]:
         names.append(_gguf_string(file).decode())
         (dimensions,) = struct.unpack("<I", file.read(4))
         file.seek(8 * dimensions + 4 + 8, os.SEEK_CUR)  # the shape, the type, the offset
+    _gguf_within(file)
     return names
 
 
+def _gguf_within(file: BinaryIO) -> None:
+    """Refuse a header past MAX_HEADER_BYTES: counts of 2**64 would otherwise read a whole file."""
+    if file.tell() > MAX_HEADER_BYTES:
+        raise ValueError(f"a header of over {MAX_HEADER_BYTES} bytes")
+
+
 def _gguf_string(file: BinaryIO) -> bytes:
+    _gguf_within(file)  # each item of a loop reads one string at least
     (length,) = struct.unpack("<Q", file.read(8))
     if length > MAX_HEADER_BYTES:
         raise ValueError(f"a string of {length} bytes")
     return file.read(length)
 
 
-def _gguf_skip(file: BinaryIO, kind: int) -> None:
-    """Read past one metadata value of this type."""
+def _gguf_skip(file: BinaryIO, kind: int, depth: int = 0) -> None:
+    """Read past one metadata value of this type (arrays of arrays at most MAX_NESTING deep)."""
+    _gguf_within(file)
     if kind == GGUF_STRING:
         _gguf_string(file)
     elif kind == GGUF_ARRAY:
+        if depth >= MAX_NESTING:
+            raise ValueError(f"arrays nested deeper than {MAX_NESTING} levels")
         item, count = struct.unpack("<IQ", file.read(12))
         if item in GGUF_SIZES:
             file.seek(GGUF_SIZES[item] * count, os.SEEK_CUR)
         else:
             for _ in range(count):
-                _gguf_skip(file, item)
+                _gguf_skip(file, item, depth + 1)
     elif kind in GGUF_SIZES:
         file.seek(GGUF_SIZES[kind], os.SEEK_CUR)
     else:
@@ -169,8 +249,15 @@ def check_flux_transformer(path: Path, names: Iterable[str]) -> None:
     if outside:
         raise UnusableModelError(
             f"{path}: a Flux file with {len(outside)} weights outside a FLUX.1 transformer, such as "
-            f"{', '.join(outside[:3])}: a full Flux checkpoint (transformer, VAE and text encoders) or "
-            f"another model; only transformer-only FLUX.1 files are loaded, the rest from the Flux base")
+            f"{', '.join(map(shown, outside[:3]))}: a full Flux checkpoint (transformer, VAE and text "
+            f"encoders) or another model; only transformer-only FLUX.1 files are loaded, the rest from the "
+            f"Flux base")
+
+
+def shown(value: object) -> str:
+    """A value from a file, as a log line shows it: a name may be megabytes long."""
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= 80 else text[:80] + "..."
 
 
 def sidecar_of(path: Path) -> Path:
@@ -182,14 +269,9 @@ def sidecar_of(path: Path) -> Path:
 def read_sidecar(path: Path) -> Sidecar:
     """What the sidecar of the model at path says, validated; an empty one where it has none."""
     sidecar = sidecar_of(path)
-    if not sidecar.is_file():
+    if not sidecar.exists():
         return Sidecar()
-    try:
-        said = json.loads(sidecar.read_text("utf-8"))
-    except (OSError, ValueError) as exc:
-        raise UnusableModelError(f"{sidecar}: not a JSON object: {exc}") from None
-    if not isinstance(said, dict):
-        raise UnusableModelError(f"{sidecar}: not a JSON object")
+    said = read_json(sidecar)  # a FIFO or a directory of that name is no sidecar to skip: it is refused
     return Sidecar(family=_sidecar_family(sidecar, said.get("family")),
                    vae=_sidecar_vae(sidecar, said.get("vae")),
                    memory=_sidecar_memory(sidecar, said.get("memory")))
@@ -207,7 +289,7 @@ def _sidecar_family(sidecar: Path, family: object) -> Family | None:
     for known in FAMILIES:
         if family == known:
             return known
-    raise UnusableModelError(f"{sidecar}: family {family!r} is none of {', '.join(FAMILIES)}")
+    raise UnusableModelError(f"{sidecar}: family {shown(repr(family))} is none of {', '.join(FAMILIES)}")
 
 
 def _sidecar_vae(sidecar: Path, vae: object) -> Path | None:
@@ -215,7 +297,7 @@ def _sidecar_vae(sidecar: Path, vae: object) -> Path | None:
     if vae is None:
         return None
     if not isinstance(vae, str) or not vae:
-        raise UnusableModelError(f'{sidecar}: "vae" is not a file name: {vae!r}')
+        raise UnusableModelError(f'{sidecar}: "vae" is not a file name: {shown(repr(vae))}')
     path = sidecar.parent / vae  # an absolute name stays as it is
     suffix = path.suffix.lower()
     if suffix in PICKLE_SUFFIXES:
@@ -226,7 +308,7 @@ def _sidecar_vae(sidecar: Path, vae: object) -> Path | None:
         raise UnusableModelError(f'{sidecar}: "vae" {path}: not a .safetensors file')
     if not path.is_file():
         raise UnusableModelError(f'{sidecar}: "vae" {path}: no such file')
-    if not any("decoder." in name for name in header_names(path)):
+    if not _parsed_once(path, _is_vae):
         raise UnusableModelError(f'{sidecar}: "vae" {path}: not a VAE (no decoder weights)')
     return path
 
@@ -236,7 +318,7 @@ def _sidecar_memory(sidecar: Path, memory: object) -> dict[str, object]:
     if memory is None:
         return {}
     if not isinstance(memory, dict):
-        raise UnusableModelError(f'{sidecar}: "memory" is not an object: {memory!r}')
+        raise UnusableModelError(f'{sidecar}: "memory" is not an object: {shown(repr(memory))}')
     try:
         options = MemoryOptions.model_validate(memory)
     except ValidationError as exc:
@@ -246,23 +328,45 @@ def _sidecar_memory(sidecar: Path, memory: object) -> dict[str, object]:
     return {name: getattr(options, name) for name in memory}
 
 
+def _is_vae(path: Path) -> bool:
+    """Whether a safetensors file holds a VAE's decoder."""
+    return any("decoder." in name for name in header_names(path))
+
+
 def _folder_family(folder: Path) -> Family:
     """A diffusers folder's family, from its pipeline class in model_index.json."""
-    try:
-        name = json.loads((folder / DIFFUSERS_INDEX).read_text("utf-8")).get("_class_name")
-    except (OSError, ValueError, AttributeError) as exc:
-        raise UnusableModelError(f"{folder / DIFFUSERS_INDEX}: not readable: {exc}") from None
-    if name not in PIPELINE_CLASSES:
-        raise UnusableModelError(f"{folder}: {name} is not a text-to-image pipeline of a known family "
-                                 f"({', '.join(sorted(PIPELINE_CLASSES))}); a sidecar can name one")
+    name = read_json(folder / DIFFUSERS_INDEX).get("_class_name")
+    if not isinstance(name, str) or name not in PIPELINE_CLASSES:
+        raise UnusableModelError(f"{folder}: {shown(name)} is not a text-to-image pipeline of a known "
+                                 f"family ({', '.join(sorted(PIPELINE_CLASSES))}); a sidecar can name one")
     return PIPELINE_CLASSES[name]
+
+
+def _folder_size(folder: Path) -> int:
+    """A diffusers folder's size, the sum of its files; refused where a part's weights are pickles
+    alone, which the worker's from_pretrained(use_safetensors=True) would not load."""
+    size, safe, pickled = 0, set(), set()
+    for file in folder.rglob("*"):
+        if not file.is_file():
+            continue
+        size += file.stat().st_size
+        suffix = file.suffix.lower()
+        if suffix == SAFE_SUFFIX:
+            safe.add(file.parent)
+        elif suffix in PICKLE_SUFFIXES:
+            pickled.add(file.parent)
+    if pickled - safe:
+        raise UnusableModelError(f"{min(pickled - safe)}: its weights are pickles alone, which can run code "
+                                 f"when loaded: never offered (convert them once to .safetensors where you "
+                                 f"trust them)")
+    return size
 
 
 def _model_of(path: Path) -> FolderModel | None:
     """The model this entry of the folder is; None for an entry that is no model (a sidecar, a
     README); UnusableModelError for one that looks like a model but is not offered."""
     is_folder = path.is_dir()
-    if is_folder and not (path / DIFFUSERS_INDEX).is_file():
+    if is_folder and not (path / DIFFUSERS_INDEX).exists():
         return None
     suffix = "" if is_folder else path.suffix.lower()
     if suffix in PICKLE_SUFFIXES:
@@ -273,17 +377,18 @@ def _model_of(path: Path) -> FolderModel | None:
     name = path.name.removesuffix(path.suffix) if suffix else path.name
     if not re.fullmatch(MODEL_NAME_PATTERN, name):
         raise UnusableModelError(f"{path}: {name!r} is not a model name (letters, digits, _ . -, at most 64)")
-    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if is_folder else path.stat().st_size
+    size = _folder_size(path) if is_folder else path.stat().st_size
     sidecar = read_sidecar(path)
-    family = _family_of(path, name, is_folder, sidecar.family)
+    if is_folder:
+        family = sidecar.family or _folder_family(path)
+    else:
+        family = _parsed_once(path, _file_family, name, sidecar.family)
     return FolderModel(name=name, path=path, family=family, size=size, memory=sidecar.memory, vae=sidecar.vae)
 
 
-def _family_of(path: Path, name: str, is_folder: bool, forced: Family | None) -> Family:
-    """A model's family: the one its sidecar forces, else its pipeline class's or its keys'; a Flux
-    file must hold a transformer alone."""
-    if is_folder:
-        return forced or _folder_family(path)
+def _file_family(path: Path, name: str, forced: Family | None) -> Family:
+    """A single file's family: the one its sidecar forces, else its keys'; a Flux file must hold a
+    transformer alone."""
     names = header_names(path)
     family = forced or family_of_names(names)
     if family is None:
@@ -304,8 +409,12 @@ def _read(models_dir: Path) -> dict[str, FolderModel]:
     for path in sorted(models_dir.iterdir()):
         try:
             model = _model_of(path)
-        except (UnusableModelError, ValidationError, OSError) as exc:
+        except UnusableModelError as exc:
             log.warning("SLOTQ_MODELS_DIR: not offered: %s", exc)
+            continue
+        except (ValidationError, *FILE_ERRORS) as exc:
+            # One file from outside, whatever it holds, takes nothing but itself off the list.
+            log.warning("SLOTQ_MODELS_DIR: not offered: %s: %s", path, shown(str(exc) or type(exc).__name__))
             continue
         if model is None:
             continue
@@ -315,6 +424,29 @@ def _read(models_dir: Path) -> dict[str, FolderModel]:
             continue
         models[model.name] = model
     return models
+
+
+T = TypeVar("T")
+# What was read of a file, by what read it and with what else, for the file's version: its mtime, size
+# and inode. A header of 100 MB takes seconds to parse: once, not at each change of its folder.
+_parsed: dict[tuple[object, ...], tuple[tuple[int, int, int], object]] = {}
+
+
+def _parsed_once(path: Path, read: Callable[..., T], *also: object) -> T:
+    """``read(path, *also)``, a refusal (UnusableModelError) included, once per version of the file."""
+    status = os.stat(path)
+    version = (status.st_mtime_ns, status.st_size, status.st_ino)
+    key = (read.__name__, path, *also)
+    cached = _parsed.get(key)
+    if cached is None or cached[0] != version:
+        try:
+            value: object = read(path, *also)
+        except UnusableModelError as exc:
+            value = exc
+        cached = _parsed[key] = (version, value)
+    if isinstance(cached[1], UnusableModelError):
+        raise UnusableModelError(str(cached[1]))
+    return cast(T, cached[1])
 
 
 _listed: dict[Path, tuple[int, dict[str, FolderModel]]] = {}

@@ -7,7 +7,10 @@ that model's own ControlNets in the same layout. A model is offered its own and 
 its own first where two share a name. A ControlNet fits one family's UNet only, so a folder serving
 several families keeps each family's ControlNets under its models' names. As for models and LoRA
 adapters, the API and the workers read the same folder; pickles (``.ckpt``, ``.bin`` weights and the
-like) can run code when loaded and are never offered.
+like) can run code when loaded and are never offered. Its files come from outside: only regular files
+are offered, and a ControlNet whose ``config.json`` or sidecar (``<name>.json``, its single file's
+configuration) is no JSON object within the bounds of shared/contract/checkpoints.py is not, with one
+line in the log; the weights are read by the worker alone, with safetensors' own bounds.
 """
 
 from __future__ import annotations
@@ -18,31 +21,58 @@ import re
 from pathlib import Path
 
 from shared.contract.adapters import NAME_PATTERN
-from shared.contract.checkpoints import PICKLE_SUFFIXES, SAFE_SUFFIX
+from shared.contract.checkpoints import PICKLE_SUFFIXES, SAFE_SUFFIX, UnusableModelError, read_json
 
 log = logging.getLogger(__name__)
 
 CONFIG = "config.json"  # what makes a subfolder one ControlNet in diffusers' layout
+SIDECAR_SUFFIX = ".json"  # beside a single file: its diffusers configuration (worker/controlnets.py)
 
 
 def _controlnet_of(path: Path) -> str | None:
-    """The name of the ControlNet this entry of a folder is; None for anything else, a pickle logged."""
+    """The name of the ControlNet this entry of a folder is; None for anything else, what is not
+    offered logged."""
     if path.is_dir():
-        if not (path / CONFIG).is_file():
-            return None  # a model's own folder, or no ControlNet
-        if not any(path.glob(f"*{SAFE_SUFFIX}")):
-            log.warning("SLOTQ_CONTROLNET_DIR: not offered: %s: no %s weights (pickled weights are "
-                        "never loaded)", path, SAFE_SUFFIX)
-            return None
-        name = path.name
-    elif path.suffix.lower() == SAFE_SUFFIX:
-        name = path.name[:-len(SAFE_SUFFIX)]
-    else:
-        if path.suffix.lower() in PICKLE_SUFFIXES:
-            log.warning("SLOTQ_CONTROLNET_DIR: not offered: %s: a pickle, which can run code when loaded "
-                        "(convert it once to %s where you trust it)", path, SAFE_SUFFIX)
+        return _folder_controlnet(path)
+    if path.suffix.lower() == SAFE_SUFFIX:
+        return _file_controlnet(path)
+    if path.suffix.lower() in PICKLE_SUFFIXES:
+        log.warning("SLOTQ_CONTROLNET_DIR: not offered: %s: a pickle, which can run code when loaded "
+                    "(convert it once to %s where you trust it)", path, SAFE_SUFFIX)
+    return None
+
+
+def _folder_controlnet(path: Path) -> str | None:
+    """The name of a ControlNet in diffusers' layout; None for a model's own folder or no ControlNet."""
+    if not (path / CONFIG).is_file() or not re.fullmatch(NAME_PATTERN, path.name):
         return None
-    return name if re.fullmatch(NAME_PATTERN, name) else None
+    if not any(weights.is_file() for weights in path.glob(f"*{SAFE_SUFFIX}")):
+        log.warning("SLOTQ_CONTROLNET_DIR: not offered: %s: no %s weights (pickled weights are "
+                    "never loaded)", path, SAFE_SUFFIX)
+        return None
+    return path.name if _readable(path / CONFIG) else None
+
+
+def _file_controlnet(path: Path) -> str | None:
+    """The name of a ControlNet in the single-file layout, its sidecar readable where it has one."""
+    name = path.name[:-len(SAFE_SUFFIX)]
+    if not re.fullmatch(NAME_PATTERN, name):
+        return None
+    if not path.is_file():  # a FIFO would block the worker that opened it
+        log.warning("SLOTQ_CONTROLNET_DIR: not offered: %s: not a regular file", path)
+        return None
+    sidecar = path.with_suffix(SIDECAR_SUFFIX)
+    return name if not sidecar.exists() or _readable(sidecar) else None
+
+
+def _readable(config: Path) -> bool:
+    """Whether a configuration is a JSON object within bounds; one that is not logged."""
+    try:
+        read_json(config)
+    except UnusableModelError as exc:
+        log.warning("SLOTQ_CONTROLNET_DIR: not offered: %s", exc)
+        return False
+    return True
 
 
 def _read(folder: Path) -> dict[str, Path]:

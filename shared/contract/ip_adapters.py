@@ -9,7 +9,10 @@ layout: h94/IP-Adapter's ``models/`` is such a folder, its ``sdxl_models/`` such
 the SDXL model). A model is offered its own adapters and the top-level ones, its own first where two share
 a name, and none where no image encoder is found for it: a pipeline holds one image encoder, which all
 of a model's adapters share. An IP-Adapter fits one family's UNet only, as a ControlNet does. Pickles
-(``.bin``, ``.ckpt`` and the like) can run code when loaded and are never offered.
+(``.bin``, ``.ckpt`` and the like) can run code when loaded and are never offered. Its files come from
+outside: only regular files are offered, and an image encoder whose ``config.json`` is no JSON object
+within the bounds of shared/contract/checkpoints.py is not used, with one line in the log; the weights
+are read by the worker alone, with safetensors' own bounds.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import re
 from pathlib import Path
 
 from shared.contract.adapters import NAME_PATTERN
-from shared.contract.checkpoints import PICKLE_SUFFIXES, SAFE_SUFFIX
+from shared.contract.checkpoints import PICKLE_SUFFIXES, SAFE_SUFFIX, UnusableModelError, read_json
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +42,12 @@ def _ip_adapter_of(path: Path) -> str | None:
     if path.suffix.lower() != SAFE_SUFFIX:
         return None
     name = path.name[:-len(SAFE_SUFFIX)]
-    return name if re.fullmatch(NAME_PATTERN, name) else None
+    if not re.fullmatch(NAME_PATTERN, name):
+        return None
+    if not path.is_file():  # a FIFO would block the worker that opened it
+        log.warning("SLOTQ_IP_ADAPTER_DIR: not offered: %s: not a regular file", path)
+        return None
+    return name
 
 
 def _has_encoder(folder: Path) -> bool:
@@ -47,9 +55,14 @@ def _has_encoder(folder: Path) -> bool:
     encoder = folder / IMAGE_ENCODER
     if not (encoder / CONFIG).is_file():
         return False
-    if not any(encoder.glob(f"*{SAFE_SUFFIX}")):
+    if not any(weights.is_file() for weights in encoder.glob(f"*{SAFE_SUFFIX}")):
         log.warning("SLOTQ_IP_ADAPTER_DIR: not used: %s: no %s weights (pickled weights are never loaded)",
                     encoder, SAFE_SUFFIX)
+        return False
+    try:
+        read_json(encoder / CONFIG)
+    except UnusableModelError as exc:
+        log.warning("SLOTQ_IP_ADAPTER_DIR: not used: %s", exc)
         return False
     return True
 

@@ -195,6 +195,22 @@ def test_a_pickle_is_refused_and_never_unpickled(suffix: str, tmp_path: Path) ->
     assert marker.exists()
 
 
+def test_a_diffusers_folder_with_pickled_weights_is_refused_unopened(model_cache: Path, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A folder's model loads safetensors only: a part whose weights are a .bin never reaches torch.load
+    (whose weights_only would be the one defence left). The folder's listing offers no such model."""
+    folder = tmp_path / "pickled"
+    shutil.copytree(ensure_tiny_model(model_cache, "tiny"), folder)
+    weights = folder / "unet" / "diffusion_pytorch_model.safetensors"
+    torch.save(load_file(str(weights)), folder / "unet" / "diffusion_pytorch_model.bin")
+    weights.unlink()
+    unpickled: list[object] = []
+    monkeypatch.setattr(torch, "load", lambda *args, **kwargs: unpickled.append(args))
+    with pytest.raises(OSError, match="no file named diffusion_pytorch_model.safetensors"):
+        load_folder_model(folder, dict(CHECKPOINT_CONFIGS), torch.float32)
+    assert unpickled == []
+
+
 def test_a_file_of_no_known_family_is_refused(tmp_path: Path) -> None:
     checkpoint = tmp_path / "lora.safetensors"
     save_file({"lora_unet_down.lora_up.weight": torch.zeros(2, 2)}, str(checkpoint))

@@ -233,8 +233,9 @@ def test_the_cache_drops_the_least_recently_used(folder: Path, model: str, pipe:
 
 
 def touch(path: Path) -> None:
+    """An empty file; a configuration an empty JSON object (an unreadable one is not offered)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(b"")
+    path.write_bytes(b"{}" if path.suffix == ".json" else b"")
 
 
 def test_the_folder_offers_a_model_its_own_controlnets_and_the_top_level_ones(

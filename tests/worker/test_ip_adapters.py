@@ -264,8 +264,9 @@ def test_the_tiny_build_is_deterministic(folder: Path, model: str, tmp_path: Pat
 
 
 def touch(path: Path) -> None:
+    """An empty file; a configuration an empty JSON object (an unreadable one is not offered)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(b"")
+    path.write_bytes(b"{}" if path.suffix == ".json" else b"")
 
 
 def test_the_folder_offers_a_model_its_own_ip_adapters_and_the_top_level_ones(
