@@ -161,7 +161,10 @@ class Finisher(Generic[Handoff]):
     def _replace(self) -> bool:
         """The process died: start another, and let go of the batch it held; whether one runs."""
         self._process.join()
-        log.error("the finishing process died (exit code %s); starting another", self._process.exitcode)
+        if self._process.exitcode == 0:  # it stopped as asked: SIGTERM to the worker's process group
+            log.info("the finishing process stopped; starting another for what the worker still finishes")
+        else:
+            log.error("the finishing process died (exit code %s); starting another", self._process.exitcode)
         with self._lock:
             handoff = self._pending
             try:
