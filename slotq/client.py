@@ -292,8 +292,10 @@ class Client:
                 ) -> dict[str, Any]:
         view: dict[str, Any] = {}
         for name, data in self.events(job_id, timeout=timeout):
-            if name == "progress":  # a step: the view as it stood, with this progress
-                view = {**view, "status": "running", "progress": data}
+            if name == "progress":  # a step: the view as it stood, with this progress (and ETA, if said)
+                progress = {key: data[key] for key in ("step", "total") if key in data}
+                view = {**view, "status": "running", "progress": progress,
+                        **({"eta_s": data["eta_s"]} if "eta_s" in data else {})}
             elif name != "preview":
                 view = data
             on_update(view)

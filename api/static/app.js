@@ -263,7 +263,9 @@ async function follow(entry) {
 // One event into the job's state. `queued`, `started` and the final ones carry the whole view.
 function apply(entry, { event, data }) {
   if (event === "progress") {
-    entry.view = { ...entry.view, progress: data };
+    // A step, with the job's ETA at the step time shown so far, where the worker knows it.
+    const { eta_s: eta, ...progress } = data;
+    entry.view = { ...entry.view, progress, ...(eta ? { eta_s: eta } : {}) };
   } else if (event === "preview") {
     entry.preview = data;
   } else {

@@ -121,7 +121,8 @@ def model_key(line: str) -> str:
 
 
 def running_key(line: str) -> str:
-    """Hash of worker name to "cost started-at" of the job it runs, for a line's workers."""
+    """Hash of worker name to "cost started-at" of the job it runs, for a line's workers ("cost
+    started-at step total step-at" once it reports a step)."""
     return f"{PREFIX}:running:{line}"
 
 

@@ -172,7 +172,11 @@ def report_progress(jobs: list[Job], step: int, total: int) -> list[bool]:
     round trips of a watched transaction.
     """
     if step:
-        return report_steps(jobs, [(step, total)] * len(jobs))
+        for job in jobs:
+            job.meta["progress"] = {"step": step, "total": total}
+        # At one step together: their worker's running entry takes this step's time, which ETAs read.
+        worker = jobs[0].worker_name
+        return _report_step(jobs, (waiting.line_of(jobs[0]), worker, step, total) if worker else None)
     with jobs[0].connection.pipeline(transaction=False) as pipe:
         announce_start(jobs, pipe)
         answers = pipe.execute()
@@ -201,15 +205,20 @@ def announce_start(jobs: list[Job], pipe: Pipeline) -> None:
         pipe.exists(keys.cancel_key(job.id))
 
 
-def _report_step(jobs: list[Job]) -> list[bool]:
+def _report_step(jobs: list[Job], timed: tuple[str, str, int, int] | None = None) -> list[bool]:
     # For each job: its hash, cancel key, fence key and event log; its meta and its attempt's token
-    # ('' when the writer holds no fence: a plain RQ worker).
+    # ('' when the writer holds no fence: a plain RQ worker). ``timed``: the line, the worker, the step
+    # and the total, for the worker's running entry (step.lua).
     tokens = {fence.job_id: fence.token for fence in fencing.held()}
     job_keys: list[str] = []
     args: list[str | bytes] = [keys.events_channel(jobs[0].origin)]
     for job in jobs:
         job_keys += [job.key, keys.cancel_key(job.id), keys.fence_key(job.id), keys.log_key(job.id)]
         args += [job.serializer.dumps(job.meta), tokens.get(job.id, "")]
+    if timed is not None:
+        line, worker, step, total = timed
+        job_keys.append(keys.running_key(line))
+        args += [worker, str(step), str(total)]
     # The script is the fence: no watched transaction around it. One EVALSHA, not in a pipeline
     # (a pipeline asks SCRIPT EXISTS first: a second round trip).
     connection = jobs[0].connection

@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
+from functools import partial
 from itertools import pairwise
 from pathlib import Path
 
@@ -59,6 +60,37 @@ def seconds_from(moment: str, origin: float) -> float:
 
 def within(estimate: float, actual: float, share: float = 0.25) -> bool:
     return abs(estimate - actual) <= share * actual
+
+
+@pytest.mark.alone  # the step time against the wall clock: no other test may slow the machine
+def test_a_running_job_s_eta_falls_with_its_steps(client: FlaskClient, settings: Settings,
+                                                  tmp_path: Path) -> None:
+    """A 40-step job, read at two steps: the later ETA is smaller, and each is within half of the time
+    that was then left (before any job of the model ended, so from the job's own step time alone)."""
+    worker = start_worker(settings, tmp_path / "worker.log")
+    try:
+        job_id = post_job(client, width=512, height=512, steps=40, seed=3).get_json()["id"]
+        readings = []  # (the ETA's finish, when it was read)
+        for reached in (8, 24):
+            view = wait_for(partial(at_step, client, job_id, reached), timeout=120, what=f"step {reached}")
+            assert view["eta_s"] is not None, view
+            readings.append((view["eta_s"]["finish"], time.time()))
+        ended = wait_for_status(client, job_id, "succeeded", timeout=120)
+        finished = datetime.fromisoformat(ended["finished_at"]).timestamp()
+    finally:
+        worker.stop()
+    (first, first_at), (second, second_at) = readings
+    assert second < first
+    for estimate, read_at in readings:
+        assert within(estimate, finished - read_at, share=0.5), (readings, finished)
+
+
+def at_step(client: FlaskClient, job_id: str, step: int) -> dict | None:
+    """The job's view once it runs at ``step`` or later (None before; fails if it ended first)."""
+    view = client.get(f"/v1/jobs/{job_id}").get_json()
+    assert view["status"] in ("queued", "running"), view
+    progress = view.get("progress") or {}
+    return view if view["status"] == "running" and progress.get("step", 0) >= step else None
 
 
 @pytest.mark.alone  # the model against the wall clock: no other test may slow the machine

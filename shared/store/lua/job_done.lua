@@ -20,5 +20,9 @@ if not b or b < 0 or a < 0 then
   a, b = 0, t1 / math.max(s1, 1e-9)
 end
 redis.call('HSET', KEYS[1], 's0', s0, 's1', s1, 's2', s2, 't1', t1, 't2', t2, 'a', a, 'b', b)
-if redis.call('HGET', KEYS[2], ARGV[4]) == ARGV[5] then redis.call('HDEL', KEYS[2], ARGV[4]) end
+-- The entry stored begins with the one the worker holds: its steps' timing is appended (step.lua).
+local stored = redis.call('HGET', KEYS[2], ARGV[4])
+if stored and (stored == ARGV[5] or string.sub(stored, 1, #ARGV[5] + 1) == ARGV[5] .. ' ') then
+  redis.call('HDEL', KEYS[2], ARGV[4])
+end
 return {tostring(a), tostring(b)}

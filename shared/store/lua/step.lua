@@ -1,10 +1,28 @@
+-- uses: line estimates
 -- One step's progress for the jobs of a GPU execution, each checked against its attempt's fence,
 -- logged as a `progress` event and announced on the events channel.
 -- KEYS: per job its hash, cancel flag, fence and event log; ARGV[1]: the events channel; then per
--- job its meta and fence token ('' for none).
+-- job its meta and fence token ('' for none). Where the jobs are at one step, also the line's running
+-- hash (the last KEY) and, last in ARGV, the worker, the step and the total: the worker's running entry
+-- ("cost started") then says when this step was reached, "cost started step total at" on Redis's
+-- clock, and the ETAs of the jobs running and waiting follow the step time this execution shows;
+-- each `progress` event then carries the job's `eta_s` too.
 -- Answers per job: -1 when the attempt is stale (nothing written for it), else whether it was canceled.
 local answers, channel = {}, ARGV[1]
-for n = 1, (#ARGV - 1) / 2 do
+local jobs = math.floor(#KEYS / 4)
+local left  -- the seconds the jobs have left, at the step time shown, where it is known
+if #KEYS % 4 == 1 then
+  local running, worker, step, total = KEYS[#KEYS], ARGV[#ARGV - 2], ARGV[#ARGV - 1], ARGV[#ARGV]
+  local entry, cost, started = redis.call('HGET', running, worker), nil, nil
+  if entry then cost, started = string.match(entry, '^(%S+) (%S+)') end
+  if started then
+    local now = redis_now()
+    entry = table.concat({cost, started, step, total, num(now)}, ' ')
+    redis.call('HSET', running, worker, entry)
+    left = entry_left(nil, entry, now)
+  end
+end
+for n = 1, jobs do
   local hash, cancel, fence, log = KEYS[4 * n - 3], KEYS[4 * n - 2], KEYS[4 * n - 1], KEYS[4 * n]
   local meta, token = ARGV[2 * n], ARGV[2 * n + 1]
   if token ~= '' and redis.call('GET', fence) ~= token then
@@ -13,6 +31,8 @@ for n = 1, (#ARGV - 1) / 2 do
     redis.call('HSET', hash, 'meta', meta)
     local progress = cjson.decode(meta)['progress']
     if progress then
+      -- The event carries the job's ETA as the view has it, so that a follower's time left falls.
+      if left then progress['eta_s'] = {start = 0, finish = left} end
       redis.call('XADD', log, 'MAXLEN', '~', @LOG_LENGTH@, '*', 'event', 'progress', 'data', cjson.encode(progress))
       redis.call('PUBLISH', channel, string.sub(log, #'@LOG_PREFIX@' + 1))
     end

@@ -11,12 +11,23 @@ end
 local function job_seconds(model, cost)
   return model and model[1] + model[2] * cost
 end
+-- What a running entry ("cost started", with "step total at" once a step is reported) has left:
+-- its remaining steps at the step time this execution has shown since its start, once it has run a
+-- step; before, what the model says of its cost. nil without either.
+local function entry_left(model, entry, now)
+  local cost, started, step, total, at = string.match(entry, '^(%S+) (%S+) ?(%S*) ?(%S*) ?(%S*)$')
+  step, total, at, started = tonumber(step), tonumber(total), tonumber(at), tonumber(started)
+  if step and step >= 1 and total and at then
+    return math.max(0, (at - started) / step * (total - step) - (now - at))
+  end
+  if not model then return nil end
+  return math.max(0, model[1] + model[2] * tonumber(cost) - (now - started))
+end
 local function running_left(model, running_key, now)
   local left = {}
-  if not model then return left end
   for _, entry in ipairs(redis.call('HVALS', running_key)) do
-    local cost, started = string.match(entry, '(%S+) (%S+)')
-    table.insert(left, math.max(0, model[1] + model[2] * tonumber(cost) - (now - tonumber(started))))
+    local seconds = entry_left(model, entry, now)
+    if seconds then table.insert(left, seconds) end
   end
   return left
 end
