@@ -69,6 +69,7 @@ def engine(folder: Path) -> Iterator[dict[str, str]]:
         return
     socket = folder / "docker.sock"
     env["DOCKER_HOST"] = f"unix://{socket}"
+    before = _forwarding()
     with (folder / "dockerd.log").open("w") as log:
         daemon = subprocess.Popen(
             ["dockerd", "--host", env["DOCKER_HOST"], "--exec-root", str(folder / "exec"),
@@ -89,6 +90,28 @@ def engine(folder: Path) -> Iterator[dict[str, str]]:
         except subprocess.TimeoutExpired:
             daemon.kill()
             daemon.wait()
+        _restore_forwarding(before)
+
+
+BRIDGE_NF = Path("/proc/sys/net/bridge/bridge-nf-call-iptables")
+
+
+def _forwarding() -> tuple[str | None, str | None]:
+    """The FORWARD chain's policy and whether bridged packets pass iptables (None: no such module)."""
+    listed = subprocess.run(["iptables", "-w", "-S", "FORWARD"], capture_output=True, text=True, timeout=30)
+    policy = listed.stdout.split("\n")[0].split()[-1] if listed.returncode == 0 and listed.stdout else None
+    return policy, BRIDGE_NF.read_text().strip() if BRIDGE_NF.exists() else None
+
+
+def _restore_forwarding(before: tuple[str | None, str | None]) -> None:
+    """What dockerd changed for the machine's other traffic, as it was: it sets FORWARD's policy to
+    DROP and loads br_netfilter, which then filters every bridge's packets (the network-namespace
+    tests' too)."""
+    policy, bridged = before
+    if policy is not None:
+        subprocess.run(["iptables", "-w", "-P", "FORWARD", policy], capture_output=True, timeout=30)
+    if BRIDGE_NF.exists():
+        BRIDGE_NF.write_text(bridged or "0")
 
 
 def compose_cached() -> bool:

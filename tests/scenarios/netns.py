@@ -66,6 +66,19 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return result
 
 
+def _forward_within(bridge: str, action: str) -> None:
+    """Insert (``-I``) or delete (``-D``) the rule that lets traffic between the hosts of a bridge
+    through iptables' FORWARD chain. Where br_netfilter is loaded (Docker loads it, and sets that
+    chain's policy to DROP), bridged packets pass the chain: without the rule hosts cannot reach
+    each other. Docker's own bridge has the same rule."""
+    if shutil.which("iptables") is None:
+        return  # no iptables, no filter on bridged traffic either
+    rule = ["FORWARD", "-i", bridge, "-o", bridge, "-j", "ACCEPT"]
+    done = subprocess.run(["iptables", "-w", action, *rule], capture_output=True, text=True, timeout=30)
+    if done.returncode != 0 and action == "-I":
+        raise LabError(f"`iptables -I {' '.join(rule)}` failed: {done.stderr.strip()}")
+
+
 @cache
 def network_available() -> str | None:
     """None when namespaces and veth pairs can be made here, else why not."""
@@ -180,6 +193,7 @@ class Lab:
             _ip("link", "set", self.bridge, "alias", self.prefix)  # for sweep_stale
             _ip("addr", "add", f"{self.gateway}/{self.subnet.prefixlen}", "dev", self.bridge)
             _ip("link", "set", self.bridge, "up")
+            _forward_within(self.bridge, "-I")
         except BaseException:
             self.close()
             raise
@@ -211,6 +225,7 @@ class Lab:
         finally:
             for host in self.hosts:
                 host.remove()
+            _forward_within(self.bridge, "-D")
             _ip("link", "del", self.bridge, check=False)
         left = [host.namespace for host in self.hosts if host.pids()] + _links_named(self.tag)
         if left:
