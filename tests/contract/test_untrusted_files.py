@@ -280,6 +280,15 @@ def test_a_header_is_parsed_once_while_its_file_is_unchanged(tmp_path: Path,
     assert list(folder_models(tmp_path)) == ["good"] and len(parsed) == 2
 
 
+def test_a_header_past_the_bound_is_not_offered_unread(tmp_path: Path) -> None:
+    """A valid header just over MAX_HEADER_BYTES is refused by its length, before it is read: the
+    listing's one parse of a file stays about a second."""
+    padded = GOOD_HEADER + b" " * (checkpoints.MAX_HEADER_BYTES + 1 - len(GOOD_HEADER))
+    (tmp_path / "huge.safetensors").write_bytes(safetensors(padded))
+    (tmp_path / "good.safetensors").write_bytes(safetensors(GOOD_HEADER))
+    assert list(_read_afresh(tmp_path)) == ["good"]
+
+
 # --- a real worker -------------------------------------------------------------------------------------
 
 @pytest.fixture
