@@ -8,7 +8,10 @@ from flask import Flask, Response, g, jsonify
 from werkzeug.exceptions import HTTPException
 from werkzeug.middleware.proxy_fix import ProxyFix
 
-from api import bodies, compat, observability
+from api import bodies, observability
+from api.compat.a1111.views import bp as a1111_bp
+from api.compat.a1111.views import controlnet_bp
+from api.compat.openai_images import bp as openai_bp
 from api.errors import as_service_error
 from api.jobs import Jobs
 from api.longpoll import Waits
@@ -20,6 +23,9 @@ from shared.contract.errors import ServiceError, UnauthorizedError
 from shared.contract.settings import Settings, get_settings
 from shared.contract.tenants import policies
 from shared.store.connection import connect, job_queue
+
+# The compatibility surfaces (api/compat/): OpenAI Images, AUTOMATIC1111 and its ControlNet extension.
+SURFACES = (openai_bp, a1111_bp, controlnet_bp)
 
 
 def create_app(settings: Settings | None = None) -> Flask:
@@ -50,7 +56,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.register_error_handler(ServiceError, error_response)
     app.register_error_handler(HTTPException, http_error)
     app.register_error_handler(Exception, other_error)
-    for surface in compat.SURFACES:  # each renders its own errors, in its clients' envelope
+    for surface in SURFACES:  # each renders its own errors, in its clients' envelope
         app.register_blueprint(surface)
     return app
 

@@ -9,14 +9,22 @@ from typing import Any
 
 from api.compat import document as compat_document
 from api.longpoll import MAX_WAIT_S
-from api.routes import DEFAULT_LIMIT, MAX_IDEMPOTENCY_KEY, MAX_LIMIT
 from api.streams import EVENT_ID
 from shared.contract import errors
 from shared.contract.adapters import available_adapters
 from shared.contract.controlnets import available_controlnets
 from shared.contract.images import FORMATS, INPUT_NAMES
 from shared.contract.ip_adapters import available_ip_adapters
-from shared.contract.jobs import MIN_SIDE, PRIORITIES, JobRequest, JobStatus, JobView
+from shared.contract.jobs import (
+    DEFAULT_LIMIT,
+    MAX_IDEMPOTENCY_KEY,
+    MAX_LIMIT,
+    MIN_SIDE,
+    PRIORITIES,
+    JobRequest,
+    JobStatus,
+    JobView,
+)
 from shared.contract.models import ModelInfo, model_info
 from shared.contract.settings import Settings
 from shared.store.listing import CURSOR

@@ -13,6 +13,7 @@ from pydantic import BaseModel
 from api import bodies, longpoll
 from api.compat.openai_images import model_list
 from api.jobs import Jobs, Ticket
+from api.openapi import openapi_document
 from shared.contract import logs, tenants
 from shared.contract.errors import (
     DrainingError,
@@ -22,13 +23,11 @@ from shared.contract.errors import (
     UnsupportedMediaTypeError,
 )
 from shared.contract.images import INPUT_NAMES
-from shared.contract.jobs import JobStatus, Submission
+from shared.contract.jobs import DEFAULT_LIMIT, MAX_IDEMPOTENCY_KEY, MAX_LIMIT, JobStatus, Submission
 from shared.contract.settings import Settings
 from shared.contract.tenants import Tenant
 
 bp = Blueprint("slotq", __name__)
-MAX_IDEMPOTENCY_KEY = 255
-DEFAULT_LIMIT, MAX_LIMIT = 20, 100  # jobs a page of GET /v1/jobs lists
 
 
 def _settings() -> Settings:
@@ -161,8 +160,6 @@ def metrics() -> Response:
 @bp.get("/openapi.json")
 def openapi() -> Response:
     """The OpenAPI 3.1 document of this API."""
-    from api.openapi import openapi_document
-
     return jsonify(openapi_document(_settings()))
 
 

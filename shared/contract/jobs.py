@@ -37,6 +37,8 @@ from shared.contract.models import MODEL_NAME_PATTERN, ModelInfo, Scheduler, mod
 
 MAX_SEED = 2**32 - 1
 MAX_IMAGES = 4  # per job
+MAX_IDEMPOTENCY_KEY = 255  # characters of an Idempotency-Key
+DEFAULT_LIMIT, MAX_LIMIT = 20, 100  # jobs a page of GET /v1/jobs lists
 MAX_CONTROLNETS = 2  # per job
 
 Priority = Literal["high", "normal", "low"]

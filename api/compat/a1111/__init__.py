@@ -2,7 +2,3 @@
 ``translate`` (the tables, a body as a job, a job as ``info``), ``images`` (img2img's inputs),
 ``controlnet`` (the ControlNet extension's units) and ``views`` (the routes, their auth and their error
 envelope)."""
-
-from api.compat.a1111.views import bp, controlnet_bp
-
-__all__ = ["bp", "controlnet_bp"]
