@@ -33,19 +33,18 @@ from diffusers.hooks import FirstBlockCacheConfig, HookRegistry, ModelHook
 
 from shared.contract.models import Family
 
-# A full UNet call every INTERVAL calls (one call a step). 3 is the interval of DeepCache's own example
-# (its published SD 1.5 figure: 2.3x). Measured here (docs/speed.md), the shallow branch costs 9% of a
-# full call on SD 1.5's UNet and 1.4% on SDXL's, so 30 steps run 1.8x/2.5x/3.0x faster (SD 1.5) at
-# 2/3/4, and the tiny models' pixel difference grows steadily with it. Random weights rank no quality,
-# so DeepCache's 3 it is.
+# A full UNet call every INTERVAL calls (one call a step). 3 is the interval of DeepCache's own example;
+# the shallow branch in between costs a small share of a full call, so each larger interval runs faster
+# and strays further from the full image. Random weights rank no quality, so DeepCache's 3 it is (the
+# measured speeds and differences: docs/speed.md).
 UNET_INTERVAL: dict[Family, int] = {"sd": 3, "sdxl": 3}
 # First Block Cache skips a step's other blocks where the first block's residual moved by less than
-# this (relative) since the last full step. 0.08 is ParaAttention's default for FLUX.1-dev, published
-# as 1.55x at 28 steps with nearly zero quality loss (0.12: 1.91x); a higher value skips more steps.
+# this (relative) since the last full step: ParaAttention's default for FLUX.1-dev, whose published
+# speed-up and quality are in docs/speed.md; a higher value skips more steps.
 FLUX_THRESHOLD = 0.08
-# The tiny random Flux's first block moves 18-54% a step (a trained FLUX.1's often under 8%, or 0.08
-# would skip nothing there), so at 0.08 it never skips; at 0.4 it skips the other block in about half
-# the steps. diffusers' own tests raise the threshold (0.8) for random models for the same reason.
+# The tiny random Flux's first block moves far more a step than a trained FLUX.1's, so at 0.08 it would
+# never skip; at 0.4 it skips the other block in about half the steps (docs/speed.md). diffusers' own
+# tests raise the threshold for random models for the same reason.
 TINY_FLUX_THRESHOLD = 0.4
 _STEP_HOOK = "slotq_deep_cache_step"
 _REUSE_HOOK = "slotq_deep_cache_reuse"

@@ -104,7 +104,8 @@ class ControlNets:
 
 def controlled(base: DiffusionPipeline, kind: JobKind, nets: Sequence[ControlNetModel]) -> DiffusionPipeline:
     """The ControlNet pipeline of this kind over the base pipeline's modules, with these ControlNets (two
-    or more: diffusers' MultiControlNetModel). About 1 ms: made per call, it holds no ControlNet longer."""
+    or more: diffusers' MultiControlNetModel). Cheap to make (it wraps modules), so it is made per call
+    and holds no ControlNet longer."""
     if not nets:
         raise ValueError("a ControlNet pipeline needs a ControlNet")
     controlnet = nets[0] if len(nets) == 1 else MultiControlNetModel(list(nets))

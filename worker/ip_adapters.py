@@ -53,7 +53,7 @@ class IpAdapters:
         if name is None:
             if self.active is not None:
                 # Not scale 0: an UNet with an IP-Adapter refuses a call without a reference image.
-                # About 2 ms (the attention processors reset); the weights and encoder stay resident.
+                # Cheap: the attention processors are reset; the weights and encoder stay resident.
                 pipe.unload_ip_adapter()
                 self.active = None
             return

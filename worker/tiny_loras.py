@@ -76,10 +76,10 @@ class _Recipe:
     save: Callable[[Path, Layers, str], None]
 
 
-# Gains measured on 64-256 px images (tests/worker/test_tiny_loras.py): at scale 1 each adapter moves the
-# pixels (in [0, 1]) by 0.05-0.15 on average, and scale 0.5 gives an image of its own. Much larger
-# gains saturate the attention (Flux's past about 1.0, SDXL's past about 2), so that half a scale
-# looks like a whole one; SD keeps the 3.0 its adapters were first built with.
+# Each family's gain: large enough that an adapter at scale 1 visibly moves a random model's image and
+# scale 0.5 gives an image of its own (tests/worker/test_tiny_loras.py checks both), small enough not to
+# saturate the attention, past which half a scale looks like a whole one; SD keeps the gain its
+# adapters were first built with.
 RECIPES: dict[str, _Recipe] = {
     "tiny": _Recipe("tiny-sd-loras-v1", UNet2DConditionModel, "unet", UNET_TARGETS, 3.0, _save_sd),
     "tiny-sdxl": _Recipe("tiny-sdxl-loras-v2", UNet2DConditionModel, "unet", UNET_TARGETS, 1.0, _save_sdxl),
