@@ -315,3 +315,19 @@ def wait_for_status(client: FlaskClient, job_id: str, *statuses: str, timeout: f
         return view if view["status"] in statuses else None
 
     return wait_for(reached, timeout, what=f"job {job_id} to become {'/'.join(statuses)}")
+
+
+def raw_request(port: int, request: bytes) -> tuple[int, dict[str, str], bytes]:
+    """Send bytes as they are (no client library would send them) to a server on this machine and
+    read the answer whole: its status, headers and body."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(request)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = {name.lower(): value.strip() for name, _, value in (line.partition(":") for line in lines)}
+    return int(status_line.split()[1]), headers, body

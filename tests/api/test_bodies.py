@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import json
-import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -19,7 +18,7 @@ from redis import Redis
 
 from api import bodies
 from shared.contract.settings import Settings
-from tests.conftest import Process, app_client, box_mask, data_url, start_image
+from tests.conftest import Process, app_client, box_mask, data_url, raw_request, start_image
 
 KEY = "sk-alice"
 BEARER = {"Authorization": f"Bearer {KEY}"}
@@ -171,14 +170,8 @@ def chunked(port: int, path: str, body: bytes, headers: str) -> tuple[int, bytes
     """A POST whose body is sent chunked (no Content-Length), through a raw socket; its status and body."""
     request = (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{headers}"
                "Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n").encode()
-    request += b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n"
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(request)
-        answer = b""
-        while chunk := sock.recv(65536):
-            answer += chunk
-    head, _, content = answer.partition(b"\r\n\r\n")
-    return int(head.split()[1]), content
+    status, _, content = raw_request(port, request + b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n")
+    return status, content
 
 
 def test_a_chunked_body_over_the_limit_is_a_413_on_every_surface(start_api: Callable[..., Process],

@@ -8,7 +8,6 @@ import hashlib
 import json
 import math
 import re
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -40,7 +39,7 @@ from api.openapi import error_codes, openapi_document
 from shared.contract.jobs import MAX_SEED, JobRequest, JobStatus, JobView
 from shared.contract.models import UNET_SCHEDULERS
 from shared.contract.settings import Settings
-from tests.conftest import Process, app_client, box_mask, data_url, start_image
+from tests.conftest import Process, app_client, box_mask, data_url, raw_request, start_image
 
 FUZZ_DB, SCHEMATHESIS_DB = 2, 3
 ERROR_CODES = error_codes()
@@ -574,19 +573,6 @@ def test_a_query_parameter_that_takes_one_value_given_twice_is_refused(fuzz_clie
         assert assert_error(response, validators) == "invalid_request"
         assert response.get_json()["error"]["details"][0]["msg"] == "must be given at most once"
     assert fuzz_client.get("/v1/jobs?status=queued&status=running").status_code == 200  # a list: repeated
-
-
-def raw_request(port: int, request: bytes) -> tuple[int, dict[str, str], bytes]:
-    """Send bytes as they are (no client library would send them) and read the answer whole."""
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(request)
-        answer = b""
-        while chunk := sock.recv(65536):
-            answer += chunk
-    head, _, body = answer.partition(b"\r\n\r\n")
-    status_line, *lines = head.decode("latin-1").split("\r\n")
-    headers = {name.lower(): value.strip() for name, _, value in (line.partition(":") for line in lines)}
-    return int(status_line.split()[1]), headers, body
 
 
 def test_what_the_web_server_refuses_before_the_app_is_answered_in_the_envelope(
