@@ -9,11 +9,14 @@ each with safetensors' own bounds on its header.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
+
+log = logging.getLogger(__name__)
 
 MAX_LORAS = 4  # per job
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
@@ -34,6 +37,19 @@ def adapters_key(loras: list[LoraRef]) -> str:
     """Adapters and scales as one string, in a stable order ('' for the bare model): the part of a
     job's batch key that names them, and what the claim's affinity compares (lua/lib/line.lua)."""
     return ",".join(f"{lora.name}:{lora.scale!r}" for lora in sorted(loras, key=lambda lora: lora.name))
+
+
+def weights_file_name(path: Path, setting: str) -> str | None:
+    """The name a ``<name>.safetensors`` file of a folder of weights is offered under: None for a
+    name a job could not send, and for anything but a regular file (a FIFO would block the worker
+    that opened it; logged under ``setting``, the folder's)."""
+    name = path.name[:-len(SUFFIX)]
+    if not re.fullmatch(NAME_PATTERN, name):
+        return None
+    if not path.is_file():
+        log.warning("%s: not offered: %s: not a regular file", setting, path)
+        return None
+    return name
 
 
 def adapter_path(lora_dir: Path, name: str) -> Path:

@@ -20,7 +20,7 @@ import os
 import re
 from pathlib import Path
 
-from shared.contract.adapters import NAME_PATTERN
+from shared.contract.adapters import NAME_PATTERN, weights_file_name
 from shared.contract.checkpoints import PICKLE_SUFFIXES, SAFE_SUFFIX, UnusableModelError, read_json
 
 log = logging.getLogger(__name__)
@@ -55,11 +55,8 @@ def _folder_controlnet(path: Path) -> str | None:
 
 def _file_controlnet(path: Path) -> str | None:
     """The name of a ControlNet in the single-file layout, its sidecar readable where it has one."""
-    name = path.name[:-len(SAFE_SUFFIX)]
-    if not re.fullmatch(NAME_PATTERN, name):
-        return None
-    if not path.is_file():  # a FIFO would block the worker that opened it
-        log.warning("SLOTQ_CONTROLNET_DIR: not offered: %s: not a regular file", path)
+    name = weights_file_name(path, "SLOTQ_CONTROLNET_DIR")
+    if name is None:
         return None
     sidecar = path.with_suffix(SIDECAR_SUFFIX)
     return name if not sidecar.exists() or _readable(sidecar) else None

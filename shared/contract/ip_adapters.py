@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from pathlib import Path
 
-from shared.contract.adapters import NAME_PATTERN
+from shared.contract.adapters import weights_file_name
 from shared.contract.checkpoints import PICKLE_SUFFIXES, SAFE_SUFFIX, UnusableModelError, read_json
 
 log = logging.getLogger(__name__)
@@ -41,13 +40,7 @@ def _ip_adapter_of(path: Path) -> str | None:
         return None
     if path.suffix.lower() != SAFE_SUFFIX:
         return None
-    name = path.name[:-len(SAFE_SUFFIX)]
-    if not re.fullmatch(NAME_PATTERN, name):
-        return None
-    if not path.is_file():  # a FIFO would block the worker that opened it
-        log.warning("SLOTQ_IP_ADAPTER_DIR: not offered: %s: not a regular file", path)
-        return None
-    return name
+    return weights_file_name(path, "SLOTQ_IP_ADAPTER_DIR")
 
 
 def _has_encoder(folder: Path) -> bool:
