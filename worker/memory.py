@@ -13,7 +13,6 @@ them (untyped, and absent from most workers), never at this module's import.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import logging
 import tempfile
 
@@ -21,6 +20,7 @@ import torch
 from diffusers import DiffusionPipeline
 
 from shared.contract.memory import MemoryOptions, Quantize
+from worker import startup
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def check(options: MemoryOptions, device: torch.device) -> None:
 
 def _missing(package: str, setting: str) -> list[str]:
     """The problem of a package that is not installed, found without importing it."""
-    if importlib.util.find_spec(package) is not None:
+    if startup.is_installed(package):
         return []
     return [f"{setting} needs the {package} package, which is not installed: pip install {package} "
             f"(or set {setting.split('=')[0]} to none)"]
@@ -114,6 +114,7 @@ def _is_quantized(denoiser: torch.nn.Module) -> bool:
 
 def _torchao_int8(denoiser: torch.nn.Module) -> None:
     """torchao's int8 weight-only quantization of every Linear layer, after load (``quantize_``)."""
+    startup.release("torchao")  # deferred at the worker's start (worker/startup.py)
     quantization = importlib.import_module("torchao.quantization")
     # Int8WeightOnlyConfig since torchao 0.9; before it, the int8_weight_only() function.
     config = getattr(quantization, "Int8WeightOnlyConfig", None) or quantization.int8_weight_only
