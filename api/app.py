@@ -2,27 +2,19 @@
 
 from __future__ import annotations
 
-import threading
-
 from flask import Flask, Response, g, jsonify
 from werkzeug.exceptions import HTTPException
 from werkzeug.middleware.proxy_fix import ProxyFix
 
-from api import bodies, observability
+from api import bodies, observability, state
 from api.compat.a1111.views import bp as a1111_bp
 from api.compat.a1111.views import controlnet_bp
 from api.compat.openai_images import bp as openai_bp
 from api.errors import as_service_error
-from api.jobs import Jobs
-from api.longpoll import Waits
-from api.metrics import ApiMetrics
 from api.page import page, secured
 from api.routes import authenticate, bp
-from api.streams import Streams
 from shared.contract.errors import ServiceError, UnauthorizedError
 from shared.contract.settings import Settings, get_settings
-from shared.contract.tenants import policies
-from shared.store.connection import connect, job_queue
 
 # The compatibility surfaces (api/compat/): OpenAI Images, AUTOMATIC1111 and its ControlNet extension.
 SURFACES = (openai_bp, a1111_bp, controlnet_bp)
@@ -36,17 +28,11 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.url_map.merge_slashes = False
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.json.sort_keys = False  # type: ignore[attr-defined]
-    app.extensions["slotq.settings"] = settings
-    queue = app.extensions["slotq.queue"] = job_queue(connect(settings), settings)
-    draining = app.extensions["slotq.draining"] = threading.Event()  # set by the server on SIGTERM
-    waits = app.extensions["slotq.waits"] = Waits.for_settings(queue.connection, settings, draining)
-    app.extensions["slotq.jobs"] = Jobs(queue, settings, waits)
-    app.extensions["slotq.streams"] = Streams(queue, waits, settings.max_streams, settings.tenant_wait_share)
-    app.extensions["slotq.keys"] = policies(settings)
+    state.install(app, settings)  # its Redis connection, queue, jobs, waits, streams, keys and metrics
     app.before_request(bodies.buffer_unsized)  # a chunked body is bounded as a sized one is
-    if app.extensions["slotq.keys"]:  # an open service reads no key, and sets no tenant
+    if state.key_policies(app):  # an open service reads no key, and sets no tenant
         app.before_request(authenticate)
-    observability.install(app, ApiMetrics(settings, queue))
+    observability.install(app)
     app.register_blueprint(bp)
     app.register_blueprint(page)
     app.wsgi_app = secured(app.wsgi_app)  # type: ignore[method-assign,assignment]

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from flask import Flask, Response, current_app, g, request
 
-from api.metrics import ApiMetrics
+from api import state
 from shared.contract import logs
 
 if TYPE_CHECKING:
@@ -21,9 +21,8 @@ QUIET_ROUTES = frozenset({"/healthz", "/readyz", "/metrics"})  # probes and scra
 BEGAN = "slotq.began"  # the environ key of when the request came in (time.perf_counter)
 
 
-def install(app: Flask, metrics: ApiMetrics) -> None:
+def install(app: Flask) -> None:
     """Wrap this app: each request gets its id first, and its log line and metrics last."""
-    app.extensions["slotq.metrics"] = metrics
     app.wsgi_app = traced(app.wsgi_app)  # type: ignore[method-assign,assignment]
     app.after_request(end_request)
 
@@ -63,7 +62,7 @@ def end_request(response: Response) -> Response:
     """Count and log the answer."""
     asked = request._get_current_object()  # type: ignore[attr-defined]  # one proxy lookup, not six
     seconds = time.perf_counter() - asked.environ[BEGAN]
-    metrics: ApiMetrics = current_app.extensions["slotq.metrics"]
+    metrics = state.metrics()
     route = asked.url_rule.rule if asked.url_rule else "unmatched"  # never the raw path: ids
     method, status = asked.method, response.status_code
     metrics.observe(method, route, status, seconds)

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from flask import Blueprint, Response, current_app, g, jsonify, request
+from flask import Blueprint, Response, g, jsonify, request
 from pydantic import BaseModel
 
-from api import bodies, longpoll
+from api import bodies, longpoll, state
 from api.compat.openai_images import model_list
-from api.jobs import Jobs, Ticket
+from api.jobs import Ticket
 from api.openapi import openapi_document
 from shared.contract import logs, tenants
 from shared.contract.errors import (
@@ -24,30 +24,16 @@ from shared.contract.errors import (
 )
 from shared.contract.images import INPUT_NAMES
 from shared.contract.jobs import DEFAULT_LIMIT, MAX_IDEMPOTENCY_KEY, MAX_LIMIT, JobStatus, Submission
-from shared.contract.settings import Settings
-from shared.contract.tenants import Tenant
 
 bp = Blueprint("slotq", __name__)
-
-
-def _settings() -> Settings:
-    return current_app.extensions["slotq.settings"]
-
-
-def _jobs() -> Jobs:
-    return current_app.extensions["slotq.jobs"]
-
-
-def _tenant() -> Tenant | None:
-    return g.get("tenant")
 
 
 def authenticate() -> None:
     """With SLOTQ_API_KEYS set, every /v1 call needs a valid bearer key; it names the tenant. (An
     open service has no tenants: ``api/app.py`` registers this hook only where there are keys.)"""
     if request.path.startswith("/v1/"):
-        keys = current_app.extensions["slotq.keys"]
-        g.tenant = tenants.authenticate(keys, _settings(), request.headers.get("Authorization"))
+        state.set_tenant(tenants.authenticate(state.key_policies(), state.settings(),
+                                              request.headers.get("Authorization")))
 
 
 @bp.post("/v1/jobs")
@@ -55,8 +41,8 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
     """Admit a job (202), replay an earlier submit with the same Idempotency-Key (200), or refuse."""
     # With ``Prefer: wait=N``, a job that ends within N seconds answers 200 with its final view.
     submission, wait = _submission(), longpoll.preferred_wait(request.headers.getlist("Prefer"))
-    ticket = Ticket(_idempotency_key(), _tenant(), logs.request_id.get())  # api/observability.py set it
-    submitted = _jobs().submit(submission, ticket, wait)
+    ticket = Ticket(_idempotency_key(), state.tenant(), logs.request_id.get())  # api/observability.py set it
+    submitted = state.jobs().submit(submission, ticket, wait)
     g.admission = "replayed" if submitted.replayed else "admitted"
     g.about = submitted.about  # the request's log line says it (api/observability.py)
     headers = {"Location": f"/v1/jobs/{submitted.view.id}"}
@@ -70,15 +56,15 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
 def list_jobs() -> Response:
     """The caller's jobs, newest first: ``?status=`` (repeated or comma-separated), ``?limit=``
     (default 20, at most 100) and ``?cursor=`` (the ``next`` of the page before)."""
-    page = _jobs().page(_tenant(), _limit(_single("limit")), _statuses(request.args.getlist("status")),
-                        _single("cursor"))
+    page = state.jobs().page(state.tenant(), _limit(_single("limit")),
+                             _statuses(request.args.getlist("status")), _single("cursor"))
     return jsonify({"jobs": [view.model_dump(mode="json") for view in page.jobs], "next": page.next})
 
 
 @bp.get("/v1/jobs/<job_id>")
 def get_job(job_id: str) -> Response:
     """A job's status, progress and result links; with ``?wait=N``, once its status changes or N s pass."""
-    return _json(_jobs().read(job_id, _tenant(), longpoll.wait_query(_single("wait"))))
+    return _json(state.jobs().read(job_id, state.tenant(), longpoll.wait_query(_single("wait"))))
 
 
 @bp.get("/v1/jobs/<job_id>/events")
@@ -86,7 +72,7 @@ def job_events(job_id: str) -> Response:
     """A job's events as server-sent events, from after ``Last-Event-ID`` (the header, or the
     ``last_event_id`` query for a first connection); 204 once the client had the final one."""
     last = request.headers.get("Last-Event-ID") or _single("last_event_id")
-    stream = current_app.extensions["slotq.streams"].open(job_id, _tenant(), last)
+    stream = state.streams().open(job_id, state.tenant(), last)
     if stream is None:
         return Response(status=204)
     # No caching, and no buffering in a proxy (nginx honours X-Accel-Buffering): each event at once.
@@ -98,7 +84,7 @@ def job_events(job_id: str) -> Response:
 @bp.get("/v1/jobs/<job_id>/images/<int:index>.png")  # for clients that name the file after its URL
 def get_image(job_id: str, index: int) -> Response:
     """One finished image as PNG, or (SLOTQ_S3_PRESIGN) a redirect to it in the bucket."""
-    found = _jobs().image(job_id, index, _tenant())
+    found = state.jobs().image(job_id, index, state.tenant())
     if isinstance(found, str):
         return Response(status=307, headers={"Location": found, "Cache-Control": "no-store"})
     return Response(found, mimetype="image/png", headers={"Cache-Control": "private, max-age=3600"})
@@ -107,7 +93,7 @@ def get_image(job_id: str, index: int) -> Response:
 @bp.get("/v1/jobs/<job_id>/preview")
 def get_preview(job_id: str) -> Response:
     """A running job's latest preview as JPEG; ``Preview-Step`` says which step it shows."""
-    jpeg, step = _jobs().preview(job_id, _tenant())
+    jpeg, step = state.jobs().preview(job_id, state.tenant())
     return Response(jpeg, mimetype="image/jpeg",
                     headers={"Cache-Control": "no-store", "Preview-Step": str(step)})
 
@@ -117,35 +103,36 @@ def get_input(job_id: str, name: str) -> Response:
     """One input image of a job (``image``, ``mask``, a control's ``control0``...), as the client sent it."""
     if name not in INPUT_NAMES:
         raise NotFoundError(f"A job's inputs are {', '.join(f'`{each}`' for each in INPUT_NAMES)}.")
-    data, media_type = _jobs().input(job_id, name, _tenant())
+    data, media_type = state.jobs().input(job_id, name, state.tenant())
     return Response(data, mimetype=media_type, headers={"Cache-Control": "private, max-age=3600"})
 
 
 @bp.delete("/v1/jobs/<job_id>")
 def cancel_job(job_id: str) -> tuple[Response, int]:
     """Cancel a job, which keeps its record: 200 once it is canceled, 202 while its worker stops it."""
-    view, ended = _jobs().cancel(job_id, _tenant())
+    view, ended = state.jobs().cancel(job_id, state.tenant())
     return _json(view), 200 if ended else 202
 
 
 @bp.get("/v1/queue")
 def queue_state() -> Response:
     """How many jobs wait, by priority, against the limits of each class; in all and per model."""
-    return jsonify(_jobs().line())
+    return jsonify(state.jobs().line())
 
 
 @bp.get("/v1/workers")
 def list_workers() -> Response:
     """The live workers of every model: host, device, state and the ids of the caller's jobs they hold."""
-    return jsonify({"workers": [view.model_dump(mode="json") for view in _jobs().workers(_tenant())]})
+    workers = state.jobs().workers(state.tenant())
+    return jsonify({"workers": [view.model_dump(mode="json") for view in workers]})
 
 
 @bp.get("/v1/models")
 def list_models() -> Response:
     """The models a job may name: family, samplers, defaults, adapters and the live workers of each;
     and, for OpenAI's clients (``client.models.list()``), their names and aliases in OpenAI's shape."""
-    models = _jobs().models()
-    listed = model_list([info.name for info in models], _settings().model_aliases)
+    models = state.jobs().models()
+    listed = model_list([info.name for info in models], state.settings().model_aliases)
     return jsonify({"models": [info.model_dump(mode="json") for info in models], **listed})
 
 
@@ -154,13 +141,13 @@ def metrics() -> Response:
     """Prometheus metrics of this API and of the queue."""
     from prometheus_client import CONTENT_TYPE_LATEST
 
-    return Response(current_app.extensions["slotq.metrics"].exposition(), content_type=CONTENT_TYPE_LATEST)
+    return Response(state.metrics().exposition(), content_type=CONTENT_TYPE_LATEST)
 
 
 @bp.get("/openapi.json")
 def openapi() -> Response:
     """The OpenAPI 3.1 document of this API."""
-    return jsonify(openapi_document(_settings()))
+    return jsonify(openapi_document(state.settings()))
 
 
 @bp.get("/healthz")
@@ -172,9 +159,9 @@ def healthz() -> Response:
 @bp.get("/readyz")
 def readyz() -> Response:
     """Ready when Redis and the result store answer and the process is not shutting down."""
-    if current_app.extensions["slotq.draining"].is_set():
+    if state.draining().is_set():
         raise DrainingError(retry_after=1)
-    _jobs().check_ready()  # a Redis or store error becomes 503 in the app's error handler
+    state.jobs().check_ready()  # a Redis or store error becomes 503 in the app's error handler
     return jsonify({"status": "ready"})
 
 
@@ -212,7 +199,7 @@ def _json(view: BaseModel) -> Response:
 def _submission() -> Submission:
     """The body as a job request for the model it names, with this service's limits, or
     ``InvalidRequestError`` (``UnknownModelError``, ``InvalidImageError`` for an input image)."""
-    return _jobs().submission(_json_body())
+    return state.jobs().submission(_json_body())
 
 
 def _json_body() -> Any:

@@ -18,7 +18,7 @@ from flask import Flask
 from gunicorn import util as gunicorn_util
 from gunicorn.app.base import BaseApplication
 
-from api import metrics
+from api import metrics, state
 from api.app import create_app
 from shared.contract import logs
 from shared.contract.errors import HeadersTooLargeError, MalformedRequestError, ServiceError, UriTooLongError
@@ -60,10 +60,10 @@ def drain_on_sigterm(worker: Any) -> None:
     # The pause lets a load balancer see "not ready" and stop sending new requests before this
     # process stops accepting them; requests in flight always complete.
     app: Flask = worker.wsgi
-    settings: Settings = app.extensions["slotq.settings"]
+    settings = state.settings(app)
 
     def drain(signum: int, frame: FrameType | None) -> None:
-        app.extensions["slotq.draining"].set()
+        state.draining(app).set()
         if settings.api_worker_class == "gevent":
             # A signal handler runs in gevent's event loop, where nothing may block (starting a
             # thread waits for it): the stop is scheduled as a greenlet instead.

@@ -15,14 +15,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
-from flask import current_app, g
+from flask import g
 
-from api.jobs import Jobs, Ticket
+from api import state
+from api.jobs import Ticket
 from shared.contract import logs
 from shared.contract.errors import JobEndedError, ServiceError, SyncWaitExceededError
 from shared.contract.jobs import JobStatus, JobView, Submission
-from shared.contract.settings import Settings
-from shared.contract.tenants import Tenant
 from shared.store import preferences
 
 Surface = str  # "openai" or "a1111": the label of the admissions metric (slotq_admissions_total)
@@ -38,30 +37,17 @@ class Finished:
     pngs: list[bytes]
 
 
-def settings() -> Settings:
-    """This app's settings."""
-    return current_app.extensions["slotq.settings"]
-
-
-def jobs() -> Jobs:
-    """This app's jobs."""
-    return current_app.extensions["slotq.jobs"]
-
-
-def tenant() -> Tenant | None:
-    """The caller's tenant (None without API keys)."""
-    return g.get("tenant")
-
-
 def caller_model() -> str:
     """The model of a caller's job that names none: the one it chose (``preferences``), else the default."""
-    return preferences.chosen_model(jobs().queue.connection, settings(), tenant()) or settings().default_model
+    settings = state.settings()
+    chosen = preferences.chosen_model(state.queue().connection, settings, state.tenant())
+    return chosen or settings.default_model
 
 
 def submission(body: dict[str, Any]) -> Submission:
     """A translated body as a job, checked as a native ``POST /v1/jobs`` body is (the same errors,
     naming slotq's fields); a body that names no model gets the caller's (:func:`caller_model`)."""
-    return jobs().submission({**body, "model": body.get("model") or caller_model()})
+    return state.jobs().submission({**body, "model": body.get("model") or caller_model()})
 
 
 def admitting(surface: Surface) -> Callable[[Callable[P, R]], Callable[P, R]]:
@@ -81,10 +67,11 @@ def noted(error: ServiceError) -> ServiceError:
 
 def run(submitted: Submission) -> Finished:
     """Admit the job and wait for its end; its images, or ``JobEndedError`` where it has none."""
-    ticket, wait = Ticket(None, tenant(), logs.request_id.get()), settings().sync_wait_s
+    ticket, wait = Ticket(None, state.tenant(), logs.request_id.get()), state.settings().sync_wait_s
     caller = ticket.tenant.name if ticket.tenant else None
-    with jobs().waits.reserved(caller):  # refused before admission where this process may hold no more calls
-        outcome = jobs().submit(submitted, ticket, wait=wait, reserved=True)
+    jobs = state.jobs()
+    with jobs.waits.reserved(caller):  # refused before admission where this process may hold no more calls
+        outcome = jobs.submit(submitted, ticket, wait=wait, reserved=True)
     g.admission, g.about = "admitted", outcome.about
     view = outcome.view
     if not view.status.is_terminal:
@@ -97,4 +84,4 @@ def run(submitted: Submission) -> Finished:
         message = error.message if error else f"The job ended {view.status.value}."
         raise JobEndedError(view.status.value, code, f"Job {view.id} ended {view.status.value}: {message}",
                             view.id)
-    return Finished(view, jobs().pngs(view.id, tenant()))
+    return Finished(view, jobs.pngs(view.id, ticket.tenant))

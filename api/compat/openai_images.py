@@ -20,7 +20,7 @@ from flask import Blueprint, Response, jsonify, request
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from api import bodies
+from api import bodies, state
 from api.compat import calls, uploads
 from api.errors import as_service_error
 from shared.contract.errors import (
@@ -112,7 +112,7 @@ class EditRequest(GenerationRequest):
 def generations() -> Response:
     """Images from a prompt (``client.images.generate``)."""
     asked = _parsed(GenerationRequest, _json_body())
-    model = calls.jobs().model(_model_name(asked.model))
+    model = state.jobs().model(_model_name(asked.model))
     size = _size(asked.size, model)
     body = _job_body(asked, model) | ({"width": size[0], "height": size[1]} if size else {})
     return jsonify(_answer(asked, calls.run(calls.submission(body))))
@@ -124,7 +124,7 @@ def edits() -> Response:
     """An image redrawn from a prompt (``client.images.edit``): image-to-image, or inpainting where a
     mask's fully transparent pixels are repainted."""
     asked = _parsed(EditRequest, _form_body())
-    model = calls.jobs().model(_model_name(asked.model))
+    model = state.jobs().model(_model_name(asked.model))
     body = _job_body(asked, model) | _inputs(_size(asked.size, model), model)
     return jsonify(_answer(asked, calls.run(calls.submission(body))))
 
@@ -195,7 +195,7 @@ def _parsed(kind: type[Asked], body: Any) -> Asked:
 
 def _model_name(name: str | None) -> str:
     """slotq's model for the name a request gives (absent or empty: the caller's, as for OpenAI's own)."""
-    settings = calls.settings()
+    settings = state.settings()
     if name in settings.model_aliases:
         return settings.model_aliases[name]
     if name in settings.offered_models:
@@ -212,7 +212,7 @@ def _size(text: str | None, model: ModelInfo) -> tuple[int, int] | None:
     if text is None or text == "auto":
         return None
     match = SIZE.fullmatch(text)
-    largest, multiple = calls.settings().max_side, model.side_multiple
+    largest, multiple = state.settings().max_side, model.side_multiple
     sides = (int(match[1]), int(match[2])) if match else (0, 0)
     if not all(side % multiple == 0 and MIN_SIDE <= side <= largest for side in sides):
         message = (f"{text[:20]!r} is not a size this model makes: WIDTHxHEIGHT, sides multiples of "
@@ -244,7 +244,7 @@ def _inputs(size: tuple[int, int] | None, model: ModelInfo) -> dict[str, str]:
         raise InvalidImageError(f"`mask` is {mask.width}x{mask.height} and the image {image.width}x"
                                 f"{image.height}: they must be the same size")
     changed = image.has_transparency_data  # a start image has none: it is drawn over
-    settings = calls.settings()
+    settings = state.settings()
     size = size or uploads.fitted(image.size, settings.max_side, model.side_multiple)
     if size != image.size:
         image, changed = image.resize(size, Image.Resampling.LANCZOS), True
@@ -267,7 +267,7 @@ def _opened(name: Literal["image", "mask"], data: bytes) -> tuple[Image.Image, s
     if media_type is None:
         raise InvalidImageError(f"`{name}` is not a PNG, JPEG or WebP image")
     url = f"data:{media_type};base64,{base64.b64encode(data).decode()}"
-    settings = calls.settings()
+    settings = state.settings()
     read_data_url(name, url, max_bytes=settings.max_image_bytes, max_pixels=uploads.UPLOAD_MAX_PIXELS)
     image = Image.open(io.BytesIO(data), formats=[FORMATS[media_type]])
     image.load()
@@ -304,7 +304,7 @@ def _answer(asked: GenerationRequest, finished: calls.Finished) -> dict[str, Any
     if response_format == "url":
         # The client GETs it with the credentials of this call; ".png": some name the file after the URL.
         # SLOTQ_PUBLIC_URL where set: the request's Host is the client's to choose.
-        root = calls.settings().public_url or request.host_url.rstrip("/")
+        root = state.settings().public_url or request.host_url.rstrip("/")
         return {"created": created, "data": [{"url": f"{root}{path}.png"} for path in view.images]}
     encoded = [_encoded(png, asked.output_format, asked.output_compression) for png in finished.pngs]
     return {"created": created, "data": [{"b64_json": base64.b64encode(data).decode()} for data in encoded]}

@@ -12,9 +12,9 @@ import base64
 from datetime import UTC, datetime
 from typing import Any
 
-from flask import Blueprint, Response, current_app, g, jsonify, request
+from flask import Blueprint, Response, jsonify, request
 
-from api import bodies
+from api import bodies, state
 from api.compat import calls
 from api.compat.a1111 import controlnet, images, translate
 from api.errors import as_service_error
@@ -52,7 +52,7 @@ IDLE_STATE = {"skipped": False, "interrupted": False, "stopping_generation": Fal
 @controlnet_bp.before_request
 def authenticate() -> None:
     """With API keys on, the caller's tenant from its key: Basic's password (or a bearer token)."""
-    table = current_app.extensions["slotq.keys"]
+    table = state.key_policies()
     if not table:
         return
     try:
@@ -61,7 +61,7 @@ def authenticate() -> None:
         sent = None
     key = (sent.password if sent.type == "basic" else sent.token) if sent is not None else None
     try:
-        g.tenant = tenant_of_key(table, calls.settings(), key or None)
+        state.set_tenant(tenant_of_key(table, state.settings(), key or None))
     except UnauthorizedError:
         raise UnauthorizedError(NEEDS_KEY) from None
 
@@ -114,8 +114,8 @@ def generate(img2img: bool) -> Response:
     body = json_object()
     call = translate.translate(translate.Call(body, model_of(body), img2img=img2img))
     if img2img:
-        images.add_inputs(call, calls.settings())
-    controlnet.add_controls(call, calls.settings())
+        images.add_inputs(call, state.settings())
+    controlnet.add_controls(call, state.settings())
     submitted = calls.submission(call.job)
     try:
         finished = calls.run(submitted)
@@ -146,12 +146,12 @@ def model_of(body: dict[str, Any]) -> ModelInfo:
     overrides = body.get("override_settings")
     asked = overrides.get("sd_model_checkpoint") if isinstance(overrides, dict) else None
     name = checkpoint_named(asked) if asked not in (None, "") else calls.caller_model()
-    return calls.jobs().model(name)
+    return state.jobs().model(name)
 
 
 def checkpoint_named(value: Any) -> str:
     """The slotq model an A1111 checkpoint name means, or ``UnknownModelError``."""
-    settings = calls.settings()
+    settings = state.settings()
     return translate.model_named(value, list(settings.offered_models), settings.model_aliases)
 
 
@@ -160,7 +160,7 @@ def checkpoint_named(value: Any) -> str:
 @bp.get("/sd-models")
 def sd_models() -> Response:
     """The models a job may run on, as checkpoints."""
-    return jsonify([translate.checkpoint(info) for info in calls.jobs().models()])
+    return jsonify([translate.checkpoint(info) for info in state.jobs().models()])
 
 
 @bp.get("/samplers")
@@ -204,12 +204,12 @@ def set_options() -> Response:
     body = json_object()
     if "sd_model_checkpoint" in body:
         name = checkpoint_named(body["sd_model_checkpoint"])
-        preferences.choose_model(calls.jobs().queue.connection, calls.settings(), calls.tenant(), name)
+        preferences.choose_model(state.queue().connection, state.settings(), state.tenant(), name)
     return jsonify(None)
 
 
 def caller_model() -> ModelInfo:
-    return calls.jobs().model(calls.caller_model())
+    return state.jobs().model(calls.caller_model())
 
 
 # --- progress and interruption -----------------------------------------------------------------------
@@ -217,7 +217,7 @@ def caller_model() -> ModelInfo:
 @bp.get("/progress")
 def progress() -> Response:
     """The caller's running job: its share done, the time left, the latest preview (plain base64)."""
-    running = calls.jobs().running(calls.tenant())
+    running = state.jobs().running(state.tenant())
     if not running:
         return jsonify({"progress": 0.0, "eta_relative": 0.0, "state": IDLE_STATE, "current_image": None,
                         "textinfo": None})
@@ -226,18 +226,18 @@ def progress() -> Response:
     share = step / total if total else 0.0
     elapsed = (datetime.now(UTC) - view.started_at).total_seconds() if view.started_at else 0.0
     skip_image = request.args.get("skip_current_image", "").lower() == "true"
-    state = {**IDLE_STATE, "job": view.id, "job_count": len(running),
-             "job_timestamp": translate.timestamp(view.started_at), "sampling_step": step,
-             "sampling_steps": total}
+    job_state = {**IDLE_STATE, "job": view.id, "job_count": len(running),
+                 "job_timestamp": translate.timestamp(view.started_at), "sampling_step": step,
+                 "sampling_steps": total}
     return jsonify({"progress": share, "eta_relative": elapsed / share - elapsed if share else 0.0,
-                    "state": state, "current_image": None if skip_image else preview(view),
+                    "state": job_state, "current_image": None if skip_image else preview(view),
                     "textinfo": f"slotq job {view.id}: step {step} of {total}"})
 
 
 def preview(view: JobView) -> str | None:
     """A running job's latest preview as plain base64 (a JPEG), or None while it has none."""
     try:
-        jpeg, _ = calls.jobs().preview(view.id, calls.tenant())
+        jpeg, _ = state.jobs().preview(view.id, state.tenant())
     except (NoPreviewError, JobNotFoundError):
         return None
     return base64.b64encode(jpeg).decode()
@@ -258,9 +258,9 @@ def skip() -> Response:
 
 
 def stop_running() -> None:
-    for view in calls.jobs().running(calls.tenant()):
+    for view in state.jobs().running(state.tenant()):
         try:
-            calls.jobs().cancel(view.id, calls.tenant())
+            state.jobs().cancel(view.id, state.tenant())
         except (AlreadyFinishedError, JobNotFoundError):
             pass  # it ended meanwhile
 
