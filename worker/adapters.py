@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shared.contract.adapters import LoraRef, adapter_path, adapters_key
+from worker.resident import Resident
 
 if TYPE_CHECKING:
     from worker.compile import AdapterSlots
@@ -27,7 +28,7 @@ class Adapters:
 
     def __init__(self, lora_dir: Path | None, capacity: int) -> None:
         self.lora_dir, self.capacity = lora_dir, capacity
-        self.resident: OrderedDict[str, None] = OrderedDict()
+        self.resident: Resident[str, None] = Resident(capacity)
         self.loads = 0  # adapters loaded from disk since start
         self._active: tuple[tuple[str, float], ...] = ()
         self._last = ""
@@ -64,22 +65,22 @@ class Adapters:
     def _resident(self, pipe: Any, name: str, keep: set[str]) -> None:
         """Load the adapter unless it is resident, unloading the least recently used over capacity."""
         if name in self.resident:
-            self.resident.move_to_end(name)
+            self.resident.touch(name)
             return
         if self.lora_dir is None:
             raise FileNotFoundError("SLOTQ_LORA_DIR is not set: this worker has no adapters")
-        while len(self.resident) >= self.capacity:
-            evicted = next((held for held in self.resident if held not in keep), None)
-            if evicted is None:
-                break  # a job's own adapters stay, even over capacity
-            pipe.delete_adapters(evicted)
-            del self.resident[evicted]
-            self._active = ()  # the active set named it
-            log.info("unloaded LoRA %s", evicted)
+        self._unload(pipe, self.resident.make_room(keep))  # a job's own adapters stay, even over capacity
         began = time.perf_counter()
         path = adapter_path(self.lora_dir, name)
         pipe.load_lora_weights(str(path.parent), weight_name=path.name, adapter_name=name)
-        self.resident[name] = None
+        self._unload(pipe, self.resident.put(name, None, keep))  # none: room was made
         self.loads += 1
         self._active = ()  # loading activates the new adapter: set the job's set again
         log.info("loaded LoRA %s in %.2f s", name, time.perf_counter() - began)
+
+    def _unload(self, pipe: Any, evicted: Iterable[str]) -> None:
+        """Take the evicted adapters out of the pipeline."""
+        for name in evicted:
+            pipe.delete_adapters(name)
+            self._active = ()  # the active set named it
+            log.info("unloaded LoRA %s", name)

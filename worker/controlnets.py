@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -36,6 +35,7 @@ from PIL import Image
 
 from shared.contract.controlnets import CONFIG, SIDECAR_SUFFIX, controlnet_paths
 from shared.contract.jobs import JobKind
+from worker.resident import Resident
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class ControlNets:
                  device: torch.device = CPU, dtype: torch.dtype = torch.float32, unet: Any = None) -> None:
         self.folder, self.model, self.capacity = folder, model, capacity
         self.device, self.dtype, self.unet = device, dtype, unet  # the base's: a single file's default layout
-        self.resident: OrderedDict[str, ControlNetModel] = OrderedDict()
+        self.resident: Resident[str, ControlNetModel] = Resident(capacity)
         self.loads = 0  # ControlNets loaded from disk since start
 
     @property
@@ -65,19 +65,18 @@ class ControlNets:
     def get(self, name: str) -> ControlNetModel:
         """The ControlNet of this name, loaded unless resident, on the device in the dtype. One dropped
         for it stays in memory while a pipeline made with it does."""
-        if name in self.resident:
-            self.resident.move_to_end(name)
-            return self.resident[name]
+        held = self.resident.get(name)
+        if held is not None:
+            return held
         path = controlnet_paths(self.folder, self.model).get(name)
         if path is None:
             raise FileNotFoundError(f"no ControlNet {name!r} for {self.model} in SLOTQ_CONTROLNET_DIR "
                                     f"({self.folder})")
-        while self.resident and len(self.resident) >= self.capacity:
-            evicted, _ = self.resident.popitem(last=False)
+        for evicted in self.resident.make_room():
             log.info("dropped ControlNet %s", evicted)
         began = time.perf_counter()
         controlnet = self._load(path).to(self.device).eval()
-        self.resident[name] = controlnet
+        self.resident.put(name, controlnet)  # evicts none: room was made
         self.loads += 1
         log.info("loaded ControlNet %s in %.2f s", name, time.perf_counter() - began)
         return controlnet

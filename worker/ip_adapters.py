@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from safetensors import safe_open
 from transformers import CLIPVisionModelWithProjection
 
 from shared.contract.ip_adapters import image_encoder_path, ip_adapter_paths
+from worker.resident import Resident
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class IpAdapters:
 
     def __init__(self, folder: Path | None, model: str, capacity: int) -> None:
         self.folder, self.model, self.capacity = folder, model, capacity
-        self.resident: OrderedDict[str, Weights] = OrderedDict()  # on the CPU: a switch copies them over
+        self.resident: Resident[str, Weights] = Resident(capacity)  # on the CPU: a switch copies them over
         self.loads = 0  # IP-Adapters read from disk since start
         self.active: str | None = None  # the one in the pipeline's UNet
         self.encoder: Any = None  # loaded on first use and kept: diffusers' unload drops the pipeline's
@@ -69,15 +69,14 @@ class IpAdapters:
 
     def _weights(self, name: str) -> Weights:
         """The IP-Adapter's weights, read unless resident, the least recently used dropped over capacity."""
-        if name in self.resident:
-            self.resident.move_to_end(name)
-            return self.resident[name]
+        held = self.resident.get(name)
+        if held is not None:
+            return held
         path = ip_adapter_paths(self.folder, self.model).get(name)
         if path is None:
             raise FileNotFoundError(f"no IP-Adapter {name!r} for {self.model} in SLOTQ_IP_ADAPTER_DIR "
                                     f"({self.folder})")
-        while self.resident and len(self.resident) >= self.capacity:
-            evicted, _ = self.resident.popitem(last=False)  # the UNet keeps its own copy of the active one
+        for evicted in self.resident.make_room():  # the UNet keeps its own copy of the active one
             log.info("dropped IP-Adapter %s", evicted)
         weights: Weights = {part: {} for part in PARTS}
         with safe_open(path, framework="pt", device="cpu") as file:
@@ -85,7 +84,7 @@ class IpAdapters:
                 part, _, rest = key.partition(".")
                 if part in weights:
                     weights[part][rest] = file.get_tensor(key)
-        self.resident[name] = weights
+        self.resident.put(name, weights)  # evicts none: room was made
         self.loads += 1
         return weights
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -23,6 +22,7 @@ from shared.contract.settings import Settings
 from shared.store.claims import Holding
 from worker import memory
 from worker.pipeline import ImagePipeline, load_pipeline, set_current_pipeline
+from worker.resident import Resident
 
 log = logging.getLogger(__name__)
 HOST_HEADROOM = 1.5  # a model kept in host memory leaves at least half its size free besides
@@ -47,8 +47,10 @@ class Models:
         self.served = settings.served_models
         # The first served model's, as loaded at start (a benchmark's stand-in may name itself otherwise).
         self.current_model, self.current = self.served[0], first
-        self.on_device: OrderedDict[str, ImagePipeline] = OrderedDict({self.current_model: first})
-        self.in_host: OrderedDict[str, ImagePipeline] = OrderedDict()
+        # By count: the settings size the caches; whether host memory has room is asked per pipeline.
+        self.on_device: Resident[str, ImagePipeline] = Resident(settings.model_cache, self._off_device)
+        self.in_host: Resident[str, ImagePipeline] = Resident(settings.host_model_cache)  # evicted: dropped
+        self.on_device.put(self.current_model, first)
         set_current_pipeline(first)
 
     @property
@@ -65,12 +67,8 @@ class Models:
         if model not in self.served:
             raise KeyError(f"this worker does not serve {model}")  # its lines are the only ones it claims
         began, source = time.perf_counter(), self._source(model)
-        if source == "device":
-            pipeline = self.on_device.pop(model)
-        else:
-            self._make_room()
-            pipeline = self._from_host(model) if source == "host" else self._load(model)
-        self.on_device[model] = pipeline
+        held = self.on_device.get(model)
+        pipeline = held if held is not None else self._bring(model)
         if pipeline is not self.current:
             # The device's time is one account whichever pipeline runs (the duty cycle, busy seconds).
             pipeline.sections, pipeline.busy_s = self.current.sections, self.current.busy_s
@@ -86,9 +84,16 @@ class Models:
             return "device"
         return "host" if model in self.in_host else "disk"
 
-    def _from_host(self, model: str) -> ImagePipeline:
+    def _bring(self, model: str) -> ImagePipeline:
+        """The model's pipeline onto the device, from host memory or from disk, room made for it first."""
+        # Out of host memory's cache before room is made: the pipeline pushed there could evict this one.
         pipeline = self.in_host.pop(model)
-        memory.place(pipeline.pipe, pipeline.device, pipeline.memory)
+        self._make_room()
+        if pipeline is None:
+            pipeline = self._load(model)
+        else:
+            memory.place(pipeline.pipe, pipeline.device, pipeline.memory)
+        self.on_device.put(model, pipeline)
         return pipeline
 
     def _load(self, model: str) -> ImagePipeline:
@@ -96,17 +101,17 @@ class Models:
 
     def _make_room(self) -> None:
         """Push the least recently used pipelines off the device until one more fits the cache."""
-        while len(self.on_device) >= self.settings.model_cache:
-            name, pipeline = self.on_device.popitem(last=False)
-            if pipeline.device.type != "cpu" and self._host_has_room(pipeline):
-                memory.unplace(pipeline.pipe, pipeline.memory)
-                self.in_host[name] = pipeline
-                while len(self.in_host) > self.settings.host_model_cache:
-                    self.in_host.popitem(last=False)
-            del pipeline
+        if self.on_device.make_room():
+            # Only now is the pushed-off pipeline unreferenced: its device memory can be freed.
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+
+    def _off_device(self, name: str, pipeline: ImagePipeline) -> None:
+        """Keep a pipeline pushed off the device in host memory where there is room (else it is dropped)."""
+        if pipeline.device.type != "cpu" and self._host_has_room(pipeline):
+            memory.unplace(pipeline.pipe, pipeline.memory)
+            self.in_host.put(name, pipeline)
 
     def _host_has_room(self, pipeline: ImagePipeline) -> bool:
         """Whether host memory can keep this pipeline (SLOTQ_HOST_MODEL_CACHE, and the host's free memory)."""

@@ -10,11 +10,12 @@ each with safetensors' own bounds on its header.
 from __future__ import annotations
 
 import logging
-import os
 import re
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from shared.contract.folders import NamedWeights, UnusableModelError
 
 log = logging.getLogger(__name__)
 
@@ -39,16 +40,15 @@ def adapters_key(loras: list[LoraRef]) -> str:
     return ",".join(f"{lora.name}:{lora.scale!r}" for lora in sorted(loras, key=lambda lora: lora.name))
 
 
-def weights_file_name(path: Path, setting: str) -> str | None:
+def weights_file_name(path: Path) -> str | None:
     """The name a ``<name>.safetensors`` file of a folder of weights is offered under: None for a
-    name a job could not send, and for anything but a regular file (a FIFO would block the worker
-    that opened it; logged under ``setting``, the folder's)."""
+    name a job could not send; UnusableModelError for anything but a regular file (a FIFO would block
+    the worker that opened it)."""
     name = path.name[:-len(SUFFIX)]
     if not re.fullmatch(NAME_PATTERN, name):
         return None
     if not path.is_file():
-        log.warning("%s: not offered: %s: not a regular file", setting, path)
-        return None
+        raise UnusableModelError(f"{path}: not a regular file")
     return name
 
 
@@ -57,20 +57,17 @@ def adapter_path(lora_dir: Path, name: str) -> Path:
     return lora_dir / f"{name}{SUFFIX}"
 
 
-_listed: dict[Path, tuple[int, list[str]]] = {}
+def _adapter_of(path: Path) -> tuple[str, Path] | None:
+    """The adapter this entry of the folder is, by name; None for anything else."""
+    if not path.name.endswith(SUFFIX):
+        return None
+    name = weights_file_name(path)
+    return None if name is None else (name, path)
+
+
+listing = NamedWeights("SLOTQ_LORA_DIR", _adapter_of, log)
 
 
 def available_adapters(lora_dir: Path | None) -> list[str]:
     """The names of the adapters in the folder, sorted; read again only when the folder changes."""
-    if lora_dir is None:
-        return []
-    try:
-        changed = os.stat(lora_dir).st_mtime_ns  # a file added or removed changes the folder's mtime
-    except OSError:
-        return []
-    cached = _listed.get(lora_dir)
-    if cached is None or cached[0] != changed:
-        stems = (path.name.removesuffix(SUFFIX) for path in lora_dir.glob(f"*{SUFFIX}") if path.is_file())
-        names = sorted(stem for stem in stems if re.fullmatch(NAME_PATTERN, stem))  # a job can name these
-        cached = _listed[lora_dir] = (changed, names)
-    return cached[1]
+    return sorted(listing.entries(lora_dir))

@@ -23,12 +23,13 @@ import os
 import re
 import stat
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
-from typing import BinaryIO, TypeVar, cast
+from typing import BinaryIO
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from shared.contract.folders import FILE_ERRORS, NamedWeights, UnusableModelError, parsed_once, shown
 from shared.contract.memory import MemoryOptions
 from shared.contract.models import FAMILIES, MODEL_NAME_PATTERN, PIPELINE_CLASSES, Family
 
@@ -63,18 +64,11 @@ MAX_JSON_BYTES = 2**20  # a sidecar or a config: a few kilobytes in practice
 # A safetensors header nests 3 deep, model_index.json 2, a sidecar or a config 3; json.loads recurses per
 # level, so a file nested 200,000 deep would raise RecursionError (or exhaust a thread's C stack).
 MAX_NESTING = 16
-# What reading one hostile file can raise (UnicodeDecodeError is a ValueError; a seek past 2**63 an
-# OverflowError): each makes that file not offered, never an error of the listing.
-FILE_ERRORS = (OSError, ValueError, TypeError, OverflowError, RecursionError, MemoryError, struct.error)
 # GGUF's header: magic, version, tensor count, metadata count; then the metadata, each value typed by
 # number (these of fixed size: uint8 ... float64, bool), then each tensor's name, shape, type and offset.
 GGUF_HEADER = struct.Struct("<4sIQQ")
 GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 GGUF_STRING, GGUF_ARRAY = 8, 9
-
-
-class UnusableModelError(ValueError):
-    """A file or folder of SLOTQ_MODELS_DIR that is not offered, and why."""
 
 
 def open_regular(path: Path) -> BinaryIO:
@@ -258,12 +252,6 @@ def check_flux_transformer(path: Path, names: Iterable[str]) -> None:
             f"Flux base")
 
 
-def shown(value: object) -> str:
-    """A value from a file, as a log line shows it: a name may be megabytes long."""
-    text = value if isinstance(value, str) else repr(value)
-    return text if len(text) <= 80 else text[:80] + "..."
-
-
 def sidecar_of(path: Path) -> Path:
     """Where a model's sidecar is: ``<stem>.json`` beside its file or folder."""
     stem = path.name.removesuffix(path.suffix) if path.suffix.lower() in MODEL_SUFFIXES else path.name
@@ -312,7 +300,7 @@ def _sidecar_vae(sidecar: Path, vae: object) -> Path | None:
         raise UnusableModelError(f'{sidecar}: "vae" {path}: not a .safetensors file')
     if not path.is_file():
         raise UnusableModelError(f'{sidecar}: "vae" {path}: no such file')
-    if not _parsed_once(path, _is_vae):
+    if not parsed_once(path, _is_vae):
         raise UnusableModelError(f'{sidecar}: "vae" {path}: not a VAE (no decoder weights)')
     return path
 
@@ -386,7 +374,7 @@ def _model_of(path: Path) -> FolderModel | None:
     if is_folder:
         family = sidecar.family or _folder_family(path)
     else:
-        family = _parsed_once(path, _file_family, name, sidecar.family)
+        family = parsed_once(path, _file_family, name, sidecar.family)
     return FolderModel(name=name, path=path, family=family, size=size, memory=sidecar.memory, vae=sidecar.vae)
 
 
@@ -407,64 +395,15 @@ def _file_family(path: Path, name: str, forced: Family | None) -> Family:
     return family
 
 
-def _read(models_dir: Path) -> dict[str, FolderModel]:
-    """Every model of the folder by name, sorted; what is not offered is logged with the reason."""
-    models: dict[str, FolderModel] = {}
-    for path in sorted(models_dir.iterdir()):
-        try:
-            model = _model_of(path)
-        except UnusableModelError as exc:
-            log.warning("SLOTQ_MODELS_DIR: not offered: %s", exc)
-            continue
-        except (ValidationError, *FILE_ERRORS) as exc:
-            # One file from outside, whatever it holds, takes nothing but itself off the list.
-            log.warning("SLOTQ_MODELS_DIR: not offered: %s: %s", path, shown(str(exc) or type(exc).__name__))
-            continue
-        if model is None:
-            continue
-        if model.name in models:
-            log.warning("SLOTQ_MODELS_DIR: not offered: %s: %s is offered under that name already",
-                        path, models[model.name].path)
-            continue
-        models[model.name] = model
-    return models
+def _model_entry(path: Path) -> tuple[str, FolderModel] | None:
+    """The model this entry of the folder is, by its name (the mechanism is shared/contract/folders.py)."""
+    model = _model_of(path)
+    return None if model is None else (model.name, model)
 
 
-T = TypeVar("T")
-# What was read of a file, by what read it and with what else, for the file's version: its mtime, size
-# and inode. A header of 100 MB takes seconds to parse: once, not at each change of its folder.
-_parsed: dict[tuple[object, ...], tuple[tuple[int, int, int], object]] = {}
-
-
-def _parsed_once(path: Path, read: Callable[..., T], *also: object) -> T:
-    """``read(path, *also)``, a refusal (UnusableModelError) included, once per version of the file."""
-    status = os.stat(path)
-    version = (status.st_mtime_ns, status.st_size, status.st_ino)
-    key = (read.__name__, path, *also)
-    cached = _parsed.get(key)
-    if cached is None or cached[0] != version:
-        try:
-            value: object = read(path, *also)
-        except UnusableModelError as exc:
-            value = exc
-        cached = _parsed[key] = (version, value)
-    if isinstance(cached[1], UnusableModelError):
-        raise UnusableModelError(str(cached[1]))
-    return cast(T, cached[1])
-
-
-_listed: dict[Path, tuple[int, dict[str, FolderModel]]] = {}
+listing = NamedWeights("SLOTQ_MODELS_DIR", _model_entry, log)
 
 
 def folder_models(models_dir: Path | None) -> dict[str, FolderModel]:
     """The models of SLOTQ_MODELS_DIR by name, sorted; read again only when the folder changes."""
-    if models_dir is None:
-        return {}
-    try:
-        changed = os.stat(models_dir).st_mtime_ns  # a file added or removed changes the folder's mtime
-    except OSError:
-        return {}
-    cached = _listed.get(models_dir)
-    if cached is None or cached[0] != changed:
-        cached = _listed[models_dir] = (changed, _read(models_dir))
-    return cached[1]
+    return listing.entries(models_dir)

@@ -16,12 +16,12 @@ line in the log; the weights are read by the worker alone, with safetensors' own
 from __future__ import annotations
 
 import logging
-import os
 import re
 from pathlib import Path
 
 from shared.contract.adapters import NAME_PATTERN, weights_file_name
-from shared.contract.checkpoints import PICKLE_SUFFIXES, SAFE_SUFFIX, UnusableModelError, read_json
+from shared.contract.checkpoints import PICKLE_SUFFIXES, SAFE_SUFFIX, read_json
+from shared.contract.folders import NamedWeights, UnusableModelError
 
 log = logging.getLogger(__name__)
 
@@ -29,17 +29,19 @@ CONFIG = "config.json"  # what makes a subfolder one ControlNet in diffusers' la
 SIDECAR_SUFFIX = ".json"  # beside a single file: its diffusers configuration (worker/controlnets.py)
 
 
-def _controlnet_of(path: Path) -> str | None:
-    """The name of the ControlNet this entry of a folder is; None for anything else, what is not
-    offered logged."""
+def _controlnet_of(path: Path) -> tuple[str, Path] | None:
+    """The ControlNet this entry of a folder is, by name; None for anything else; UnusableModelError
+    for one not offered."""
     if path.is_dir():
-        return _folder_controlnet(path)
-    if path.suffix.lower() == SAFE_SUFFIX:
-        return _file_controlnet(path)
-    if path.suffix.lower() in PICKLE_SUFFIXES:
-        log.warning("SLOTQ_CONTROLNET_DIR: not offered: %s: a pickle, which can run code when loaded "
-                    "(convert it once to %s where you trust it)", path, SAFE_SUFFIX)
-    return None
+        name = _folder_controlnet(path)
+    elif path.suffix.lower() == SAFE_SUFFIX:
+        name = _file_controlnet(path)
+    elif path.suffix.lower() in PICKLE_SUFFIXES:
+        raise UnusableModelError(f"{path}: a pickle, which can run code when loaded (convert it once to "
+                                 f"{SAFE_SUFFIX} where you trust it)")
+    else:
+        name = None
+    return None if name is None else (name, path)
 
 
 def _folder_controlnet(path: Path) -> str | None:
@@ -47,54 +49,27 @@ def _folder_controlnet(path: Path) -> str | None:
     if not (path / CONFIG).is_file() or not re.fullmatch(NAME_PATTERN, path.name):
         return None
     if not any(weights.is_file() for weights in path.glob(f"*{SAFE_SUFFIX}")):
-        log.warning("SLOTQ_CONTROLNET_DIR: not offered: %s: no %s weights (pickled weights are "
-                    "never loaded)", path, SAFE_SUFFIX)
-        return None
-    return path.name if _readable(path / CONFIG) else None
+        raise UnusableModelError(f"{path}: no {SAFE_SUFFIX} weights (pickled weights are never loaded)")
+    read_json(path / CONFIG)
+    return path.name
 
 
 def _file_controlnet(path: Path) -> str | None:
     """The name of a ControlNet in the single-file layout, its sidecar readable where it has one."""
-    name = weights_file_name(path, "SLOTQ_CONTROLNET_DIR")
-    if name is None:
-        return None
+    name = weights_file_name(path)
     sidecar = path.with_suffix(SIDECAR_SUFFIX)
-    return name if not sidecar.exists() or _readable(sidecar) else None
+    if name is not None and sidecar.exists():
+        read_json(sidecar)
+    return name
 
 
-def _readable(config: Path) -> bool:
-    """Whether a configuration is a JSON object within bounds; one that is not logged."""
-    try:
-        read_json(config)
-    except UnusableModelError as exc:
-        log.warning("SLOTQ_CONTROLNET_DIR: not offered: %s", exc)
-        return False
-    return True
-
-
-def _read(folder: Path) -> dict[str, Path]:
-    """The ControlNets directly in one folder, by name."""
-    found: dict[str, Path] = {}
-    for path in sorted(folder.iterdir()):
-        name = _controlnet_of(path)
-        if name is not None and name not in found:  # "x/" and "x.safetensors": the folder, sorted first
-            found[name] = path
-    return found
-
-
-_listed: dict[Path, tuple[int, dict[str, Path]]] = {}
+# "x/" and "x.safetensors": the folder's, sorted first, is offered.
+listing = NamedWeights("SLOTQ_CONTROLNET_DIR", _controlnet_of, log)
 
 
 def _controlnets_in(folder: Path) -> dict[str, Path]:
     """The ControlNets directly in the folder by name; read again only when the folder changes."""
-    try:
-        changed = os.stat(folder).st_mtime_ns  # an entry added or removed changes the folder's mtime
-    except OSError:
-        return {}
-    cached = _listed.get(folder)
-    if cached is None or cached[0] != changed:
-        cached = _listed[folder] = (changed, _read(folder))
-    return cached[1]
+    return listing.entries(folder)
 
 
 def controlnet_paths(folder: Path | None, model: str) -> dict[str, Path]:

@@ -22,30 +22,33 @@ import os
 from pathlib import Path
 
 from shared.contract.adapters import weights_file_name
-from shared.contract.checkpoints import PICKLE_SUFFIXES, SAFE_SUFFIX, UnusableModelError, read_json
+from shared.contract.checkpoints import PICKLE_SUFFIXES, SAFE_SUFFIX, read_json
+from shared.contract.folders import NamedWeights, UnusableModelError
 
 log = logging.getLogger(__name__)
 
 IMAGE_ENCODER = "image_encoder"  # the subfolder of the image encoder
 CONFIG = "config.json"  # what makes that subfolder an image encoder
+ENCODER = f"{IMAGE_ENCODER}/"  # the image encoder's entry in a folder's listing: no job can send a "/"
 
 
-def _ip_adapter_of(path: Path) -> str | None:
-    """The name of the IP-Adapter this entry of a folder is; None for anything else, a pickle logged."""
-    if path.is_dir():
-        return None  # the image encoder, a model's own folder, or no IP-Adapter
+def _ip_adapter_of(path: Path) -> tuple[str, Path] | None:
+    """The IP-Adapter this entry of a folder is, by name, or its image encoder (as ENCODER); None for
+    anything else; UnusableModelError for a pickle or a file that is not regular."""
+    if path.is_dir():  # the image encoder, a model's own folder, or no IP-Adapter
+        return (ENCODER, path) if path.name == IMAGE_ENCODER and _is_encoder(path) else None
     if path.suffix.lower() in PICKLE_SUFFIXES:
-        log.warning("SLOTQ_IP_ADAPTER_DIR: not offered: %s: a pickle, which can run code when loaded "
-                    "(convert it once to %s where you trust it)", path, SAFE_SUFFIX)
-        return None
+        raise UnusableModelError(f"{path}: a pickle, which can run code when loaded (convert it once to "
+                                 f"{SAFE_SUFFIX} where you trust it)")
     if path.suffix.lower() != SAFE_SUFFIX:
         return None
-    return weights_file_name(path, "SLOTQ_IP_ADAPTER_DIR")
+    name = weights_file_name(path)
+    return None if name is None else (name, path)
 
 
-def _has_encoder(folder: Path) -> bool:
-    """Whether the folder holds an image encoder with safetensors weights; a pickled one logged."""
-    encoder = folder / IMAGE_ENCODER
+def _is_encoder(encoder: Path) -> bool:
+    """Whether the subfolder is an image encoder with safetensors weights; one that is not used logged
+    (not "offered": a job names no encoder)."""
     if not (encoder / CONFIG).is_file():
         return False
     if not any(weights.is_file() for weights in encoder.glob(f"*{SAFE_SUFFIX}")):
@@ -60,33 +63,14 @@ def _has_encoder(folder: Path) -> bool:
     return True
 
 
-def _read(folder: Path) -> tuple[bool, dict[str, Path]]:
-    """Whether the folder holds an image encoder, and the IP-Adapters directly in it by name."""
-    found: dict[str, Path] = {}
-    for path in sorted(folder.iterdir()):
-        name = _ip_adapter_of(path)
-        if name is not None:
-            found[name] = path
-    return _has_encoder(folder), found
-
-
-_listed: dict[Path, tuple[int, int, tuple[bool, dict[str, Path]]]] = {}
+# Read again also when the image encoder's subfolder changes: its files may come after the folder's.
+listing = NamedWeights("SLOTQ_IP_ADAPTER_DIR", _ip_adapter_of, log, also=(IMAGE_ENCODER,))
 
 
 def _ip_adapters_in(folder: Path) -> tuple[bool, dict[str, Path]]:
     """The folder's image encoder (whether it has one) and IP-Adapters; read again only when it changes."""
-    try:
-        changed = os.stat(folder).st_mtime_ns  # an entry added or removed changes the folder's mtime
-    except OSError:
-        return False, {}
-    try:
-        encoder = os.stat(folder / IMAGE_ENCODER).st_mtime_ns  # its files may come after the folder
-    except OSError:
-        encoder = 0
-    cached = _listed.get(folder)
-    if cached is None or cached[:2] != (changed, encoder):
-        cached = _listed[folder] = (changed, encoder, _read(folder))
-    return cached[2]
+    found = listing.entries(folder)
+    return ENCODER in found, {name: path for name, path in found.items() if name != ENCODER}
 
 
 def image_encoder_path(folder: Path | None, model: str) -> Path | None:

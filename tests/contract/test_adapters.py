@@ -4,6 +4,7 @@ and a real worker (worker/adapters.py) running jobs with them on the tiny model'
 from __future__ import annotations
 
 import io
+import logging
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -58,6 +59,18 @@ def test_the_names_are_the_file_stems_and_follow_the_folder(tmp_path: Path, lora
     assert available_adapters(folder) == ["ink"]
     shutil.copy(lora_dir / "moss.safetensors", folder / "style_2.safetensors")
     assert available_adapters(folder) == ["ink", "style_2"]  # read again: the folder changed
+
+
+def test_an_entry_that_is_no_regular_file_is_not_offered_and_said_once(
+        tmp_path: Path, lora_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    folder = tmp_path / "loras"
+    folder.mkdir()
+    shutil.copy(lora_dir / "ink.safetensors", folder / "ink.safetensors")
+    (folder / "dir.safetensors").mkdir()  # a FIFO of that name would block the worker that opened it
+    with caplog.at_level(logging.WARNING, "shared.contract.adapters"):
+        assert available_adapters(folder) == available_adapters(folder) == ["ink"]
+    assert [record.getMessage() for record in caplog.records] == [
+        f"SLOTQ_LORA_DIR: not offered: {folder / 'dir.safetensors'}: not a regular file"]
 
 
 @pytest.fixture

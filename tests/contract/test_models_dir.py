@@ -59,7 +59,7 @@ def configs(tmp_path_factory: pytest.TempPathFactory, tiny_folder: Path) -> Path
 
 def test_the_folder_offers_its_safetensors_and_diffusers_folders(models_dir: Path,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
-    checkpoints._listed.clear()  # read afresh, so that the skipped ones are logged
+    checkpoints.listing.forget()  # read afresh, so that the skipped ones are logged
     with caplog.at_level(logging.WARNING):
         models = folder_models(models_dir)
     assert list(models) == ["sd-file", "sd-folder"]
@@ -220,7 +220,7 @@ def test_a_sidecar_with_an_unusable_vae_or_memory_makes_its_model_not_offered(
 def _read_afresh(models_dir: Path) -> dict[str, FolderModel]:
     """The folder's models, read again: a change within one tick of the file system's clock leaves the
     folder's mtime as it was."""
-    checkpoints._listed.clear()
+    checkpoints.listing.forget()
     return folder_models(models_dir)
 
 

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
-from shared.contract import checkpoints, controlnets, ip_adapters
+from shared.contract import checkpoints, controlnets, folders, ip_adapters
 from shared.contract.checkpoints import MAX_NESTING, FolderModel, folder_models, nests_deeper
 from shared.contract.controlnets import controlnet_paths
 from shared.contract.ip_adapters import ip_adapter_paths
@@ -99,14 +99,14 @@ def control_folders(root: Path, role: str, content: bytes) -> tuple[Path, Path]:
 def _read_afresh(models_dir: Path) -> dict[str, FolderModel]:
     """The folder's models, every file read again (a path of a removed folder may come back within one
     tick of the file system's clock)."""
-    checkpoints._listed.clear()
-    checkpoints._parsed.clear()
+    checkpoints.listing.forget()
+    folders.forget_parsed()
     return folder_models(models_dir)
 
 
 def _controls_afresh(nets: Path, adapters: Path) -> tuple[set[str], set[str]]:
-    controlnets._listed.clear()
-    ip_adapters._listed.clear()
+    controlnets.listing.forget()
+    ip_adapters.listing.forget()
     return set(controlnet_paths(nets, "any")), set(ip_adapter_paths(adapters, "any"))
 
 
@@ -272,11 +272,11 @@ def test_a_header_is_parsed_once_while_its_file_is_unchanged(tmp_path: Path,
     (tmp_path / "good.safetensors").write_bytes(safetensors(GOOD_HEADER))
     assert list(_read_afresh(tmp_path)) == ["good"]
     (tmp_path / "notes.txt").write_text("the folder changes")
-    checkpoints._listed.clear()  # as a change of its mtime does, which may fall within one tick
+    checkpoints.listing.forget()  # as a change of its mtime does, which may fall within one tick
     assert list(folder_models(tmp_path)) == ["good"]
     assert parsed == [tmp_path / "good.safetensors"]
     (tmp_path / "good.safetensors").write_bytes(safetensors(GOOD_HEADER + b" "))  # another version
-    checkpoints._listed.clear()
+    checkpoints.listing.forget()
     assert list(folder_models(tmp_path)) == ["good"] and len(parsed) == 2
 
 
