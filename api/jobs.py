@@ -201,11 +201,7 @@ class Jobs:
             names, held, capacity = workers.serving(self.queue.connection, line, name)
             adapters = available_adapters(self.settings.lora_dir_of(name))
             info = model_info(name, family, adapters, None, names, held, capacity)
-        # ControlNets and IP-Adapters fit the UNet families only (shared/contract/controlnets.py).
-        unet = family != "flux"
-        update: dict[str, object] = {
-            "controlnets": available_controlnets(self.settings.controlnet_dir, name) if unet else [],
-            "ip_adapters": available_ip_adapters(self.settings.ip_adapter_dir, name) if unet else []}
+        update: dict[str, object] = dict(self.settings.controls_of(name, family))
         if (in_folder := self.settings.folder_model(name)) is not None:
             update["size"] = in_folder.size
         return info.model_copy(update=update)

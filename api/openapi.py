@@ -12,9 +12,7 @@ from api.longpoll import MAX_WAIT_S
 from api.streams import EVENT_ID
 from shared.contract import errors
 from shared.contract.adapters import available_adapters
-from shared.contract.controlnets import available_controlnets
 from shared.contract.images import FORMATS, INPUT_NAMES
-from shared.contract.ip_adapters import available_ip_adapters
 from shared.contract.jobs import (
     DEFAULT_LIMIT,
     MAX_IDEMPOTENCY_KEY,
@@ -112,10 +110,8 @@ def openapi_document(settings: Settings) -> dict[str, Any]:
     side multiple, the samplers and adapters they all have): a job valid by it is valid for any model.
     """
     webhooks = settings.webhook_secret is not None
-    offered = [model_info(name, family, available_adapters(settings.lora_dir_of(name))).model_copy(update={
-        "controlnets": available_controlnets(settings.controlnet_dir, name) if family != "flux" else [],
-        "ip_adapters": available_ip_adapters(settings.ip_adapter_dir, name) if family != "flux" else []})
-               for name, family in settings.offered_models.items()]
+    offered = [model_info(name, family, available_adapters(settings.lora_dir_of(name))).model_copy(
+        update=settings.controls_of(name, family)) for name, family in settings.offered_models.items()]
     common = offered[0].model_copy(update={
         "side_multiple": max(info.side_multiple for info in offered),
         "schedulers": [s for s in offered[0].schedulers if all(s in info.schedulers for info in offered)],

@@ -31,21 +31,15 @@ import torch
 from diffusers import DiffusionPipeline, ModelMixin, UNet2DConditionModel
 from diffusers.hooks import FirstBlockCacheConfig, HookRegistry, ModelHook
 
-from shared.contract.models import Family
+from shared.contract.models import FAMILY_SPECS, Family, family_spec
 
-# A full UNet call every INTERVAL calls (one call a step). 3 is the interval of DeepCache's own example;
-# the shallow branch in between costs a small share of a full call, so each larger interval runs faster
-# and strays further from the full image. Random weights rank no quality, so DeepCache's 3 it is (the
-# measured speeds and differences: docs/speed.md).
-UNET_INTERVAL: dict[Family, int] = {"sd": 3, "sdxl": 3}
-# First Block Cache skips a step's other blocks where the first block's residual moved by less than
-# this (relative) since the last full step: ParaAttention's default for FLUX.1-dev, whose published
-# speed-up and quality are in docs/speed.md; a higher value skips more steps.
-FLUX_THRESHOLD = 0.08
-# The tiny random Flux's first block moves far more a step than a trained FLUX.1's, so at 0.08 it would
-# never skip; at 0.4 it skips the other block in about half the steps (docs/speed.md). diffusers' own
-# tests raise the threshold for random models for the same reason.
-TINY_FLUX_THRESHOLD = 0.4
+# Each family's interval (a UNet) or threshold (a transformer) is its record's (shared/contract/models.py).
+UNET_INTERVAL: dict[Family, int] = {family: spec.cache_interval for family, spec in FAMILY_SPECS.items()
+                                    if spec.cache_interval is not None}
+# A tiny random transformer's first block moves far more a step than a trained one's, so at a trained
+# model's threshold it would never skip; at this one the tiny Flux skips the other block in about half
+# the steps (docs/speed.md). diffusers' own tests raise the threshold for random models for the same reason.
+TINY_THRESHOLD = 0.4
 _STEP_HOOK = "slotq_deep_cache_step"
 _REUSE_HOOK = "slotq_deep_cache_reuse"
 
@@ -55,11 +49,12 @@ def fast_tier(pipe: DiffusionPipeline, family: Family, tiny: bool = False) -> It
     """Run the pipeline's denoiser with step caching inside the block; the normal model after it,
     whatever happened inside. ``tiny``: the pipeline is one of worker/tiny_model.py's random ones.
     Not thread-safe, as the pipeline is not."""
-    if family == "flux":
-        with first_block_cache(pipe.transformer, TINY_FLUX_THRESHOLD if tiny else FLUX_THRESHOLD):
+    spec = family_spec(family)  # it has the one setting its denoiser's cache takes
+    if spec.cache_threshold is not None:  # a transformer
+        with first_block_cache(pipe.transformer, TINY_THRESHOLD if tiny else spec.cache_threshold):
             yield
-    else:
-        with deep_cache(pipe.unet, UNET_INTERVAL[family]):
+    elif spec.cache_interval is not None:  # a UNet
+        with deep_cache(pipe.unet, spec.cache_interval):
             yield
 
 

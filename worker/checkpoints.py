@@ -15,6 +15,7 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
+import diffusers
 import torch
 from diffusers import (
     AutoencoderKL,
@@ -22,8 +23,6 @@ from diffusers import (
     FluxPipeline,
     FluxTransformer2DModel,
     GGUFQuantizationConfig,
-    StableDiffusionPipeline,
-    StableDiffusionXLPipeline,
 )
 from diffusers.models.model_loading_utils import load_gguf_checkpoint
 from huggingface_hub import snapshot_download
@@ -41,17 +40,15 @@ from shared.contract.checkpoints import (
     header_names,
     read_sidecar,
 )
-from shared.contract.models import Family
+from shared.contract.models import FAMILY_SPECS, Family, family_spec
 
 log = logging.getLogger(__name__)
 
 Tensors = dict[str, torch.Tensor]
 
-PIPELINES: dict[Family, type[DiffusionPipeline]] = {
-    "sd": StableDiffusionPipeline,
-    "sdxl": StableDiffusionXLPipeline,
-    "flux": FluxPipeline,
-}
+# Each family's pipeline class, as its record names it (diffusers exports every one at its top level).
+PIPELINES: dict[Family, type[DiffusionPipeline]] = {family: getattr(diffusers, spec.pipeline_class)
+                                                    for family, spec in FAMILY_SPECS.items()}
 # What diffusers reads from a configuration source: configs and tokenizer files, no weights.
 CONFIG_PATTERNS = ["*.json", "**/*.json", "*.txt", "**/*.txt", "*.model", "**/*.model"]
 
@@ -193,7 +190,7 @@ def load_checkpoint(path: Path, configs: Mapping[Family, str], dtype: torch.dtyp
     folder = config_folder(configs[family])
     log.info("loading %s (%s) with the configs of %s", path, family, folder)
     components = {} if vae is None else {"vae": vae}
-    if family == "flux":
+    if family_spec(family).single_file == "transformer":  # its transformer alone: Flux's layout
         return _load_flux(path, folder, dtype, components)
     if path.suffix.lower() == GGUF_SUFFIX:
         raise CheckpointError(f"{path}: a GGUF file of {family}: GGUF files are loaded as FLUX.1 "

@@ -27,7 +27,7 @@ from PIL import Image
 from redis.exceptions import RedisError
 from rq.job import Job
 
-from shared.contract.models import Family
+from shared.contract.models import Family, LatentFormat, family_spec
 from shared.store import records
 from shared.store.fencing import held
 
@@ -37,12 +37,12 @@ MAX_SIDE = 256  # a preview's long side, in pixels, at most
 JPEG_QUALITY = 70
 FLUSH_TIMEOUT_S = 2.0  # how long the end of an execution waits for its last preview to be written
 
-# Latent channels -> RGB, per family: the factors ComfyUI publishes (comfy/latent_formats.py),
-# fitted against each family's VAE, applied to the latents as the sampler holds them (scaled, as
-# diffusers' step callback sees them). RGB comes out in [-1, 1].
-LATENT_RGB: dict[Family, tuple[list[list[float]], list[float]]] = {
-    "sd": ([[0.3512, 0.2297, 0.3227], [0.3250, 0.4974, 0.2350], [-0.2829, 0.1762, 0.2721],
-            [-0.2120, -0.2616, -0.7177]], [0.0, 0.0, 0.0]),
+# Latent channels -> RGB, per latent format (a family's record names its own): the factors ComfyUI
+# publishes (comfy/latent_formats.py), fitted against each format's VAE, applied to the latents as the
+# sampler holds them (scaled, as diffusers' step callback sees them). RGB comes out in [-1, 1].
+LATENT_RGB: dict[LatentFormat, tuple[list[list[float]], list[float]]] = {
+    "sd15": ([[0.3512, 0.2297, 0.3227], [0.3250, 0.4974, 0.2350], [-0.2829, 0.1762, 0.2721],
+              [-0.2120, -0.2616, -0.7177]], [0.0, 0.0, 0.0]),
     "sdxl": ([[0.3651, 0.4232, 0.4341], [-0.2533, -0.0042, 0.1068], [0.1076, 0.1111, -0.0362],
               [-0.3165, -0.2492, -0.2188]], [0.1084, -0.0175, -0.0011]),
     "flux": ([[-0.0346, 0.0244, 0.0681], [0.0034, 0.0210, 0.0687], [0.0275, -0.0668, -0.0433],
@@ -165,7 +165,7 @@ class Previewer:
 def to_rgb(latents: np.ndarray, family: Family) -> np.ndarray:
     """(rows, channels, h, w) latents as (rows, 3, h, w) RGB in about [-1, 1], by the family's
     linear map; latents of another channel count (a custom VAE) by a plain projection."""
-    factors, bias = LATENT_RGB[family]
+    factors, bias = LATENT_RGB[family_spec(family).latent_format]
     if latents.shape[1] == len(factors):
         weights = np.asarray(factors, dtype=np.float32)
         offsets = np.asarray(bias, dtype=np.float32)[:, None, None]

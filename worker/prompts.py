@@ -33,7 +33,7 @@ import torch
 from compel import EmbeddingsProvider, ReturnedEmbeddingsType, SplitLongTextMode  # type: ignore[import-untyped]
 from diffusers import DiffusionPipeline
 
-from shared.contract.models import Family
+from shared.contract.models import FAMILY_SPECS, Family, TextEncoders
 
 Fragment = tuple[str, float]  # a run of the prompt's text and the weight of its tokens
 Arguments = dict[str, torch.Tensor]
@@ -105,10 +105,12 @@ def weighted_arguments(pipe: DiffusionPipeline, family: Family, prompts: list[st
     image, each prompt's images together: the call takes ``num_images_per_prompt=1`` with them, since
     FluxPipeline (diffusers 0.42) repeats no embeddings it is given. Raises ValueError for a family
     compel cannot weight, or a weight that is no number."""
-    encode = _ENCODERS.get(family)
+    spec = FAMILY_SPECS.get(family)
+    encode = None if spec is None else _ENCODERS.get(spec.text_encoders)
     if encode is None:
+        able = [name for name, each in FAMILY_SPECS.items() if each.text_encoders in _ENCODERS]
         raise ValueError(f"weighted prompts (prompt_syntax 'weighted') are not supported on a {family} "
-                         f"model; these families support them: {', '.join(_ENCODERS)}")
+                         f"model; these families support them: {', '.join(able)}")
     if negatives is not None and len(negatives) != len(prompts):
         raise ValueError(f"{len(negatives)} negative prompts for {len(prompts)} prompts")
     with torch.inference_mode():  # as the pipeline's own encoding runs
@@ -162,10 +164,11 @@ def _split(count: int, embeds: torch.Tensor, pooled: torch.Tensor | None = None)
     return arguments
 
 
-_ENCODERS: dict[Family, Callable[[DiffusionPipeline, list[str], list[str] | None], Arguments]] = {
-    "sd": _sd,
-    "sdxl": _sdxl,
-    "flux": _flux,
+# Each arrangement of text encoders (a family's record says its own) and the function that encodes for it.
+_ENCODERS: dict[TextEncoders, Callable[[DiffusionPipeline, list[str], list[str] | None], Arguments]] = {
+    "clip": _sd,
+    "clip_pair": _sdxl,
+    "t5_clip": _flux,
 }
 
 

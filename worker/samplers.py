@@ -2,8 +2,8 @@
 
 Swapping a scheduler costs no reload: a diffusers scheduler is a small object made from the
 model's scheduler config (its noise schedule), and the pipeline takes whichever it is given. The
-names are the contract's (``shared/contract/models.py``, with the family each suits); the table
-below says what each one is.
+names are the contract's (``shared/contract/models.py``, where each family's record says which it
+takes); the table below says what each one is.
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ from diffusers import (
     UniPCMultistepScheduler,
 )
 
+from shared.contract.models import Scheduler
+
 # Each name as the A1111/ComfyUI names it: the scheduler class and its options.
-BUILDERS: dict[str, tuple[Any, dict[str, Any]]] = {
+BUILDERS: dict[Scheduler, tuple[Any, dict[str, Any]]] = {
     "ddim": (DDIMScheduler, {}),
     "euler": (EulerDiscreteScheduler, {}),
     "euler_a": (EulerAncestralDiscreteScheduler, {}),
@@ -37,9 +39,9 @@ class Samplers:
 
     def __init__(self, default: Any) -> None:
         self.default = default
-        self._built: dict[str, Any] = {}
+        self._built: dict[Scheduler, Any] = {}
 
-    def get(self, name: str | None) -> Any:
+    def get(self, name: Scheduler | None) -> Any:
         """The scheduler for a job's ``scheduler`` field (None: the model's own)."""
         if name is None:
             return self.default

@@ -36,17 +36,14 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from diffusers.utils.torch_utils import randn_tensor
 
 from shared.contract.jobs import JobRequest
-from shared.contract.models import PIPELINE_CLASSES, UNET_SCHEDULERS, Family, Scheduler
+from shared.contract.models import FAMILY_SPECS, PIPELINE_CLASSES, Family, FamilySpec, Scheduler, family_spec
 from worker.samplers import Samplers
 
-# The samplers the loop runs, by family: each one keeps all its state on its scheduler object and
-# takes one model call per entry of its ``timesteps``, so a flight's own copy steps it alone; each is
-# compared with diffusers' own pipeline by tests/worker/test_stepping.py.
-STEPPABLE: dict[Family, tuple[Scheduler, ...]] = {
-    "sd": UNET_SCHEDULERS,
-    "sdxl": UNET_SCHEDULERS,
-    "flux": ("flow_euler",),
-}
+# The samplers the loop runs, by family (its record's ``steppable``): each one keeps all its state on
+# its scheduler object and takes one model call per entry of its ``timesteps``, so a flight's own copy
+# steps it alone; each is compared with diffusers' own pipeline by tests/worker/test_stepping.py.
+STEPPABLE: dict[Family, tuple[Scheduler, ...]] = {family: spec.steppable
+                                                   for family, spec in FAMILY_SPECS.items()}
 # A model's own scheduler (a job that names no sampler) runs where it is one of these classes, those
 # the names above build. Others (PNDM, LMS, Heun...) are refused as untested, not as known broken.
 STEPPABLE_CLASSES = (DDIMScheduler, EulerDiscreteScheduler, EulerAncestralDiscreteScheduler,
@@ -153,7 +150,8 @@ class SteppingLoop:
         self.pipe = pipe
         self.family = family
         self.samplers = samplers or Samplers(pipe.scheduler)
-        self.denoiser: _Denoiser = _FluxDenoiser() if family == "flux" else _UNetDenoiser(family)
+        spec = family_spec(family)
+        self.denoiser: _Denoiser = _FluxDenoiser() if spec.denoiser == "transformer" else _UNetDenoiser(spec)
         # Where the pipeline's own call runs the models (the GPU under CPU offload hooks too).
         self.device: torch.device = pipe._execution_device
         self.max_paused = max_paused  # paused flights hold memory (on the CPU where offloaded): a bound
@@ -353,8 +351,9 @@ class _Denoiser:
 class _UNetDenoiser(_Denoiser):
     """SD 1.x/2.x and SDXL: classifier-free guidance as two rows, a UNet that takes a timestep a row."""
 
-    def __init__(self, family: Family) -> None:
-        self.xl = family == "sdxl"
+    def __init__(self, spec: FamilySpec) -> None:
+        # The steps below mirror StableDiffusionXLPipeline's call, else StableDiffusionPipeline's.
+        self.xl = spec.pipeline_class == "StableDiffusionXLPipeline"
 
     def condition(self, pipe: Any, request: JobRequest, device: torch.device
                   ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int]:

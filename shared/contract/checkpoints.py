@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from shared.contract.folders import FILE_ERRORS, NamedWeights, UnusableModelError, parsed_once, shown
 from shared.contract.memory import MemoryOptions
-from shared.contract.models import FAMILIES, MODEL_NAME_PATTERN, PIPELINE_CLASSES, Family
+from shared.contract.models import FAMILIES, FAMILY_SPECS, MODEL_NAME_PATTERN, PIPELINE_CLASSES, Family
 
 log = logging.getLogger(__name__)
 
@@ -387,7 +387,7 @@ def _file_family(path: Path, name: str, forced: Family | None) -> Family:
         raise UnusableModelError(f"{path}: not an SD or SDXL checkpoint in the single-file layout, nor a "
                                  f"FLUX.1 transformer; a sidecar {name}{SIDECAR_SUFFIX} with "
                                  f"{{\"family\": ...}} can name its family")
-    if family == "flux":
+    if FAMILY_SPECS[family].single_file == "transformer":  # BFL's layout: the transformer alone
         check_flux_transformer(path, names)
     elif path.suffix.lower() == GGUF_SUFFIX:
         raise UnusableModelError(f"{path}: a GGUF file of {family}: GGUF files are loaded as FLUX.1 "

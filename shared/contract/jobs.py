@@ -33,7 +33,7 @@ from shared.contract.errors import (
     UnknownModelError,
 )
 from shared.contract.images import INPUT_NAMES, ImageRef, InputName, read_data_url
-from shared.contract.models import MODEL_NAME_PATTERN, ModelInfo, Scheduler, model_info
+from shared.contract.models import MODEL_NAME_PATTERN, ModelInfo, Scheduler, check_takes, model_info
 
 MAX_SEED = 2**32 - 1
 MAX_IMAGES = 4  # per job
@@ -516,25 +516,21 @@ def _read_inputs(data: dict[str, Any], inputs: dict[InputName, bytes], *, max_by
 def _check_controls(request: JobRequest, model: ModelInfo, controlnets: Sequence[str],
                     ip_adapters: Sequence[str]) -> None:
     """Refuse ControlNets and IP-Adapters the model does not have, and a hires pass a family cannot run."""
-    if request.controlnets and model.family == "flux":
-        raise InvalidRequestError(details=[{"loc": ["controlnets"], "msg": "a flux model takes no ControlNet "
-                                            "here: slotq's ControlNets are the UNet families' (sd, sdxl)"}])
+    if request.controlnets:
+        check_takes(model.family, "takes_controlnet")
     unknown = sorted({control.name for control in request.controlnets} - set(controlnets))
     if unknown:
         offered = ", ".join(controlnets) or "none"
         raise UnknownControlNetError(f"No ControlNet named {', '.join(unknown)} for {model.name}; it has "
                                      f"{offered}.")
     if request.ip_adapter is not None:
-        if model.family == "flux":
-            message = "a flux model takes no IP-Adapter here: slotq's are the UNet families' (sd, sdxl)"
-            raise InvalidRequestError(details=[{"loc": ["ip_adapter"], "msg": message}])
+        check_takes(model.family, "takes_ip_adapter")
         if request.ip_adapter.name not in ip_adapters:
             offered = ", ".join(ip_adapters) or "none"
             raise UnknownIpAdapterError(f"No IP-Adapter named {request.ip_adapter.name} for {model.name}; "
                                         f"it has {offered}.")
-    if request.hires is not None and request.hires.upscaler == "latent" and model.family == "flux":
-        raise InvalidRequestError(details=[{"loc": ["hires", "upscaler"], "msg": "a flux model's hires pass "
-                                            "upscales the image: send `lanczos`"}])
+    if request.hires is not None and request.hires.upscaler == "latent":
+        check_takes(model.family, "takes_latent_upscale")
 
 
 def _check_fits(request: JobRequest, model: ModelInfo, max_side: int) -> None:

@@ -2,6 +2,8 @@
 
 The worker tells its family from the pipeline it loaded and says so in its heartbeat; the API reads
 it there to refuse a sampler the model cannot use and to fill in the defaults a request leaves out.
+Everything that differs by family is one ``FamilySpec`` in ``FAMILY_SPECS``, which every decision
+reads: a new family is its record there plus its own implementation in the worker.
 """
 
 from __future__ import annotations
@@ -9,29 +11,39 @@ from __future__ import annotations
 from functools import cached_property
 from typing import Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from shared.contract.errors import InvalidRequestError
 
 Family = Literal["sd", "sdxl", "flux"]
 FAMILIES: tuple[Family, ...] = get_args(Family)
 
-# The samplers a job may name (``scheduler``), as A1111 and ComfyUI name them. The UNet families
-# (SD 1.x/2.x, SDXL) take diffusers' discrete schedulers; a flow-matching model such as Flux takes
-# its own Euler (worker/samplers.py builds each from the loaded scheduler's config).
-Scheduler = Literal["ddim", "euler", "euler_a", "dpmpp_2m", "dpmpp_2m_karras", "unipc", "flow_euler"]
+# The samplers a job may name (``scheduler``), as A1111 and ComfyUI name them, each written once. The
+# UNet families (SD 1.x/2.x, SDXL) take diffusers' discrete schedulers; a flow-matching model such as
+# Flux takes its own Euler (worker/samplers.py builds each from the loaded scheduler's config).
+UNetScheduler = Literal["ddim", "euler", "euler_a", "dpmpp_2m", "dpmpp_2m_karras", "unipc"]
+FlowScheduler = Literal["flow_euler"]
+Scheduler = Literal[UNetScheduler, FlowScheduler]
 SCHEDULERS: tuple[Scheduler, ...] = get_args(Scheduler)
-UNET_SCHEDULERS: tuple[Scheduler, ...] = ("ddim", "euler", "euler_a", "dpmpp_2m", "dpmpp_2m_karras", "unipc")
+UNET_SCHEDULERS: tuple[Scheduler, ...] = get_args(UNetScheduler)
+FLOW_SCHEDULERS: tuple[Scheduler, ...] = get_args(FlowScheduler)
 
-# The diffusers pipeline class of each family's text-to-image checkpoints.
-PIPELINE_CLASSES: dict[str, Family] = {
-    "StableDiffusionPipeline": "sd",
-    "StableDiffusionXLPipeline": "sdxl",
-    "FluxPipeline": "flux",
-}
+# The model that predicts each step's noise: what the worker's step loop and step caching run.
+Denoiser = Literal["unet", "transformer"]
+# What a family's single-file checkpoint holds: a whole pipeline (A1111's layout), or its transformer
+# alone, the other components coming from its configuration source (BFL's layout).
+SingleFile = Literal["pipeline", "transformer"]
+# Its text encoders, which decide how a prompt becomes conditioning: one CLIP (SD), two CLIPs with
+# the second's pooled output and size conditioning (SDXL), T5 with CLIP's pooled output (Flux).
+TextEncoders = Literal["clip", "clip_pair", "t5_clip"]
+# The latent space of its VAE, as ComfyUI's latent_formats name them (a preview's colours).
+LatentFormat = Literal["sd15", "sdxl", "flux"]
+# What a family may be unable to take, as FamilySpec's fields name it.
+Ability = Literal["takes_controlnet", "takes_ip_adapter", "takes_latent_upscale"]
+
 # A model's name, as SLOTQ_MODEL_NAME and SLOTQ_MODEL_NAMES give it and a job's `model` names it.
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 DEFAULT_MODEL_NAME = "default"
-# The tiny random pipelines built locally (worker/tiny_model.py), by SLOTQ_MODEL.
-TINY_MODELS: dict[str, Family] = {"tiny": "sd", "tiny-sdxl": "sdxl", "tiny-flux": "flux"}
 
 
 class ModelDefaults(BaseModel):
@@ -48,6 +60,43 @@ class ModelDefaults(BaseModel):
     def fields(self) -> dict[str, int | float]:
         """The defaults as a request's fields (dumped once: admission merges them into each body)."""
         return self.model_dump()
+
+
+class FamilySpec(BaseModel):
+    """One model family: every decision that differs by family reads its record, and only that."""
+
+    model_config = ConfigDict(frozen=True)
+
+    pipeline_class: str  # the diffusers pipeline class of its text-to-image checkpoints
+    tiny_model: str  # the tiny random pipeline of its kind (worker/tiny_model.py), by SLOTQ_MODEL
+    # Where its single files take their configs and tokenizers by default (SLOTQ_CHECKPOINT_CONFIGS):
+    # the hub id diffusers itself uses (DIFFUSERS_DEFAULT_PIPELINE_PATHS in its single_file_utils.py).
+    checkpoint_config: str
+    samplers: tuple[Scheduler, ...]  # those a job on it may name
+    steppable: tuple[Scheduler, ...]  # those of them the worker's step loop runs (worker/stepping.py)
+    defaults: ModelDefaults
+    side_multiple: int  # width and height must be multiples of this
+    denoiser: Denoiser
+    single_file: SingleFile
+    text_encoders: TextEncoders
+    latent_format: LatentFormat
+    takes_controlnet: bool  # slotq's ControlNets and IP-Adapters go into a UNet
+    takes_ip_adapter: bool
+    takes_latent_upscale: bool  # a hires pass may upscale its latents rather than the image
+    # The fast tier's step caching: DeepCache's interval on a UNet (a full call every this many), or
+    # First Block Cache's threshold on a transformer (worker/caching.py).
+    cache_interval: int | None = None
+    cache_threshold: float | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> FamilySpec:
+        if not set(self.steppable) <= set(self.samplers):
+            raise ValueError("a steppable sampler must be one the family takes")
+        if (self.cache_interval is None) != (self.denoiser != "unet"):
+            raise ValueError("a UNet has a cache_interval, and only a UNet")
+        if (self.cache_threshold is None) != (self.denoiser != "transformer"):
+            raise ValueError("a transformer has a cache_threshold, and only a transformer")
+        return self
 
 
 class ModelInfo(BaseModel):
@@ -78,6 +127,11 @@ class ModelInfo(BaseModel):
     ip_adapters: list[str] = Field(default_factory=list, description="the IP-Adapters a job on it may name "
                                                                      "(SLOTQ_IP_ADAPTER_DIR)")
 
+    @property
+    def spec(self) -> FamilySpec:
+        """Its family's record."""
+        return FAMILY_SPECS[self.family]
+
     def within(self, max_side: int) -> ModelInfo:
         """The model as this service runs it: default sides no larger than SLOTQ_MAX_SIDE."""
         largest = max_side - max_side % self.side_multiple
@@ -90,21 +144,74 @@ class ModelInfo(BaseModel):
         return self.model_copy(update={"defaults": defaults})
 
 
-_FAMILY_INFO: dict[Family, tuple[tuple[Scheduler, ...], ModelDefaults, int]] = {
-    # SD 1.x/2.x: 512² at CFG 7.5; SDXL: 1024² at a lower CFG; Flux (dev): 1024², guidance 3.5,
-    # and its latents are packed 2x2, so its sides are multiples of 16.
-    "sd": (UNET_SCHEDULERS, ModelDefaults(steps=30, guidance_scale=7.5, width=512, height=512), 8),
-    "sdxl": (UNET_SCHEDULERS, ModelDefaults(steps=30, guidance_scale=5.0, width=1024, height=1024), 8),
-    "flux": (("flow_euler",), ModelDefaults(steps=28, guidance_scale=3.5, width=1024, height=1024), 16),
+FAMILY_SPECS: dict[Family, FamilySpec] = {
+    # SD 1.x/2.x: 512² at CFG 7.5. DeepCache's interval is 3, that of its own example: each larger
+    # one runs faster and strays further from the full image, and random weights rank no quality
+    # (the measured speeds and differences: docs/speed.md).
+    "sd": FamilySpec(
+        pipeline_class="StableDiffusionPipeline", tiny_model="tiny",
+        checkpoint_config="stable-diffusion-v1-5/stable-diffusion-v1-5",
+        samplers=UNET_SCHEDULERS, steppable=UNET_SCHEDULERS,
+        defaults=ModelDefaults(steps=30, guidance_scale=7.5, width=512, height=512), side_multiple=8,
+        denoiser="unet", single_file="pipeline", text_encoders="clip", latent_format="sd15",
+        takes_controlnet=True, takes_ip_adapter=True, takes_latent_upscale=True, cache_interval=3),
+    # SDXL: 1024² at a lower CFG.
+    "sdxl": FamilySpec(
+        pipeline_class="StableDiffusionXLPipeline", tiny_model="tiny-sdxl",
+        checkpoint_config="stabilityai/stable-diffusion-xl-base-1.0",
+        samplers=UNET_SCHEDULERS, steppable=UNET_SCHEDULERS,
+        defaults=ModelDefaults(steps=30, guidance_scale=5.0, width=1024, height=1024), side_multiple=8,
+        denoiser="unet", single_file="pipeline", text_encoders="clip_pair", latent_format="sdxl",
+        takes_controlnet=True, takes_ip_adapter=True, takes_latent_upscale=True, cache_interval=3),
+    # Flux (dev): 1024², guidance 3.5; its latents are packed 2x2, so its sides are multiples of 16 and
+    # a hires pass resizes the image. Its ControlNets and IP-Adapters are other architectures than
+    # slotq's. The cache threshold is ParaAttention's default for FLUX.1-dev, whose published speed-up
+    # and quality are in docs/speed.md; a higher one skips more steps.
+    "flux": FamilySpec(
+        pipeline_class="FluxPipeline", tiny_model="tiny-flux",
+        checkpoint_config="black-forest-labs/FLUX.1-dev",
+        samplers=FLOW_SCHEDULERS, steppable=FLOW_SCHEDULERS,
+        defaults=ModelDefaults(steps=28, guidance_scale=3.5, width=1024, height=1024), side_multiple=16,
+        denoiser="transformer", single_file="transformer", text_encoders="t5_clip", latent_format="flux",
+        takes_controlnet=False, takes_ip_adapter=False, takes_latent_upscale=False, cache_threshold=0.08),
 }
+# The diffusers pipeline class of each family's text-to-image checkpoints.
+PIPELINE_CLASSES: dict[str, Family] = {spec.pipeline_class: family for family, spec in FAMILY_SPECS.items()}
+# The tiny random pipelines built locally (worker/tiny_model.py), by SLOTQ_MODEL.
+TINY_MODELS: dict[str, Family] = {spec.tiny_model: family for family, spec in FAMILY_SPECS.items()}
+
+# A request for what its model's family cannot take: the field refused and why, ``{family}`` the
+# model's and ``{able}`` those that can.
+_REFUSALS: dict[Ability, tuple[list[str | int], str]] = {
+    "takes_controlnet": (["controlnets"], "a {family} model takes no ControlNet here: slotq's ControlNets "
+                                          "are the {able} families'"),
+    "takes_ip_adapter": (["ip_adapter"], "a {family} model takes no IP-Adapter here: slotq's are the {able} "
+                                         "families'"),
+    "takes_latent_upscale": (["hires", "upscaler"], "a {family} model's hires pass upscales the image: "
+                                                    "send `lanczos`"),
+}
+
+
+def family_spec(family: Family) -> FamilySpec:
+    """The record of a family."""
+    return FAMILY_SPECS[family]
+
+
+def check_takes(family: Family, ability: Ability) -> None:
+    """Refuse (``InvalidRequestError``, at the field that asks) what this family cannot take."""
+    if getattr(FAMILY_SPECS[family], ability):
+        return
+    loc, message = _REFUSALS[ability]
+    able = ", ".join(name for name, spec in FAMILY_SPECS.items() if getattr(spec, ability))
+    raise InvalidRequestError(details=[{"loc": loc, "msg": message.format(family=family, able=able)}])
 
 
 def model_info(name: str, family: Family, loras: list[str] | None = None, checkpoint: str | None = None,
                worker_names: list[str] | None = None, held_by: list[str] | None = None,
                capacity_pixels: int | None = None) -> ModelInfo:
     """What the service publishes of a model of this family, served by these live workers."""
-    schedulers, defaults, multiple = _FAMILY_INFO[family]
-    return ModelInfo(name=name, family=family, checkpoint=checkpoint, schedulers=list(schedulers),
-                     defaults=defaults, side_multiple=multiple, workers=len(worker_names or []),
-                     worker_names=worker_names or [], loras=loras or [], held_by=held_by or [],
-                     capacity_pixels=capacity_pixels)
+    spec = FAMILY_SPECS[family]
+    return ModelInfo(name=name, family=family, checkpoint=checkpoint, schedulers=list(spec.samplers),
+                     defaults=spec.defaults, side_multiple=spec.side_multiple,
+                     workers=len(worker_names or []), worker_names=worker_names or [], loras=loras or [],
+                     held_by=held_by or [], capacity_pixels=capacity_pixels)

@@ -24,18 +24,23 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from shared.contract import keys
 from shared.contract.checkpoints import FolderModel, folder_models
+from shared.contract.controlnets import available_controlnets
 from shared.contract.errors import validation_message
+from shared.contract.ip_adapters import available_ip_adapters
 from shared.contract.jobs import MAX_IMAGES, Priority
 from shared.contract.memory import MemoryOptions, Offload, Quantize
-from shared.contract.models import DEFAULT_MODEL_NAME, FAMILIES, MODEL_NAME_PATTERN, TINY_MODELS, Family
+from shared.contract.models import (
+    DEFAULT_MODEL_NAME,
+    FAMILIES,
+    FAMILY_SPECS,
+    MODEL_NAME_PATTERN,
+    TINY_MODELS,
+    Family,
+)
 
-# The configuration source of each family's single-file checkpoints: the hub ids diffusers itself
-# uses (DIFFUSERS_DEFAULT_PIPELINE_PATHS in diffusers/loaders/single_file_utils.py).
-CHECKPOINT_CONFIGS: dict[Family, str] = {
-    "sd": "stable-diffusion-v1-5/stable-diffusion-v1-5",
-    "sdxl": "stabilityai/stable-diffusion-xl-base-1.0",
-    "flux": "black-forest-labs/FLUX.1-dev",
-}
+# The configuration source of each family's single-file checkpoints by default (its record's).
+CHECKPOINT_CONFIGS: dict[Family, str] = {family: spec.checkpoint_config
+                                         for family, spec in FAMILY_SPECS.items()}
 DEVICE_PATTERN = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 # host:port, the host a name, an IPv4 address or a bracketed IPv6 address.
 ADDRESS_PATTERN = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>[0-9]{1,5})$")
@@ -282,6 +287,14 @@ class Settings(BaseSettings):
         """The folders weights are read from: models, adapters, ControlNets, IP-Adapters, the tiny models."""
         folders = (self.models_dir, self.lora_dir, self.controlnet_dir, self.ip_adapter_dir, self.cache_dir)
         return [folder for folder in folders if folder is not None]
+
+    def controls_of(self, model: str, family: Family) -> dict[str, list[str]]:
+        """The ControlNets and IP-Adapters a job on this model may name: none where its family takes
+        none (its record says)."""
+        spec = FAMILY_SPECS[family]
+        controlnets = available_controlnets(self.controlnet_dir, model) if spec.takes_controlnet else []
+        ip_adapters = available_ip_adapters(self.ip_adapter_dir, model) if spec.takes_ip_adapter else []
+        return {"controlnets": controlnets, "ip_adapters": ip_adapters}
 
     def lora_dir_of(self, model: str) -> Path | None:
         """Where a model's adapters are: the subfolder of SLOTQ_LORA_DIR named after it where there is

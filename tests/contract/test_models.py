@@ -15,9 +15,22 @@ from rq import Queue
 
 from api.openapi import openapi_document
 from shared.contract import keys
+from shared.contract.errors import InvalidRequestError
 from shared.contract.jobs import validate_submission
-from shared.contract.models import model_info
-from shared.contract.settings import Settings
+from shared.contract.models import (
+    FAMILIES,
+    FAMILY_SPECS,
+    PIPELINE_CLASSES,
+    TINY_MODELS,
+    UNET_SCHEDULERS,
+    Ability,
+    Family,
+    FamilySpec,
+    check_takes,
+    family_spec,
+    model_info,
+)
+from shared.contract.settings import CHECKPOINT_CONFIGS, Settings
 from tests.conftest import (
     Process,
     app_client,
@@ -41,6 +54,70 @@ def two(settings: Settings) -> Settings:
 @pytest.fixture
 def two_client(two: Settings) -> Iterator[FlaskClient]:
     yield from app_client(two)
+
+
+# What the per-family tables said before there was one record per family.
+UNET = {"samplers": UNET_SCHEDULERS, "steppable": UNET_SCHEDULERS, "side_multiple": 8, "denoiser": "unet",
+        "single_file": "pipeline", "takes_controlnet": True, "takes_ip_adapter": True,
+        "takes_latent_upscale": True, "cache_interval": 3, "cache_threshold": None}
+EXPECTED: dict[str, dict[str, object]] = {
+    "sd": UNET | {"pipeline_class": "StableDiffusionPipeline", "tiny_model": "tiny",
+                  "checkpoint_config": "stable-diffusion-v1-5/stable-diffusion-v1-5",
+                  "defaults": {"steps": 30, "guidance_scale": 7.5, "width": 512, "height": 512}},
+    "sdxl": UNET | {"pipeline_class": "StableDiffusionXLPipeline", "tiny_model": "tiny-sdxl",
+                    "checkpoint_config": "stabilityai/stable-diffusion-xl-base-1.0",
+                    "defaults": {"steps": 30, "guidance_scale": 5.0, "width": 1024, "height": 1024}},
+    "flux": {"pipeline_class": "FluxPipeline", "tiny_model": "tiny-flux",
+             "checkpoint_config": "black-forest-labs/FLUX.1-dev", "samplers": ("flow_euler",),
+             "steppable": ("flow_euler",), "side_multiple": 16, "denoiser": "transformer",
+             "single_file": "transformer", "takes_controlnet": False, "takes_ip_adapter": False,
+             "takes_latent_upscale": False, "cache_interval": None, "cache_threshold": 0.08,
+             "defaults": {"steps": 28, "guidance_scale": 3.5, "width": 1024, "height": 1024}},
+}
+
+
+def test_every_family_has_one_complete_record_that_says_what_the_old_tables_said() -> None:
+    assert tuple(FAMILY_SPECS) == FAMILIES
+    for family in FAMILIES:
+        spec = family_spec(family)
+        # Every field given, but the step-cache setting its denoiser does not use.
+        assert set(FamilySpec.model_fields) - spec.model_fields_set <= {"cache_interval", "cache_threshold"}
+        record = spec.model_dump(exclude={"text_encoders", "latent_format"})
+        assert record == EXPECTED[family], family
+        assert (PIPELINE_CLASSES[spec.pipeline_class], TINY_MODELS[spec.tiny_model]) == (family, family)
+        assert CHECKPOINT_CONFIGS[family] == spec.checkpoint_config
+        info = model_info("m", family)
+        assert (info.schedulers, info.defaults, info.side_multiple, info.spec) == (
+            list(spec.samplers), spec.defaults, spec.side_multiple, spec)
+    # Each family its own text encoders and latent space.
+    assert [(spec.text_encoders, spec.latent_format) for spec in FAMILY_SPECS.values()] == [
+        ("clip", "sd15"), ("clip_pair", "sdxl"), ("t5_clip", "flux")]
+
+
+def test_a_record_that_contradicts_itself_is_refused() -> None:
+    sd = family_spec("sd").model_dump()
+    for change in ({"steppable": ("flow_euler",)}, {"cache_interval": None}, {"cache_threshold": 0.1},
+                   {"denoiser": "transformer"}):
+        with pytest.raises(ValidationError):
+            FamilySpec(**(sd | change))
+
+
+@pytest.mark.parametrize(("ability", "loc", "message"), [
+    ("takes_controlnet", ["controlnets"],
+     "a flux model takes no ControlNet here: slotq's ControlNets are the sd, sdxl families'"),
+    ("takes_ip_adapter", ["ip_adapter"],
+     "a flux model takes no IP-Adapter here: slotq's are the sd, sdxl families'"),
+    ("takes_latent_upscale", ["hires", "upscaler"],
+     "a flux model's hires pass upscales the image: send `lanczos`"),
+])
+def test_what_a_family_cannot_take_is_refused_at_its_field(ability: Ability, loc: list[str],
+                                                           message: str) -> None:
+    able: tuple[Family, ...] = ("sd", "sdxl")
+    for family in able:
+        check_takes(family, ability)
+    with pytest.raises(InvalidRequestError) as refused:
+        check_takes("flux", ability)
+    assert refused.value.details == [{"loc": loc, "msg": message}]
 
 
 def test_names_are_checked_when_the_settings_are_read() -> None:

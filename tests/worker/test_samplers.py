@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from diffusers import DDIMScheduler, DPMSolverMultistepScheduler, EulerAncestralDiscreteScheduler
 
-from shared.contract.models import SCHEDULERS
+from shared.contract.models import FAMILY_SPECS, SCHEDULERS
 from worker.samplers import BUILDERS, Samplers
+from worker.stepping import STEPPABLE, STEPPABLE_CLASSES
 
 
 def model_scheduler() -> DDIMScheduler:
@@ -30,3 +31,11 @@ def test_a_sampler_keeps_the_models_noise_schedule_and_is_made_once() -> None:
         assert (built.config.num_train_timesteps, built.config.beta_start, built.config.beta_schedule) == \
             (500, 0.001, "scaled_linear"), name
     assert isinstance(samplers.get("euler_a"), EulerAncestralDiscreteScheduler)
+
+
+def test_each_familys_samplers_are_built_and_its_steppable_ones_are_the_loops() -> None:
+    samplers = Samplers(model_scheduler())
+    for family, spec in FAMILY_SPECS.items():
+        assert spec.samplers and set(spec.samplers) <= set(BUILDERS), family
+        assert STEPPABLE[family] == spec.steppable
+        assert all(isinstance(samplers.get(name), STEPPABLE_CLASSES) for name in spec.steppable), family

@@ -312,9 +312,9 @@ def hires_of(call: Call) -> dict[str, Any] | None:
         return None
     asked = body.get("hr_upscaler")
     named = asked if isinstance(asked, str) and asked else DEFAULT_UPSCALER
-    upscaler, flux = HIRES_UPSCALERS.get(named), call.model.family == "flux"
-    if upscaler is None or (upscaler == "latent" and flux):  # Flux's latents are packed: images resized
-        upscaler = "latent" if named.startswith("Latent") and not flux else "lanczos"
+    upscaler, latent = HIRES_UPSCALERS.get(named), call.model.spec.takes_latent_upscale
+    if upscaler is None or (upscaler == "latent" and not latent):  # Flux's latents are packed: images resized
+        upscaler = "latent" if named.startswith("Latent") and latent else "lanczos"
         call.not_applied.append("hr_upscaler")
     denoise = body.get("denoising_strength")
     hires: dict[str, Any] = {"scale": hires_scale(call), "upscaler": upscaler,
