@@ -17,15 +17,14 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from redis.exceptions import RedisError
 from rq.job import Job
-from rq.timeouts import JobTimeoutException
+from rq.timeouts import BaseDeathPenalty, JobTimeoutException
 
 from shared.contract import logs
 from shared.contract.errors import JobCanceledError, JobFailedError, JobInterruptedError, WorkerFatalError
@@ -34,14 +33,12 @@ from shared.store import estimates, records, waiting
 from shared.store.fencing import Fence, StaleAttemptError, holding
 from shared.store.waiting import SentCompatible
 from worker import batching, lifecycle, previews, progress, tasks
+from worker.desk import JobDesk, Taken
 from worker.messages import Batch, Rendered, Work
 from worker.outcomes import Member, ids_of
 from worker.pipeline import NAN_OUTPUT, ImagePipeline, current_pipeline, images_of
 from worker.stepping import Flight, NotSteppableError, SteppingLoop, model_refusal
 from worker.threads import work_of
-
-if TYPE_CHECKING:
-    from worker.main import SlotWorker, Taken
 
 log = logging.getLogger(__name__)
 WINDOW = 64  # how far into its class a join looks for compatible jobs
@@ -81,12 +78,16 @@ def steppable_model(pipeline: ImagePipeline) -> bool:
 
 
 class JoinedExecution:
-    """One GPU execution through the stepping loop, for a :class:`~worker.main.SlotWorker`."""
+    """One GPU execution through the stepping loop. Its jobs start, fail and are handed over through
+    the worker's :class:`~worker.desk.JobDesk`; ``run_preempting(line)`` runs the first job of a higher
+    class in the line as an execution of its own, while the loop's jobs are paused."""
 
-    def __init__(self, worker: SlotWorker, line: str, first: Taken, running: str, cost: float) -> None:
-        self.worker, self.settings, self.line = worker, worker.settings, line
+    def __init__(self, desk: JobDesk, line: str, first: Taken, running: str, cost: float, *,
+                 run_preempting: Callable[[str], None], death_penalty: type[BaseDeathPenalty]) -> None:
+        self.desk, self.settings, self.line = desk, desk.settings, line
+        self.run_preempting, self.death_penalty = run_preempting, death_penalty
         self.first, self.like = first, first.claims[0]  # joiners are claimed like its first job
-        self.connection = worker.connection
+        self.connection = desk.connection
         self.pipeline = current_pipeline()
         self.loop = SteppingLoop(self.pipeline.for_stepping(), self.pipeline.samplers)
         self.priority = self.like.record.get(b"priority", b"normal").decode()
@@ -110,7 +111,7 @@ class JoinedExecution:
             except WorkerFatalError:
                 raise  # the device is lost: the jobs stay claimed, for the next worker to run again
             except Exception as exc:  # a fault of the device or the loop: every job in it ends by it
-                estimates.clear_running(self.connection, self.line, self.worker.name)
+                estimates.clear_running(self.connection, self.line, self.desk.name)
                 for seat in list(self.seats):
                     self._end(seat, exc)
             finally:
@@ -119,7 +120,7 @@ class JoinedExecution:
         except BaseException:
             # Not ended, or not handed over: leftovers, which recovery runs again.
             for job in [seat.job for seat in self.seats] + [member.job for member, _ in self.done]:
-                self.worker.claims.unhold(job.id)
+                self.desk.claims.unhold(job.id)
             raise
         return refused
 
@@ -137,10 +138,10 @@ class JoinedExecution:
         if not lifecycle.stopping.is_set():
             self._send_join()
         first = {seat for seat in self.seats if seat.progress[0] == 0}
-        left = min(seat.timeout_at for seat in self.seats) - time.perf_counter()
+        left = max(1, math.ceil(min(seat.timeout_at for seat in self.seats) - time.perf_counter()))
         with holding(*self._fences()), logs.about_job(*ids_of([seat.job for seat in self.seats])), \
-                self.worker.death_penalty_class(max(1, math.ceil(left)), JobTimeoutException,
-                                                job_id=self.seats[0].job.id), self.pipeline.section():
+                self.death_penalty(left, JobTimeoutException, job_id=self.seats[0].job.id), \
+                self.pipeline.section():
             self.loop.step()
         self._offer_previews()
         self._end_overflowed([seat for seat in self.seats if seat in first])  # as a whole execution looks
@@ -184,9 +185,9 @@ class JoinedExecution:
         refused = []
         for member, each in zip(members, prepared, strict=True):
             if member.job.id in canceled:
-                self.worker._fail(member, JobCanceledError())
+                self.desk.fail(member, JobCanceledError())
             elif isinstance(each, Exception):
-                self.worker._fail(member, each)
+                self.desk.fail(member, each)
             else:
                 try:
                     flights = self.loop.admit_all(each[0])
@@ -207,13 +208,13 @@ class JoinedExecution:
         for: Redis runs it during this step's compute, and they join at the next boundary."""
         room = self._room()
         if room > 0 and not self._other_lines_wait():
-            self.joining = self.worker.claims.send_join(self.like, room, WINDOW)
+            self.joining = self.desk.claims.send_join(self.like, room, WINDOW)
 
     def _other_lines_wait(self) -> bool:
         """Whether another of this worker's lines (another model's) has a job of this class or a higher
         one waiting: then nothing joins, the loop drains, and the next claim chooses between the lines
         as it always does (looked at most every LOOK_ABOVE_EVERY_S; never for a worker of one model)."""
-        others = [line for line in self.worker.claims.lines if line != self.line]
+        others = [line for line in self.desk.claims.lines if line != self.line]
         if not others:
             return False
         now = time.monotonic()
@@ -235,17 +236,17 @@ class JoinedExecution:
         sent, self.joining = self.joining, None
         if sent is None:
             return
-        claims = self.worker.claims.received_compatible(sent)
+        claims = self.desk.claims.received_compatible(sent)
         if not claims:
             return
-        taken = self.worker.taken_with(self.first, claims)
-        members, running, cost, canceled = self.worker._begin(taken, self.line, running_cost=self.cost)
+        taken = self.desk.taken_with(self.first, claims)
+        members, running, cost, canceled = self.desk.begin(taken, self.line, running_cost=self.cost)
         if not members:
             return
         self.running, self.cost = running, cost
         log.info("%d job(s) joined the running batch at a step boundary", len(members))
         for member in self._seat(members, canceled):  # the model refused none before: it cannot now
-            self.worker._fail(member, JobFailedError("invalid_request", "the job cannot join the loop"))
+            self.desk.fail(member, JobFailedError("invalid_request", "the job cannot join the loop"))
 
     def _put_back_joiners(self) -> None:
         """The loop ends with a join's answer unread (an error): the jobs it took go back to the head of
@@ -254,8 +255,8 @@ class JoinedExecution:
         if sent is None:
             return
         try:
-            for claimed in self.worker.claims.received_compatible(sent):
-                self.worker.claims.recover_now(claimed.job_id)
+            for claimed in self.desk.claims.received_compatible(sent):
+                self.desk.claims.recover_now(claimed.job_id)
         except RedisError as exc:  # what it took stays claimed, not held: leftovers
             log.warning("could not put back the last join's jobs (%s): recovery does", exc)
 
@@ -285,7 +286,7 @@ class JoinedExecution:
             self.cost -= records.cost_of(seat.job)
             rendered: Rendered = (seat.request, made)
             member = seat.member
-            self.worker.executions.pop(member.execution.id, None)  # cleaned up by the finishing process
+            self.desk.let_go(member)  # its run is cleaned up by the finishing process
             self.done.append((member, Work.of(seat.job, member.execution, member.fence, rendered)))
 
     def _hand_over(self, wait: bool) -> None:
@@ -299,7 +300,7 @@ class JoinedExecution:
         # with its cost and the slot time since the one before it.
         batch = Batch(works, "" if self.seats else self.running, sum(records.cost_of(m.job) for m in members),
                       now - self.slot_since, self.line)
-        if self.worker.finisher.submit(members, batch, wait=wait):
+        if self.desk.hand_over(members, batch, wait=wait):
             self.done, self.slot_since = [], now
 
     def _end(self, seat: Seat, error: Exception) -> None:
@@ -312,12 +313,12 @@ class JoinedExecution:
     def _ended(self, seat: Seat, error: Exception) -> None:
         """Record a job's failure (or cancel), then let go of it: a failure that could not be recorded
         leaves it in the loop's seats, for the caller to hand to recovery."""
-        self.worker._fail(seat.member, error)
+        self.desk.fail(seat.member, error)
         if seat in self.seats:
             self.seats.remove(seat)
         self.cost -= records.cost_of(seat.job)
         if not self.seats:
-            estimates.clear_running(self.connection, self.line, self.worker.name)
+            estimates.clear_running(self.connection, self.line, self.desk.name)
 
     def _end_overflowed(self, seats: list[Seat]) -> None:
         """End each of these jobs whose latents hold NaN (one read of the device for all)."""
@@ -372,7 +373,7 @@ class JoinedExecution:
         self._mark_paused(paused, True)
         log.info("%d job(s) paused at a step boundary for a job of a higher class", len(paused))
         try:
-            self.worker.run_preempting(self.line)
+            self.run_preempting(self.line)
         finally:
             for seat in paused:
                 for flight in seat.flights:
@@ -380,7 +381,7 @@ class JoinedExecution:
             self.seats = paused
             try:
                 with holding(*self._fences()), self.connection.pipeline(transaction=False) as pipe:
-                    self.running = estimates.mark_running(pipe, self.line, self.worker.name, self.cost,
+                    self.running = estimates.mark_running(pipe, self.line, self.desk.name, self.cost,
                                                           self.first.starts_at())
                     pipe.execute()
             except (RedisError, StaleAttemptError) as exc:

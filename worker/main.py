@@ -7,8 +7,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from datetime import UTC
+from enum import Enum
 from typing import Literal
 
 import torch
@@ -22,15 +21,15 @@ from rq.worker import WorkerStatus
 
 from shared.contract import keys, logs
 from shared.contract.errors import JobCanceledError, JobFailedError, WorkerFatalError
-from shared.contract.jobs import Tier
 from shared.contract.settings import Settings, get_settings
-from shared.store import endings, estimates, records, results, waiting
+from shared.store import estimates, records, results, waiting
 from shared.store.claims import Claims
 from shared.store.connection import job_queue
-from shared.store.fencing import Fence, StaleAttemptError, connect_worker, holding
+from shared.store.fencing import connect_worker, holding
 from shared.store.waiting import Claimed
 from worker import batching, lifecycle, memory, tasks
 from worker.compile import CompileError
+from worker.desk import JobDesk, Started, Taken
 from worker.finisher import Finisher
 from worker.joining import JoinedExecution, steppable_model
 from worker.messages import Batch, Work
@@ -47,21 +46,14 @@ CLAIM_TIMEOUT_S = 1.0
 MAX_BACKOFF_S = 15.0
 EXIT_FATAL = 3
 ClaimAhead = Literal["thread", "sent", "off"]
+ClaimedAhead = Callable[[], Taken | None]  # a claim made ahead: called once, it answers the jobs it took
 
 
-@dataclass(frozen=True)
-class Taken:
-    """Jobs claimed for one GPU execution: the claims, those that may start (each with the fence its
-    claim set), and when they were claimed, on Redis's clock and on this process's."""
+class Mode(Enum):
+    """What the main thread runs, for what an execution may do at its last step."""
 
-    claims: list[Claimed]
-    startable: list[tuple[Job, Fence]]
-    at: float
-    monotonic: float
-
-    def starts_at(self) -> float:
-        """Now, on Redis's clock: when the execution starts (later than the claim, if taken ahead)."""
-        return self.at + time.monotonic() - self.monotonic
+    TAKING = "taking"  # executions from the line, one after another: the next one may be claimed ahead
+    PREEMPTING = "preempting"  # a higher class's job, while a step-level loop's paused jobs wait to go on
 
 
 class SlotWorker(Outcomes):
@@ -70,9 +62,9 @@ class SlotWorker(Outcomes):
     No fork per job: CUDA does not survive fork, and reloading weights per job would waste the GPU.
     The GPU gate is narrow: the main thread runs only the GPU section of each job (and the few
     Redis calls that start it), and a finishing process encodes, stores and records each job's
-    end through RQ while the next one runs (worker/finisher.py); worker/outcomes.py handles how
-    each run ends. This class owns the loop around it: claims that survive a crash, a heartbeat,
-    reconnection to Redis, and the stop signals.
+    end through RQ while the next one runs (worker/finisher.py); worker/desk.py starts the claimed
+    jobs and hands them over, worker/outcomes.py handles how each run ends. This class owns the loop
+    around it: claims that survive a crash, a heartbeat, reconnection to Redis, and the stop signals.
     """
 
     def __init__(self, queue: Queue, settings: Settings) -> None:
@@ -82,9 +74,10 @@ class SlotWorker(Outcomes):
         self.metrics = WorkerMetrics(current_pipeline, settings, self.name)
         # The next execution's claim, started while the current one decodes (SLOTQ_CLAIM_AHEAD).
         self.claims_ahead = claims_ahead(settings, current_pipeline().device)
-        self._ahead: Callable[[], Taken | None] | None = None
+        self._claimed_ahead: ClaimedAhead | None = None  # that claim, once made (at the last step)
         self._claimer = ThreadPoolExecutor(1, thread_name_prefix="claim-ahead")
-        self._preempting = False  # running a higher class's job while a loop's jobs are paused
+        self.mode = Mode.TAKING
+        self.desk = JobDesk(self)  # where jobs start, fail and are handed over (worker/joining.py's too)
         # By model: whether the step-level loop runs its jobs (SLOTQ_STEP_SCHEDULING), known once loaded.
         self._steppable: dict[str, bool] = {}
         if settings.step_scheduling:
@@ -93,8 +86,7 @@ class SlotWorker(Outcomes):
 
     def serve(self, burst: bool = False) -> int:
         """Take and run jobs until told to stop; the process's exit code."""
-        self.finisher: Finisher[list[Member]] = Finisher(self.settings, self.name, self._finished,
-                                                         self._lost)
+        finisher = self.desk.finisher = Finisher(self.settings, self.name, self.on_finished, self.on_lost)
         self._register()
         for line in self.claims.lines:
             waiting.recount_costs(self.connection, line)  # sums kept by an older version
@@ -117,7 +109,7 @@ class SlotWorker(Outcomes):
             return EXIT_FATAL
         finally:
             self._put_back_ahead()
-            self.finisher.close()  # the last job's end is recorded before this worker says it is gone
+            finisher.close()  # the last job's end is recorded before this worker says it is gone
             if sender:
                 sender.close()  # what it has not sent stays in the outbox for the next worker
             if sweeper:
@@ -139,8 +131,7 @@ class SlotWorker(Outcomes):
                 try:
                     self._run(taken)
                 except BaseException:
-                    for member in taken.claims:  # not handed over: leftovers for recovery now
-                        self.claims.unhold(member.job_id)
+                    self.desk.unhold(taken.claims)  # not handed over: leftovers for recovery now
                     raise
                 backoff = 0.5
             except (RedisConnectionError, RedisTimeoutError) as exc:
@@ -160,8 +151,7 @@ class SlotWorker(Outcomes):
         except BaseException:
             # Not run: what was claimed ahead is a leftover now, which recovery puts back once Redis
             # answers (held, it would stay claimed, and queued, for as long as this worker lives).
-            for member in ahead.claims if ahead else []:
-                self.claims.unhold(member.job_id)
+            self.desk.unhold(ahead.claims if ahead else [])
             raise
         return ahead or self._take(None if burst else CLAIM_TIMEOUT_S)
 
@@ -180,10 +170,9 @@ class SlotWorker(Outcomes):
             capacity = current_pipeline().capacity.pixels  # none known: the settings' bound alone
             by: Literal["batch", "join"] = "join" if self._joins(claimed) else "batch"
             batch += batching.gather(self.claims, self.settings, claimed, capacity, by)
-            return Taken(batch, self._fenced(batch), claimed.at, claimed_at)
+            return Taken(batch, self.desk.fenced(batch), claimed.at, claimed_at)
         except BaseException:
-            for member in batch:  # not started: leftovers for recovery
-                self.claims.unhold(member.job_id)
+            self.desk.unhold(batch)  # not started: leftovers for recovery
             raise
 
     def _claim_ahead(self) -> None:
@@ -191,14 +180,14 @@ class SlotWorker(Outcomes):
         while this one decodes (SLOTQ_CLAIM_AHEAD), so that its round trip is off the path between
         two GPU sections. Taken this late, a job leaves the line at most one decode before it would
         have."""
-        if self._ahead is not None or self._preempting or lifecycle.stopping.is_set():
+        if self._claimed_ahead is not None or self.mode is Mode.PREEMPTING or lifecycle.stopping.is_set():
             return
         if self.claims_ahead == "thread":  # the claim and the restore, on the claiming thread
-            self._ahead = self._claimer.submit(self._take, None).result
+            self._claimed_ahead = self._claimer.submit(self._take, None).result
         elif self.claims_ahead == "sent":
-            self._ahead = self._send_claim()
+            self._claimed_ahead = self._send_claim()
 
-    def _send_claim(self) -> Callable[[], Taken | None] | None:
+    def _send_claim(self) -> ClaimedAhead | None:
         """The claim's script sent now, for Redis to run during the decode; what it took is read,
         and restored, after it. None when Redis could not be reached: the claim is made after the
         decode, as without claiming ahead."""
@@ -212,7 +201,7 @@ class SlotWorker(Outcomes):
 
     def _taken_ahead(self) -> Taken | None:
         """The jobs claimed ahead, once the claim is done; None when none was made or none waited."""
-        ahead, self._ahead = self._ahead, None
+        ahead, self._claimed_ahead = self._claimed_ahead, None
         return ahead() if ahead is not None else None
 
     def _put_back_ahead(self) -> None:
@@ -238,15 +227,15 @@ class SlotWorker(Outcomes):
         fences of the whole batch, the ending of each under its own (see shared/store/fencing.py).
         """
         line = taken.claims[0].line or self.settings.line
-        members, running, cost, canceled = self._begin(taken, line)
-        if not members:
+        begun = self.desk.begin(taken, line)
+        if not begun.members:
             return
         if self._joins(taken.claims[0]):
-            members = self._run_joined(taken, members, running, cost, canceled, line)
-            if not members:
+            refused = self._run_joined(taken, begun, line)
+            if not refused:
                 return
-            running, cost, canceled = "", sum(records.cost_of(member.job) for member in members), set()
-        self._execute(members, running, cost, canceled, line)
+            begun = Started(refused, "", sum(records.cost_of(member.job) for member in refused), set())
+        self._execute(begun, line)
 
     def _joins(self, claimed: Claimed) -> bool:
         """Whether this claim's execution runs through the step-level loop: step scheduling is on, the
@@ -256,10 +245,10 @@ class SlotWorker(Outcomes):
         model = self._model_of_line.get(claimed.line or self.settings.line, "")
         return self._steppable.get(model, False)
 
-    def _run_joined(self, taken: Taken, members: list[Member], running: str, cost: float, canceled: set[str],
-                    line: str) -> list[Member]:
+    def _run_joined(self, taken: Taken, begun: Started, line: str) -> list[Member]:
         """Run started jobs through the step-level loop, which others join (worker/joining.py); the
         members it refused, for a whole-pipeline execution."""
+        members = begun.members
         try:
             with holding(*(member.fence for member in members)), \
                     logs.about_job(*ids_of([member.job for member in members])):
@@ -267,24 +256,16 @@ class SlotWorker(Outcomes):
         except Exception as exc:
             estimates.clear_running(self.connection, line, self.name)
             for member in members:
-                self._fail(member, exc)
+                self.desk.fail(member, exc)
             return []
         started = time.perf_counter()  # a model's load is not the execution's
-        execution = JoinedExecution(self, line, taken, running, cost)
-        refused = execution.run(members, canceled)
+        execution = JoinedExecution(self.desk, line, taken, begun.running, begun.cost,
+                                    run_preempting=self.run_preempting,
+                                    death_penalty=self.death_penalty_class)
+        refused = execution.run(members, begun.canceled)
         self.metrics.gpu_section.observe(time.perf_counter() - started)
         self._describe_capacity()
         return refused
-
-    def taken_with(self, first: Taken, claims: list[Claimed]) -> Taken:
-        """Jobs claimed to join ``first``'s execution, those that may start restored (on Redis's clock,
-        now as ``first`` reckons it)."""
-        try:
-            return Taken(claims, self._fenced(claims), first.starts_at(), time.monotonic())
-        except BaseException:
-            for member in claims:
-                self.claims.unhold(member.job_id)
-            raise
 
     def run_preempting(self, line: str) -> None:
         """Claim the first job of the highest class in this line and run its execution, while the
@@ -295,21 +276,20 @@ class SlotWorker(Outcomes):
         taken = self._taken(claimed, time.monotonic())
         if taken is None:
             return
-        self._preempting = True
+        self.mode = Mode.PREEMPTING
         try:
             self._run(taken)
         except BaseException:
-            for member in taken.claims:
-                self.claims.unhold(member.job_id)
+            self.desk.unhold(taken.claims)
             raise
         finally:
-            self._preempting = False
+            self.mode = Mode.TAKING
 
-    def _execute(self, members: list[Member], running: str, cost: float, canceled: set[str], line: str
-                 ) -> None:
+    def _execute(self, begun: Started, line: str) -> None:
         """Run started jobs as one whole-pipeline execution, and hand their ends over."""
+        members = begun.members
         fences = [member.fence for member in members]
-        live = [member.job for member in members if member.job.id not in canceled]  # the others: at start
+        live = [member.job for member in members if member.job.id not in begun.canceled]  # others: at start
         started = time.perf_counter()
         try:
             with holding(*fences), logs.about_job(*ids_of([member.job for member in members])):
@@ -324,19 +304,26 @@ class SlotWorker(Outcomes):
         outcomes = [rendered.get(member.job.id, JobCanceledError()) for member in members]
         self.metrics.gpu_section.observe(time.perf_counter() - started)
         self._describe_capacity()  # the execution's peak may move the fit
+        self._end_execution(list(zip(members, outcomes, strict=True)), begun, line, started)
+
+    def _end_execution(self, ends: list[tuple[Member, tasks.RenderResult]], begun: Started, line: str,
+                       started: float) -> None:
+        """Record the failure (or cancel) of each job that has no images, and hand the others' images
+        over as one batch (``started``: when the execution did, on time.perf_counter())."""
         done = []
-        for member, outcome in zip(members, outcomes, strict=True):
+        for member, outcome in ends:
             if isinstance(outcome, Exception):
-                self._fail(member, outcome)
+                self.desk.fail(member, outcome)
             else:
                 done.append((member, outcome))
-        if done:
-            works = [Work.of(member.job, member.execution, member.fence, rendered)
-                     for member, rendered in done]
-            for member, _ in done:  # RQ's cleanup of the execution runs in the finishing process
-                self.executions.pop(member.execution.id, None)
-            seconds = time.perf_counter() - started  # the drain rate Retry-After and ETAs need
-            self.finisher.submit([member for member, _ in done], Batch(works, running, cost, seconds, line))
+        if not done:
+            return
+        works = [Work.of(member.job, member.execution, member.fence, rendered) for member, rendered in done]
+        for member, _ in done:  # RQ's cleanup of the execution runs in the finishing process
+            self.desk.let_go(member)
+        seconds = time.perf_counter() - started  # the drain rate Retry-After and ETAs need
+        batch = Batch(works, begun.running, begun.cost, seconds, line)
+        self.desk.hand_over([member for member, _ in done], batch)
 
     def _switch_to(self, jobs: list[Job]) -> None:
         """Make the model of these jobs (one line's) current, and record on each job how."""
@@ -357,100 +344,10 @@ class SlotWorker(Outcomes):
             job.meta["model_load"] = {"source": switch.source, "seconds": round(switch.seconds, 3)}
         self.metrics.switched(switch)
 
-    def _tier(self, job: Job, line: str) -> Tier:
-        """The tier a job runs in: the speed it asked, and for ``auto`` the fast tier while its line is
-        deeper than SLOTQ_DEGRADE_AT (degrade before shedding)."""
-        speed = job.kwargs["request"].get("speed", "normal")
-        if speed != "auto":
-            return "fast" if speed == "fast" else "normal"
-        at = self.settings.degrade_at
-        deeper = at is not None and sum(waiting.counts(self.connection, line).values()) > at
-        return "fast" if deeper else "normal"
-
     def _describe_capacity(self) -> None:
         """Say how large a job this worker can run now (its current model's fit)."""
         capacity = current_pipeline().capacity
         self.claims.describe_capacity(capacity.pixels, capacity.total, capacity.free_after_load)
-
-    def _begin(self, taken: Taken, line: str, running_cost: float = 0.0
-               ) -> tuple[list[Member], str, float, set[str]]:
-        """Start the claimed jobs that may start, each under the fence its claim set: RQ's start
-        bookkeeping, the attempt, the worker's running entry and step 0 in one fenced transaction.
-        The members, the running entry, its cost and the ids of those canceled by then.
-        ``running_cost``: of the jobs running already, that these join (worker/joining.py)."""
-        startable, at = taken.startable, taken.starts_at()
-        if not startable:
-            return [], "", 0.0, set()
-        jobs = [job for job, _ in startable]
-        cost, executions = running_cost + sum(records.cost_of(job) for job in jobs), []
-        tier = self._tier(jobs[0], line)  # of the whole batch: its jobs asked the same speed
-        try:
-            with holding(*(fence for _, fence in startable)), \
-                    self.connection.pipeline(transaction=False) as pipe:
-                for job in jobs:
-                    records.begin_attempt(job)
-                    job.meta["tier"] = tier
-                executions = self.start(jobs, pipe)
-                running = estimates.mark_running(pipe, line, self.name, cost, at)
-                records.announce_start(jobs, pipe)  # step 0; its last answers: which were canceled
-                flags = pipe.execute()[-len(jobs):]
-                canceled = {job.id for job, flag in zip(jobs, flags, strict=True) if flag}
-        except StaleAttemptError as exc:
-            for job in jobs:
-                self._superseded(job.id, exc)
-            for execution in executions:
-                self.executions.pop(execution.id, None)
-            return [], "", 0.0, set()
-        members = [Member(job, execution, fence)
-                   for (job, fence), execution in zip(startable, executions, strict=True)]
-        for member in members:
-            self._started(member.job, at)
-        return members, running, cost, canceled
-
-    def _fenced(self, batch: list[Claimed]) -> list[tuple[Job, Fence]]:
-        """The claimed jobs that may start, each with the fence its claim set."""
-        startable = []
-        for claimed in batch:
-            fence = Fence(claimed.job_id, claimed.token)
-            try:
-                with holding(fence):
-                    job = self._startable(claimed)
-            except StaleAttemptError as exc:
-                self._superseded(claimed.job_id, exc)
-                continue
-            if job is not None:
-                startable.append((job, fence))
-        return startable
-
-    def _started(self, job: Job, at: float) -> None:
-        """Count and log a job's start (its record says it runs from now)."""
-        admitted = job.enqueued_at or job.created_at
-        self.metrics.queue_wait.observe(max(0.0, at - admitted.replace(tzinfo=UTC).timestamp()))
-        request = job.kwargs["request"]
-        prompt = logs.prompt_for_log(self.settings, str(request.get("prompt")))
-        with logs.about_job(job.id, job.meta.get("request_id")):
-            log.info("started: attempt %s, %sx%s, %s steps, %s image(s), prompt %s", job.meta.get("attempt"),
-                     request.get("width"), request.get("height"), request.get("steps"),
-                     request.get("num_images"), prompt)
-
-    def _startable(self, claimed: Claimed) -> Job | None:
-        """The claimed job, unless it must not start: then it is put back or ended here."""
-        job_id, now = claimed.job_id, claimed.at
-        if not claimed.record:
-            self.claims.release(job_id)  # the record expired while the job waited
-            return None
-        job = Job(job_id, connection=self.connection, serializer=self.serializer)
-        job.restore(claimed.record)
-        if lifecycle.stopping.is_set() or records.job_status(job).is_terminal:
-            # Claimed as a stop came in, or canceled/expired meanwhile: put back or drop.
-            self.claims.recover_now(job_id)
-            return None
-        if job.meta.get("deadline_at", now + 1) <= now:
-            # Its deadline passed in the instant between the purge and the claim.
-            endings.expire_claimed(job, self.queue, self.settings, self.claims.key)
-            self.claims.unhold(job.id)
-            return None
-        return job
 
     def _render(self, jobs: list[Job]) -> list[tasks.RenderResult]:
         """Run the jobs' GPU section (their start and step 0 are recorded), under the shortest job
@@ -509,7 +406,7 @@ def claims_ahead(settings: Settings, device: torch.device | str) -> ClaimAhead:
       main thread waits on the device as it decodes and the thread takes nothing from it);
     - ``sent``, the claim's script sent at the last step and its answer read after the decode, on
       the main thread (``auto`` elsewhere: on the CPU the main thread computes, and the claiming
-      thread's Python slowed its decode by more than the claim's round trip; docs/benchmarks.md);
+      thread's Python slowed its decode by more than the claim's round trip; docs/settings.md);
     - ``off``, after the decode (false).
     """
     if settings.claim_ahead == "auto":  # a benchmark's stand-in pipeline names no torch device

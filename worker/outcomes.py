@@ -60,13 +60,13 @@ class Outcomes(RQWorker):
         # the main thread and the finisher's reader thread may both be ending a job).
         self._endings: dict[str, Outcome] = {}
 
-    def _finished(self, members: list[Member], ended: list[Ended]) -> None:
+    def on_finished(self, members: list[Member], ended: list[Ended]) -> None:
         """On the finisher's reader thread: the finishing process's answer for one execution."""
         for member, end in zip(members, ended, strict=True):
             job = member.job
             with logs.about_job(job.id, job.meta.get("request_id")):
                 if end.outcome is Outcome.SUPERSEDED:
-                    self._superseded(job.id, StaleAttemptError(end.error))
+                    self.superseded(job.id, StaleAttemptError(end.error))
                 elif end.outcome is Outcome.UNRECORDED:
                     # Its end not (fully) recorded: the claim stays and, no longer held, is recovered
                     # once Redis is back: the job runs again, or its claim is dropped if its end landed.
@@ -75,18 +75,18 @@ class Outcomes(RQWorker):
                 elif end.outcome is Outcome.REQUEUED:  # its images could not be stored: it runs again
                     self._ended(job, JobStatus.QUEUED, end.seconds)
                 elif end.outcome is Outcome.UNFINISHED:
-                    self._fail(member, RuntimeError(f"could not encode or store the images: {end.error}"))
+                    self.fail(member, RuntimeError(f"could not encode or store the images: {end.error}"))
                 else:
                     self._ended(job, JobStatus(end.outcome.value), end.seconds)
 
-    def _lost(self, members: list[Member]) -> None:
+    def on_lost(self, members: list[Member]) -> None:
         """The finishing process died holding these jobs: recovery runs them again or drops their
         claims, whichever their records call for."""
         for member in members:
             log.warning("job %s: its finishing was lost; it is left for recovery", member.job.id)
             self.claims.unhold(member.job.id)
 
-    def _fail(self, member: Member, error: Exception) -> None:
+    def fail(self, member: Member, error: Exception) -> None:
         """Record a job's failure through RQ's own failure path (our handle_exception and
         handle_job_failure decide the ending)."""
         with holding(member.fence), logs.about_job(member.job.id, member.job.meta.get("request_id")):
@@ -96,7 +96,7 @@ class Outcomes(RQWorker):
                 self.record_failure(member.job, member.execution, error)
                 self._settled(member)
             except StaleAttemptError as exc:
-                self._superseded(member.job.id, exc)
+                self.superseded(member.job.id, exc)
 
     def _settled(self, member: Member) -> None:
         """The job's end is recorded: settle it in Redis, then count and log it."""
@@ -108,7 +108,7 @@ class Outcomes(RQWorker):
         self.metrics.ended(Outcome.of(status).value, seconds)
         log.info("%s in %.2f s", status.value if status.is_terminal else "put back", seconds)
 
-    def _superseded(self, job_id: str, error: StaleAttemptError) -> None:
+    def superseded(self, job_id: str, error: StaleAttemptError) -> None:
         """This worker lost the job to a newer attempt (it was presumed dead): drop it, write nothing."""
         self.claims.unhold(job_id)
         self.metrics.jobs.labels(Outcome.SUPERSEDED.value).inc()

@@ -22,7 +22,7 @@ from shared.store.connection import job_queue
 from shared.store.fencing import connect_worker
 from tests.conftest import post_job, waiting_ids
 from worker import lifecycle, tasks
-from worker.main import SlotWorker, claims_ahead
+from worker.main import Mode, SlotWorker, claims_ahead
 from worker.pipeline import current_pipeline, load_pipeline, set_current_pipeline
 
 
@@ -247,3 +247,19 @@ def test_a_job_claimed_ahead_runs_after_redis_failed_before_its_start(
     view = client.get(f"/v1/jobs/{job_id}").get_json()
     assert (view["status"], view["attempt"]) == ("succeeded", 1) and not failures
     assert redis.llen(keys.claims_key(slot_worker.name)) == 0
+
+
+def test_no_claim_is_made_ahead_while_a_higher_class_preempts_a_loop(
+        slot_worker: SlotWorker, client: FlaskClient, redis: Redis, settings: Settings) -> None:
+    """What runs after a preempting execution is the paused loop's jobs, not the line's next ones."""
+    [job_id] = submitted(client, 1)
+    slot_worker.mode = Mode.PREEMPTING
+    try:
+        slot_worker._claim_ahead()
+        assert slot_worker._taken_ahead() is None
+    finally:
+        slot_worker.mode = Mode.TAKING
+    assert waiting_ids(redis, settings) == [job_id]
+    slot_worker._claim_ahead()  # the same worker, back to taking from the line: it claims ahead
+    taken = slot_worker._taken_ahead()
+    assert taken is not None and [claimed.job_id for claimed in taken.claims] == [job_id]
