@@ -2,7 +2,7 @@
 
     python -m bench.adapters [--rounds 7] [--size 256] [--jobs 40] [--duty-jobs 30]
 
-In-process, the tiny model and its tiny adapters (worker/tiny_loras.py), through the worker's own
+In-process, the tiny model and its tiny adapters (worker/tiny/loras.py), through the worker's own
 ``Adapters`` and ``ImagePipeline``: the GPU section of a bare job (the baseline, measured in this
 run) against a job with one resident adapter and with two; then an adapter's load from disk and
 unload (``load_lora_weights``, ``delete_adapters``), a switch between two resident adapters
@@ -38,7 +38,7 @@ def report(rounds: int = 7, size: int = 256, jobs: int = 40, duty_jobs: int = 30
     cost, what affinity saves on a line of alternating adapters, and the worker's duty cycle on
     LoRA jobs against the in-process loop running the same adapter (``duty_ways``: only those)."""
     from worker.pipeline import load_pipeline
-    from worker.tiny_loras import ensure_tiny_loras
+    from worker.tiny.loras import ensure_tiny_loras
 
     with tempfile.TemporaryDirectory(prefix="slotq-bench-") as scratch:
         folder = ensure_tiny_loras(Path(scratch))
@@ -95,7 +95,7 @@ def duty_lines(jobs: int, size: int, rounds: int, ways: Collection[str] = (), st
     in-process loop with the same adapter (the ceiling), plain RQ and the slotq worker."""
     from bench import gpu
     from slotq.localredis import running_redis
-    from worker.tiny_loras import ensure_tiny_loras
+    from worker.tiny.loras import ensure_tiny_loras
 
     with tempfile.TemporaryDirectory(prefix="slotq-bench-") as scratch, \
             running_redis(Path(scratch) / "redis") as url:
@@ -116,7 +116,7 @@ def affinity_lines(jobs: int = 40, size: int = 128, steps: int = 2) -> list[str]
     time, SLOTQ_LORA_CACHE=1, so every change is a load) and images a second."""
     from slotq.localredis import running_redis
     from worker.pipeline import load_pipeline
-    from worker.tiny_loras import ensure_tiny_loras
+    from worker.tiny.loras import ensure_tiny_loras
 
     lines = [f"affinity: {jobs} jobs alternating ink / neon, {size}x{size}, {steps} steps, one adapter "
              "resident (SLOTQ_LORA_CACHE=1), claimed by the claim script, run in-process",

@@ -3,7 +3,7 @@ ControlNet's load from disk, the canny preprocessor, and a hires pass's second p
 
     python -m bench.control [--rounds 7] [--size 256]
 
-In-process, the tiny model and its tiny ControlNets (worker/tiny_controlnets.py), through the worker's
+In-process, the tiny model and its tiny ControlNets (worker/tiny/controlnets.py), through the worker's
 own ``ImagePipeline`` and ``ControlNets``, 4 steps, each figure the median of ``rounds`` after one
 untimed call, the rows of a table taking turns in each round (the machine's slow spells land on every
 row) and each ratio the median of the rounds' ratios to the table's baseline:
@@ -45,7 +45,7 @@ Row = tuple[str, Callable[[], object]]
 def report(rounds: int = 7, size: int = 256) -> list[str]:
     """The three tables: the GPU section with ControlNets, a ControlNet switch (and canny), a hires pass."""
     from worker.pipeline import load_pipeline
-    from worker.tiny_controlnets import ensure_tiny_controlnets
+    from worker.tiny.controlnets import ensure_tiny_controlnets
 
     with tempfile.TemporaryDirectory(prefix="slotq-bench-") as scratch:
         folder = ensure_tiny_controlnets(Path(scratch), "tiny") / "tiny"

@@ -7,7 +7,7 @@
 Each family's pipeline is built from the configurations its model repository publishes (written
 below as dicts: the denoiser, the VAE, the text encoders, the scheduler) with random weights, made
 in the chosen dtype directly on the device: nothing is downloaded and no checkpoint is read, and a
-step computes what the real model's does. The tokenizers are worker/tiny_model.py's, made here; their
+step computes what the real model's does. The tokenizers are worker/tiny/model.py's, made here; their
 ids stay below the full vocabularies, and prompts are padded to the real lengths (77 tokens for CLIP,
 512 for T5), so the text encoders do their full work too.
 
@@ -73,7 +73,7 @@ from worker.previews import Previewer
 from worker.samplers import Samplers
 
 # The tiny models' tokenizers, built locally: a byte-level CLIP vocabulary and a character-level T5 one.
-from worker.tiny_model import _build_t5_tokenizer, _build_tokenizer
+from worker.tiny.model import build_t5_tokenizer, build_tokenizer
 
 # --- the published figures, printed beside ours -----------------------------------------------
 
@@ -237,9 +237,9 @@ def clip_config(published: dict[str, Any], tiny_part: str, tiny: bool, tokenizer
 
 
 def clip_tokenizer() -> Any:
-    """worker/tiny_model.py's CLIP tokenizer (written to a folder, read back, the folder dropped)."""
+    """worker/tiny/model.py's CLIP tokenizer (written to a folder, read back, the folder dropped)."""
     with tempfile.TemporaryDirectory(prefix="slotq-fullsize-") as folder:
-        return _build_tokenizer(Path(folder) / "tokenizer")
+        return build_tokenizer(Path(folder) / "tokenizer")
 
 
 def build_sd(tiny: bool, device: torch.device, dtype: torch.dtype) -> DiffusionPipeline:
@@ -267,7 +267,7 @@ def build_sdxl(tiny: bool, device: torch.device, dtype: torch.dtype) -> Diffusio
 
 
 def build_flux(tiny: bool, device: torch.device, dtype: torch.dtype) -> DiffusionPipeline:
-    tokenizer, tokenizer_2 = clip_tokenizer(), _build_t5_tokenizer()
+    tokenizer, tokenizer_2 = clip_tokenizer(), build_t5_tokenizer()
     with made_on(device, dtype):
         vae = AutoencoderKL(**config(FLUX_VAE, "vae", tiny))
         text_encoder = CLIPTextModel(clip_config(CLIP_L, "clip_l", tiny, tokenizer))

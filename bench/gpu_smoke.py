@@ -270,7 +270,7 @@ def oom_check(checks: Checks, port: int, settings: Settings, scratch: Path) -> N
 
 def lora_folder(cache_dir: Path, into: Path, cases: tuple[Case, ...]) -> Path:
     """Each case's adapters in a subfolder named after it, as SLOTQ_LORA_DIR serves them."""
-    from worker.tiny_loras import ensure_tiny_loras
+    from worker.tiny.loras import ensure_tiny_loras
 
     for case in cases:
         shutil.copytree(ensure_tiny_loras(cache_dir, case.model), into / case.name, dirs_exist_ok=True)

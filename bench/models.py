@@ -3,7 +3,7 @@
     python -m bench.models [--rounds 5] [--line-rounds 3] [--jobs 40] [--size 64] [--steps 2]
 
 A folder of two models, the tiny SD and the tiny SDXL written as single files in the A1111 layout
-(worker/tiny_checkpoints.py), each loaded with its layout from SLOTQ_CHECKPOINT_CONFIGS:
+(worker/tiny/checkpoints.py), each loaded with its layout from SLOTQ_CHECKPOINT_CONFIGS:
 
 - **load**: ``load_pipeline`` of each single file into a ready pipeline (its one-step warm-up
   included), against loading the diffusers folder it was written from (the baseline), the two
@@ -60,8 +60,8 @@ class Folder:
 
 def write_folder(scratch: Path) -> Folder:
     """Build the tiny models and write each as a single file into a models folder, with its configs."""
-    from worker.tiny_checkpoints import write_checkpoint, write_configs
-    from worker.tiny_model import ensure_tiny_model
+    from worker.tiny.checkpoints import write_checkpoint, write_configs
+    from worker.tiny.model import ensure_tiny_model
 
     cache, configs, sources = scratch / "cache", {}, {}
     for name, (tiny, family) in MODELS.items():

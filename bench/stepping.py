@@ -407,7 +407,7 @@ def tiny_loop() -> Any:
     from diffusers import DiffusionPipeline
 
     from worker.stepping import SteppingLoop
-    from worker.tiny_model import ensure_tiny_model
+    from worker.tiny.model import ensure_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="slotq-bench-") as scratch:
         folder = ensure_tiny_model(Path(scratch), "tiny")

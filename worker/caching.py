@@ -47,7 +47,7 @@ _REUSE_HOOK = "slotq_deep_cache_reuse"
 @contextmanager
 def fast_tier(pipe: DiffusionPipeline, family: Family, tiny: bool = False) -> Iterator[None]:
     """Run the pipeline's denoiser with step caching inside the block; the normal model after it,
-    whatever happened inside. ``tiny``: the pipeline is one of worker/tiny_model.py's random ones.
+    whatever happened inside. ``tiny``: the pipeline is one of worker/tiny/model.py's random ones.
     Not thread-safe, as the pipeline is not."""
     spec = family_spec(family)  # it has the one setting its denoiser's cache takes
     if spec.cache_threshold is not None:  # a transformer

@@ -49,8 +49,11 @@ Tensors = dict[str, torch.Tensor]
 # Each family's pipeline class, as its record names it (diffusers exports every one at its top level).
 PIPELINES: dict[Family, type[DiffusionPipeline]] = {family: getattr(diffusers, spec.pipeline_class)
                                                     for family, spec in FAMILY_SPECS.items()}
-# What diffusers reads from a configuration source: configs and tokenizer files, no weights.
-CONFIG_PATTERNS = ["*.json", "**/*.json", "*.txt", "**/*.txt", "*.model", "**/*.model"]
+# What diffusers reads from a configuration source: configs and tokenizer files, no weights; file-name
+# patterns, as Path.match reads them (worker/tiny/checkpoints.py copies a folder's configs with them).
+CONFIG_PATTERNS = ("*.json", "*.txt", "*.model")
+# The same as snapshot_download's allow_patterns, which match a whole path: at the top and in subfolders.
+_ALLOW_PATTERNS = [form for pattern in CONFIG_PATTERNS for form in (pattern, f"**/{pattern}")]
 
 # A FLUX.1 transformer's weights, BFL's names -> diffusers', as diffusers' own
 # convert_flux_transformer_checkpoint_to_diffusers maps them. That converter takes FLUX.1's width
@@ -146,7 +149,7 @@ def config_folder(source: str) -> Path:
     try:
         # diffusers' from_single_file would download a hub id that is not cached despite
         # local_files_only=True: resolving it here first keeps the worker offline.
-        return Path(snapshot_download(source, allow_patterns=CONFIG_PATTERNS, local_files_only=True))
+        return Path(snapshot_download(source, allow_patterns=_ALLOW_PATTERNS, local_files_only=True))
     except (LocalEntryNotFoundError, ValueError) as exc:
         raise CheckpointError(
             f"the configuration {source!r} is neither a folder nor in the local hub cache ({exc}); download "

@@ -43,7 +43,7 @@ from worker.prompts import weighted_arguments
 from worker.samplers import Samplers
 from worker.threads import CALIBRATION_STEPS, ThreadChoice, work_of
 from worker.threads import TORCH_DEFAULT_THREADS as TORCH_DEFAULT_THREADS  # re-exported: bench reads it here
-from worker.tiny_model import ensure_tiny_model
+from worker.tiny.model import ensure_tiny_model
 
 log = logging.getLogger(__name__)
 

@@ -68,7 +68,7 @@ class FamilySpec(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     pipeline_class: str  # the diffusers pipeline class of its text-to-image checkpoints
-    tiny_model: str  # the tiny random pipeline of its kind (worker/tiny_model.py), by SLOTQ_MODEL
+    tiny_model: str  # the tiny random pipeline of its kind (worker/tiny/model.py), by SLOTQ_MODEL
     # Where its single files take their configs and tokenizers by default (SLOTQ_CHECKPOINT_CONFIGS):
     # the hub id diffusers itself uses (DIFFUSERS_DEFAULT_PIPELINE_PATHS in its single_file_utils.py).
     checkpoint_config: str
@@ -177,7 +177,7 @@ FAMILY_SPECS: dict[Family, FamilySpec] = {
 }
 # The diffusers pipeline class of each family's text-to-image checkpoints.
 PIPELINE_CLASSES: dict[str, Family] = {spec.pipeline_class: family for family, spec in FAMILY_SPECS.items()}
-# The tiny random pipelines built locally (worker/tiny_model.py), by SLOTQ_MODEL.
+# The tiny random pipelines built locally (worker/tiny/model.py), by SLOTQ_MODEL.
 TINY_MODELS: dict[str, Family] = {spec.tiny_model: family for family, spec in FAMILY_SPECS.items()}
 
 # A request for what its model's family cannot take: the field refused and why, ``{family}`` the

@@ -1,6 +1,6 @@
 """Tiny LoRA adapters for each tiny model, in diffusers' LoRA format, for tests and offline demos.
 
-Every tiny model (``tiny``, ``tiny-sdxl``, ``tiny-flux``; see worker/tiny_model.py) gets the same
+Every tiny model (``tiny``, ``tiny-sdxl``, ``tiny-flux``; see worker/tiny/model.py) gets the same
 three adapters, ``ink``, ``neon`` and ``moss``, in a folder of its own. Each is made with peft on
 that model's own denoiser (the UNet of SD and SDXL, the Flux transformer's attention projections)
 and written with its pipeline's ``save_lora_weights``, so the worker loads it with the same
@@ -11,10 +11,6 @@ deterministic.
 
 from __future__ import annotations
 
-import logging
-import os
-import shutil
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,9 +28,8 @@ from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 
 from shared.contract.adapters import SUFFIX
-from worker.tiny_model import ensure_tiny_model
-
-log = logging.getLogger(__name__)
+from worker.tiny.files import write_once
+from worker.tiny.model import ensure_tiny_model
 
 ADAPTERS = {"ink": 1, "neon": 2, "moss": 3}  # name -> seed, the same for every model
 RANK = 4
@@ -97,20 +92,13 @@ def ensure_tiny_loras(cache_dir: Path, model: str = "tiny") -> Path:
     if final.is_dir():
         return final
     weights = ensure_tiny_model(cache_dir, model)
-    tmp = final.with_name(f".{recipe.folder}.tmp-{os.getpid()}-{uuid.uuid4().hex}")
-    try:
-        tmp.mkdir(parents=True)
-        for name, seed in ADAPTERS.items():
-            recipe.save(tmp, _lora_layers(recipe, weights, seed), f"{name}{SUFFIX}")
-        try:
-            os.rename(tmp, final)  # readers see the whole folder or none of it
-            log.info("built tiny LoRA adapters for %s at %s", model, final)
-        except OSError:
-            if not final.is_dir():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return write_once(final, lambda folder: _save_adapters(folder, recipe, weights))
+
+
+def _save_adapters(folder: Path, recipe: _Recipe, weights: Path) -> None:
+    """Write the adapters (ink, neon, moss) of the tiny model whose weights are there into the folder."""
+    for name, seed in ADAPTERS.items():
+        recipe.save(folder, _lora_layers(recipe, weights, seed), f"{name}{SUFFIX}")
 
 
 def _lora_layers(recipe: _Recipe, weights: Path, seed: int) -> Layers:

@@ -1,7 +1,7 @@
 """Tiny IP-Adapters for the tiny SD and SDXL models, in SLOTQ_IP_ADAPTER_DIR's layout, for tests and
 offline demos.
 
-One folder serves both tiny models (``tiny``, ``tiny-sdxl``; see worker/tiny_model.py): a tiny CLIP image
+One folder serves both tiny models (``tiny``, ``tiny-sdxl``; see worker/tiny/model.py): a tiny CLIP image
 encoder they share in ``image_encoder/`` (transformers' ``CLIPVisionModelWithProjection``: 2 layers, 32 px
 images), and under each model's name ``plume.safetensors`` and ``slate.safetensors``, IP-Adapters in the
 original format that diffusers' ``load_ip_adapter`` reads (``image_proj.*``: the projection of the
@@ -16,11 +16,6 @@ deterministic. The image encoder needs no preprocessor configuration: diffusers 
 
 from __future__ import annotations
 
-import logging
-import os
-import shutil
-import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -30,9 +25,8 @@ from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
 
 from shared.contract.checkpoints import SAFE_SUFFIX
 from shared.contract.ip_adapters import IMAGE_ENCODER
-from worker.tiny_model import ensure_tiny_model
-
-log = logging.getLogger(__name__)
+from worker.tiny.files import write_once
+from worker.tiny.model import ensure_tiny_model
 
 FOLDER = "tiny-ip-adapters-v1"  # under the cache; bump its version when the adapters or encoder change
 MODELS = ("tiny", "tiny-sdxl")
@@ -60,29 +54,9 @@ def ensure_tiny_ip_adapters(cache_dir: Path, model: str = "tiny") -> Path:
     if final.is_dir():
         return root
     unet = UNet2DConditionModel.from_pretrained(ensure_tiny_model(cache_dir, model), subfolder="unet")
-    root.mkdir(parents=True, exist_ok=True)
-    _write_once(root / IMAGE_ENCODER, _save_encoder)  # before any adapter that needs it shows
-    _write_once(final, lambda folder: _save_adapters(folder, unet))
+    write_once(root / IMAGE_ENCODER, _save_encoder)  # before any adapter that needs it shows
+    write_once(final, lambda folder: _save_adapters(folder, unet))
     return root
-
-
-def _write_once(final: Path, write: Callable[[Path], None]) -> None:
-    """Make ``final`` with ``write`` in a private sibling renamed into place: readers see the whole folder
-    or none of it, and two builders never write into each other's files."""
-    if final.is_dir():
-        return
-    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex}")
-    try:
-        tmp.mkdir()
-        write(tmp)
-        try:
-            os.rename(tmp, final)
-            log.info("built %s", final)
-        except OSError:
-            if not final.is_dir():  # else another builder won the race with the same files
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _save_encoder(folder: Path) -> None:

@@ -9,10 +9,6 @@ seeded, so every build on a given machine produces identical files.
 """
 
 import json
-import logging
-import os
-import shutil
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,7 +39,7 @@ from transformers import (  # type: ignore[attr-defined]
     T5TokenizerFast,
 )
 
-logger = logging.getLogger(__name__)
+from worker.tiny.files import write_once
 
 # Model name -> folder under the cache. Bump a folder's version when its architecture changes,
 # so stale caches are never reused.
@@ -57,7 +53,7 @@ _BOS, _EOS = "<|startoftext|>", "<|endoftext|>"
 _MAX_TOKENS = 77
 _TEXT_HIDDEN = 32
 # SDXL's second encoder is wider than its first, as in SDXL (1280 and 768): diffusers' single-file
-# loader tells the two apart by width (worker/tiny_checkpoints.py).
+# loader tells the two apart by width (worker/tiny/checkpoints.py).
 _TEXT_HIDDEN_2 = 48
 _T5_MAX_TOKENS = 512  # FluxPipeline's default max_sequence_length
 _T5_HIDDEN = 32
@@ -67,7 +63,7 @@ _TIME_EMBED = 8  # SDXL's addition_time_embed_dim
 # --- text encoders ---------------------------------------------------------------------------
 
 
-def _build_tokenizer(folder: Path) -> CLIPTokenizer:
+def build_tokenizer(folder: Path) -> CLIPTokenizer:
     """Write a byte-level vocab with no merges and load a CLIP tokenizer from it."""
     # CLIP pre-tokenizes to these 256 byte stand-ins; with every one present both mid-word
     # and word-final ("</w>"), any text tokenizes without <unk> and no merges are needed.
@@ -109,7 +105,7 @@ def _build_text_encoder_2(tokenizer: CLIPTokenizer) -> CLIPTextModelWithProjecti
     return CLIPTextModelWithProjection(config).eval()
 
 
-def _build_t5_tokenizer() -> T5TokenizerFast:
+def build_t5_tokenizer() -> T5TokenizerFast:
     """Return a character-level Unigram T5 tokenizer: <pad>=0, </s>=1, <unk>=2, then printable ASCII."""
     # Like SentencePiece, words start with "▁"; with every printable character a piece, ASCII
     # text never hits <unk>. Equal scores make Unigram pick the fewest pieces.
@@ -277,9 +273,8 @@ def _build_flux_scheduler() -> FlowMatchEulerDiscreteScheduler:
 
 
 def _build_sd(folder: Path) -> None:
-    """Build the tiny Stable Diffusion 1.x pipeline and save it under folder."""
-    folder.mkdir()
-    tokenizer = _build_tokenizer(folder / "tokenizer")
+    """Build the tiny Stable Diffusion 1.x pipeline and save it in the empty folder."""
+    tokenizer = build_tokenizer(folder / "tokenizer")
     pipe = StableDiffusionPipeline(
         vae=_build_vae(),
         text_encoder=_build_text_encoder(tokenizer),
@@ -294,9 +289,8 @@ def _build_sd(folder: Path) -> None:
 
 
 def _build_sdxl(folder: Path) -> None:
-    """Build the tiny SDXL pipeline and save it under folder."""
-    folder.mkdir()
-    tokenizer, tokenizer_2 = _build_tokenizer(folder / "tokenizer"), _build_tokenizer(folder / "tokenizer_2")
+    """Build the tiny SDXL pipeline and save it in the empty folder."""
+    tokenizer, tokenizer_2 = build_tokenizer(folder / "tokenizer"), build_tokenizer(folder / "tokenizer_2")
     pipe = StableDiffusionXLPipeline(
         # force_upcast=False: SDXL's img2img/inpaint otherwise cast the VAE to float32 and back to
         # encode each start image, logging two warnings; the tiny VAE has no float16 overflow.
@@ -313,9 +307,8 @@ def _build_sdxl(folder: Path) -> None:
 
 
 def _build_flux(folder: Path) -> None:
-    """Build the tiny FLUX.1-dev-style pipeline and save it under folder."""
-    folder.mkdir()
-    tokenizer, tokenizer_2 = _build_tokenizer(folder / "tokenizer"), _build_t5_tokenizer()
+    """Build the tiny FLUX.1-dev-style pipeline and save it in the empty folder."""
+    tokenizer, tokenizer_2 = build_tokenizer(folder / "tokenizer"), build_t5_tokenizer()
     pipe = FluxPipeline(
         scheduler=_build_flux_scheduler(),
         vae=_build_flux_vae(),
@@ -339,24 +332,9 @@ def ensure_tiny_model(cache_dir: Path, name: str = "tiny") -> Path:
     """Write the named tiny random pipeline (a key of TINY_MODELS) under cache_dir once; return its folder."""
     if name not in TINY_MODELS:
         raise ValueError(f"unknown tiny model {name!r}; known: {', '.join(TINY_MODELS)}")
-    folder_name = TINY_MODELS[name]
-    final = Path(cache_dir) / folder_name
-    if (final / "model_index.json").is_file():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    # Build in a private sibling so readers only ever see a complete folder (rename is atomic
-    # within one filesystem) and concurrent builders never write into each other's files.
-    tmp = final.with_name(f".{folder_name}.tmp-{os.getpid()}-{uuid.uuid4().hex}")
-    try:
-        _BUILDERS[name](tmp)
-        try:
-            os.rename(tmp, final)
-            logger.info("built tiny model at %s", final)
-        except OSError:
-            # Another process won the race; its folder is complete, so use it.
-            if not (final / "model_index.json").is_file():
-                raise
-            logger.debug("tiny model already built at %s by another process", final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return write_once(Path(cache_dir) / TINY_MODELS[name], _BUILDERS[name], _is_pipeline)
+
+
+def _is_pipeline(folder: Path) -> bool:
+    """Whether the folder holds a whole pipeline (save_pretrained writes model_index.json)."""
+    return (folder / "model_index.json").is_file()

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from worker.checkpoints import FLUX_BLOCKS, FLUX_SWAPPED, FLUX_TOP, swap_halves
+from worker.checkpoints import CONFIG_PATTERNS, FLUX_BLOCKS, FLUX_SWAPPED, FLUX_TOP, swap_halves
 
 Tensors = dict[str, torch.Tensor]
 
@@ -32,8 +32,6 @@ VAE_PREFIX = "first_stage_model."
 SD_CLIP_PREFIX = "cond_stage_model.transformer."
 SDXL_CLIP_PREFIX = "conditioner.embedders.0.transformer."
 SDXL_OPEN_CLIP_PREFIX = "conditioner.embedders.1.model."
-# What diffusers itself takes from a config source: configs and tokenizer files, never weights.
-CONFIG_PATTERNS = ("*.json", "*.txt", "*.model")
 
 _UNET_TOP = {
     "time_embedding.linear_1.": "time_embed.0.", "time_embedding.linear_2.": "time_embed.2.",

@@ -1,7 +1,7 @@
 """Tiny ControlNets for the tiny SD and SDXL models, in SLOTQ_CONTROLNET_DIR's layout, for tests and
 offline demos.
 
-Each tiny model (``tiny``, ``tiny-sdxl``; see worker/tiny_model.py) gets a subfolder of its own in one
+Each tiny model (``tiny``, ``tiny-sdxl``; see worker/tiny/model.py) gets a subfolder of its own in one
 folder: ``chalk`` and ``ember`` in diffusers' layout, and ``chalk-file.safetensors``, chalk's weights in
 the single-file layout. Each is diffusers' ``ControlNetModel.from_unet`` of the model's UNet, as
 ControlNet training starts. Such a ControlNet changes nothing: its zero convolutions (the residuals it
@@ -17,11 +17,7 @@ are: its converter of the original names maps no SDXL ``add_embedding`` (diffuse
 
 from __future__ import annotations
 
-import logging
-import os
 import re
-import shutil
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,9 +26,8 @@ from diffusers import ControlNetModel, UNet2DConditionModel
 from safetensors.torch import save_file
 
 from shared.contract.checkpoints import SAFE_SUFFIX
-from worker.tiny_model import ensure_tiny_model
-
-log = logging.getLogger(__name__)
+from worker.tiny.files import write_once
+from worker.tiny.model import ensure_tiny_model
 
 FOLDER = "tiny-controlnets-v1"  # under the cache; bump its version when the ControlNets change
 MODELS = ("tiny", "tiny-sdxl")
@@ -61,26 +56,19 @@ def ensure_tiny_controlnets(cache_dir: Path, model: str = "tiny") -> Path:
     if final.is_dir():
         return root
     unet = UNet2DConditionModel.from_pretrained(ensure_tiny_model(cache_dir, model), subfolder="unet")
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".{model}.tmp-{os.getpid()}-{uuid.uuid4().hex}"
-    try:
-        tmp.mkdir()
-        for name, seed in CONTROLNETS.items():
-            _controlnet(unet, seed).save_pretrained(tmp / name, safe_serialization=True)
-        weights = _controlnet(unet, CONTROLNETS["chalk"]).state_dict()
-        if model == "tiny":
-            weights = original_names(weights, unet.config.layers_per_block)
-        single = {key: tensor.contiguous() for key, tensor in weights.items()}
-        save_file(single, tmp / f"{SINGLE_FILE}{SAFE_SUFFIX}")
-        try:
-            os.rename(tmp, final)  # readers see the whole folder or none of it
-            log.info("built tiny ControlNets for %s at %s", model, final)
-        except OSError:
-            if not final.is_dir():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    write_once(final, lambda folder: _save_controlnets(folder, unet, model))
     return root
+
+
+def _save_controlnets(folder: Path, unet: UNet2DConditionModel, model: str) -> None:
+    """Write the ControlNets of the model's UNet into the folder, and chalk's weights as one file."""
+    for name, seed in CONTROLNETS.items():
+        _controlnet(unet, seed).save_pretrained(folder / name, safe_serialization=True)
+    weights = _controlnet(unet, CONTROLNETS["chalk"]).state_dict()
+    if model == "tiny":
+        weights = original_names(weights, unet.config.layers_per_block)
+    single = {key: tensor.contiguous() for key, tensor in weights.items()}
+    save_file(single, folder / f"{SINGLE_FILE}{SAFE_SUFFIX}")
 
 
 def _controlnet(unet: UNet2DConditionModel, seed: int) -> ControlNetModel:
