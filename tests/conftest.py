@@ -228,6 +228,34 @@ def start_api(tmp_path: Path) -> Iterator[Callable[..., Process]]:
         process.stop()
 
 
+def own_database(redis_url: str, number: int) -> str:
+    """Database ``number`` of the session's redis-server, emptied: a queue of a module's own, apart
+    from the per-test flushes of database 0."""
+    url = redis_url.removesuffix("/0") + f"/{number}"
+    with Redis.from_url(url) as connection:
+        connection.flushdb()
+    return url
+
+
+def running_worker(settings: Settings, tmp_path_factory: pytest.TempPathFactory, label: str,
+                   clean_stop: bool = True, **extra: Any) -> Iterator[Process]:
+    """A fixture's real worker (``yield from`` it), its log in a folder named after ``label``. It is
+    stopped afterwards; with ``clean_stop`` the stop must exit 0 (its log shown if not)."""
+    process = start_worker(settings, tmp_path_factory.mktemp(label) / "worker.log", **extra)
+    yield process
+    code = process.stop()
+    if clean_stop:
+        assert code == 0, process.output()
+
+
+def running_api(settings: Settings, tmp_path_factory: pytest.TempPathFactory, label: str,
+                **extra: Any) -> Iterator[Process]:
+    """A fixture's real API process (``yield from`` it), its log in a folder named after ``label``."""
+    process = harness.start_api(settings, tmp_path_factory.mktemp(label) / "api.log", **extra)
+    yield process
+    process.stop()
+
+
 @pytest.fixture(scope="session")
 def worker_settings(redis_url: str, model_cache: Path) -> Settings:
     """Settings shared by the session's worker and the tests that feed it."""
@@ -242,10 +270,7 @@ def worker(worker_settings: Settings, tmp_path_factory: pytest.TempPathFactory) 
     """One real worker with the tiny model for the session. Its SLOTQ_MAX_STEPS is lower than
     the API's, so a job the API admits with more steps fails in the worker's re-validation: a
     real failing job."""
-    log = tmp_path_factory.mktemp("worker") / "worker.log"
-    process = start_worker(worker_settings, log, max_steps=60)
-    yield process
-    assert process.stop() == 0, process.output()
+    yield from running_worker(worker_settings, tmp_path_factory, "worker", max_steps=60)
 
 
 @pytest.fixture

@@ -45,3 +45,36 @@ def test_every_page_is_linked_from_the_index_and_the_readme() -> None:
     pages = sorted(path.name for path in (ROOT / "docs").glob("*.md") if path.name != "index.md")
     assert [page for page in pages if f"]({page}" not in index] == []
     assert [page for page in pages if f"](docs/{page}" not in readme] == []
+
+
+def code_map_sections() -> dict[str, str]:
+    """The README's code map, by the folder each part heads (``worker/``, ``shared/contract/``)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = readme.split("## Code map", 1)[1].split("```", 2)[1]
+    sections: dict[str, str] = {}
+    header = ""
+    for line in block.splitlines():
+        if line and not line[0].isspace():
+            header = line.split()[0]
+            sections[header] = line[len(header):]
+        elif header:
+            sections[header] += "\n" + line
+    return sections
+
+
+def test_the_code_map_names_every_module() -> None:
+    sections = code_map_sections()
+    missing = []
+    for path in sorted(ROOT.glob("*/**/*.py")):
+        relative = path.relative_to(ROOT).as_posix()
+        if relative.split("/")[0] not in ("api", "worker", "shared", "slotq") or path.name == "__init__.py":
+            continue
+        header = max((name for name in sections if relative.startswith(name)), key=len, default=None)
+        if header is None:
+            missing.append(relative)
+            continue
+        rest = relative.removeprefix(header)
+        named = rest.split("/")[0] + "/" if "/" in rest else rest
+        if named not in sections[header]:
+            missing.append(relative)
+    assert missing == []

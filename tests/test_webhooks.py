@@ -29,9 +29,10 @@ from tests.conftest import (
     Process,
     app_client,
     data_url,
+    own_database,
     post_job,
+    running_worker,
     start_image,
-    start_worker,
     wait_for,
     wait_for_status,
     waiting_ids,
@@ -186,9 +187,7 @@ def assert_signed(delivery: Delivery, secret: str) -> None:
 
 @pytest.fixture(scope="module")
 def worker_hook_settings(redis_url: str, model_cache: Path) -> Settings:
-    url = redis_url.removesuffix("/0") + f"/{WEBHOOK_DB}"
-    with Redis.from_url(url) as connection:
-        connection.flushdb()
+    url = own_database(redis_url, WEBHOOK_DB)
     return Settings(redis_url=url, queue_name="webhook-worker-tests", queue_capacity=10,
                     cache_dir=model_cache, drain_s=0, webhook_secret=WHSEC, webhook_allow=LOOPBACK)
 
@@ -196,11 +195,8 @@ def worker_hook_settings(redis_url: str, model_cache: Path) -> Settings:
 @pytest.fixture(scope="module")
 def hook_worker(worker_hook_settings: Settings,
                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[Process]:
-    log = tmp_path_factory.mktemp("webhooks") / "worker.log"
-    process = start_worker(worker_hook_settings, log, webhook_allow=json.dumps(LOOPBACK),
-                           max_steps=WORKER_MAX_STEPS)
-    yield process
-    assert process.stop() == 0, process.output()
+    yield from running_worker(worker_hook_settings, tmp_path_factory, "webhooks",
+                              webhook_allow=json.dumps(LOOPBACK), max_steps=WORKER_MAX_STEPS)
 
 
 @pytest.fixture

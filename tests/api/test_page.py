@@ -648,7 +648,7 @@ def test_a_followed_job_survives_a_restart_of_the_api(tab: Tab, start_api: Calla
 @pytest.fixture(scope="module")
 def controlnet_dir(model_cache: Path) -> Path:
     """The tiny model's ControlNets (chalk, ember, chalk-file), offered to every model of a service."""
-    from worker.tiny_controlnets import ensure_tiny_controlnets
+    from worker.tiny.controlnets import ensure_tiny_controlnets
 
     return ensure_tiny_controlnets(model_cache, "tiny") / "tiny"
 

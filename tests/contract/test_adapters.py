@@ -24,9 +24,10 @@ from tests.conftest import (
     Process,
     app_client,
     data_url,
+    own_database,
     post_job,
+    running_worker,
     start_image,
-    start_worker,
     wait_for,
     wait_for_status,
 )
@@ -36,7 +37,7 @@ DATABASE = 7  # 0 per test, 1 the worker, 2 batching and fuzz, 3 schemathesis, 5
 
 @pytest.fixture(scope="module")
 def lora_dir(model_cache: Path) -> Path:
-    from worker.tiny_loras import ensure_tiny_loras
+    from worker.tiny.loras import ensure_tiny_loras
 
     return ensure_tiny_loras(model_cache)
 
@@ -124,17 +125,14 @@ def test_adapters_and_their_scales_separate_batches() -> None:
 
 @pytest.fixture(scope="module")
 def lora_settings(redis_url: str, model_cache: Path, lora_dir: Path) -> Settings:
-    url = redis_url.removesuffix("/0") + f"/{DATABASE}"
-    Redis.from_url(url).flushdb()
+    url = own_database(redis_url, DATABASE)
     return Settings(redis_url=url, queue_name="lora-tests", queue_capacity=50, cache_dir=model_cache,
                     lora_dir=lora_dir, lora_cache=2, drain_s=0)
 
 
 @pytest.fixture(scope="module")
 def lora_worker(lora_settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Process]:
-    process = start_worker(lora_settings, tmp_path_factory.mktemp("loras") / "worker.log")
-    yield process
-    assert process.stop() == 0, process.output()
+    yield from running_worker(lora_settings, tmp_path_factory, "loras")
 
 
 @pytest.fixture

@@ -34,8 +34,10 @@ from shared.contract.settings import CHECKPOINT_CONFIGS, Settings
 from tests.conftest import (
     Process,
     app_client,
+    own_database,
     post_job,
     rq_queues,
+    running_worker,
     start_worker,
     wait_for,
     wait_for_status,
@@ -207,8 +209,7 @@ def test_the_document_offers_the_names_and_what_every_model_takes(two: Settings)
 
 @pytest.fixture(scope="module")
 def fleet_settings(redis_url: str, model_cache: Path) -> Settings:
-    url = redis_url.removesuffix("/0") + f"/{DATABASE}"
-    Redis.from_url(url).flushdb()
+    url = own_database(redis_url, DATABASE)
     return Settings(redis_url=url, queue_name="fleet", model_names=["sd", "xl=sdxl"], queue_capacity=20,
                     cache_dir=model_cache, drain_s=0, heartbeat_ttl_s=2, max_side=256)
 
@@ -220,9 +221,8 @@ def worker_of(settings: Settings, model: str, checkpoint: str, name: str, log: P
 
 @pytest.fixture(scope="module")
 def sd_worker(fleet_settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Process]:
-    process = worker_of(fleet_settings, "sd", "tiny", "gpu-sd", tmp_path_factory.mktemp("sd") / "worker.log")
-    yield process
-    process.stop()
+    yield from running_worker(fleet_settings, tmp_path_factory, "sd", clean_stop=False, model_name="sd",
+                              model="tiny", worker_name="gpu-sd", worker_metrics_port=0)
 
 
 @pytest.fixture

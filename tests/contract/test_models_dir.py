@@ -21,14 +21,22 @@ from redis import Redis
 from shared.contract import checkpoints
 from shared.contract.checkpoints import FolderModel, folder_models, header_names
 from shared.contract.settings import Settings
-from tests.conftest import Process, app_client, post_job, start_worker, wait_for_status, waiting_ids
+from tests.conftest import (
+    Process,
+    app_client,
+    own_database,
+    post_job,
+    running_worker,
+    wait_for_status,
+    waiting_ids,
+)
 
 DATABASE = 11  # apart from the others' (0 per test, 1 the worker, 2-3, 5-9, 13 other modules)
 
 
 @pytest.fixture(scope="module")
 def tiny_folder(model_cache: Path) -> Path:
-    from worker.tiny_model import ensure_tiny_model
+    from worker.tiny.model import ensure_tiny_model
 
     return ensure_tiny_model(model_cache, "tiny")
 
@@ -36,7 +44,7 @@ def tiny_folder(model_cache: Path) -> Path:
 @pytest.fixture(scope="module")
 def models_dir(tmp_path_factory: pytest.TempPathFactory, tiny_folder: Path) -> Path:
     """A folder with a tiny SD single file, a tiny diffusers folder, a pickle and a badly named file."""
-    from worker.tiny_checkpoints import write_checkpoint
+    from worker.tiny.checkpoints import write_checkpoint
 
     folder = tmp_path_factory.mktemp("models")
     write_checkpoint(tiny_folder, folder / "sd-file.safetensors")
@@ -50,7 +58,7 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory, tiny_folder: Path) -> P
 @pytest.fixture(scope="module")
 def configs(tmp_path_factory: pytest.TempPathFactory, tiny_folder: Path) -> Path:
     """The tiny model's configs without its weights: where its single file takes its layout from."""
-    from worker.tiny_checkpoints import write_configs
+    from worker.tiny.checkpoints import write_configs
 
     return write_configs(tiny_folder, tmp_path_factory.mktemp("configs") / "tiny")
 
@@ -106,8 +114,8 @@ FLUX_NAMES = ("double_blocks.0.img_attn.qkv.weight", "single_blocks.0.linear1.we
 
 def test_the_header_tells_a_flux_transformer(tmp_path: Path, model_cache: Path,
                                              caplog: pytest.LogCaptureFixture) -> None:
-    from worker.tiny_checkpoints import write_checkpoint
-    from worker.tiny_model import ensure_tiny_model
+    from worker.tiny.checkpoints import write_checkpoint
+    from worker.tiny.model import ensure_tiny_model
 
     write_checkpoint(ensure_tiny_model(model_cache, "tiny-flux"), tmp_path / "tiny-flux.safetensors")
     _header(tmp_path / "bfl.safetensors", *FLUX_NAMES)
@@ -288,8 +296,7 @@ def test_the_default_may_be_a_model_of_the_folder(models_dir: Path) -> None:
 
 @pytest.fixture(scope="module")
 def folder_settings(redis_url: str, model_cache: Path, models_dir: Path, configs: Path) -> Settings:
-    url = redis_url.removesuffix("/0") + f"/{DATABASE}"
-    Redis.from_url(url).flushdb()
+    url = own_database(redis_url, DATABASE)
     return Settings(redis_url=url, queue_name="folder-tests", cache_dir=model_cache, drain_s=0,
                     models_dir=models_dir, model_name="sd-file", model_names=["sd-file"],
                     checkpoint_configs={"sd": str(configs)}, device="cpu", dtype="float32", torch_threads=1)
@@ -297,9 +304,7 @@ def folder_settings(redis_url: str, model_cache: Path, models_dir: Path, configs
 
 @pytest.fixture(scope="module")
 def folder_worker(folder_settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Process]:
-    process = start_worker(folder_settings, tmp_path_factory.mktemp("models-dir") / "worker.log")
-    yield process
-    assert process.stop() == 0, process.output()
+    yield from running_worker(folder_settings, tmp_path_factory, "models-dir")
 
 
 def test_a_worker_serves_a_single_file_of_the_folder(folder_worker: Process, folder_settings: Settings,

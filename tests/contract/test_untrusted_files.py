@@ -295,8 +295,8 @@ def test_a_header_past_the_bound_is_not_offered_unread(tmp_path: Path) -> None:
 def hostile_models(tmp_path: Path, model_cache: Path) -> tuple[Path, Path]:
     """A models folder with the tiny model's single file "good", a file nested deep in each role, and
     a FIFO; and the tiny model's configs."""
-    from worker.tiny_checkpoints import write_checkpoint, write_configs
-    from worker.tiny_model import ensure_tiny_model
+    from worker.tiny.checkpoints import write_checkpoint, write_configs
+    from worker.tiny.model import ensure_tiny_model
 
     tiny = ensure_tiny_model(model_cache, "tiny")
     folder = tmp_path / "models"

@@ -11,13 +11,20 @@ import numpy as np
 import pytest
 from flask.testing import FlaskClient
 from PIL import Image
-from redis import Redis
 
 from shared.contract.images import ImageRef
 from shared.contract.jobs import JobRequest
 from shared.contract.settings import Settings
 from shared.store.waiting import Claimed
-from tests.conftest import Process, app_client, post_job, start_worker, wait_for, wait_for_status
+from tests.conftest import (
+    Process,
+    app_client,
+    own_database,
+    post_job,
+    running_worker,
+    wait_for,
+    wait_for_status,
+)
 from worker import batching
 
 SMALL = {"width": 256, "height": 256, "steps": 4}
@@ -26,17 +33,14 @@ SMALL = {"width": 256, "height": 256, "steps": 4}
 @pytest.fixture(scope="module")
 def batch_settings(redis_url: str, model_cache: Path) -> Settings:
     """A queue of its own (database 2), served by a worker that batches up to 4 jobs."""
-    url = redis_url.removesuffix("/0") + "/2"
-    Redis.from_url(url).flushdb()
+    url = own_database(redis_url, 2)
     return Settings(redis_url=url, queue_name="batch-tests", queue_capacity=50, cache_dir=model_cache,
                     max_batch=4, batch_wait_ms=0, drain_s=0)
 
 
 @pytest.fixture(scope="module")
 def batch_worker(batch_settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Process]:
-    process = start_worker(batch_settings, tmp_path_factory.mktemp("batch") / "worker.log")
-    yield process
-    assert process.stop() == 0, process.output()
+    yield from running_worker(batch_settings, tmp_path_factory, "batch")
 
 
 @pytest.fixture

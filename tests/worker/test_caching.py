@@ -14,7 +14,7 @@ import pytest
 import torch
 from diffusers import AutoPipelineForImage2Image, DiffusionPipeline
 
-from shared.contract.models import TINY_MODELS, Family
+from shared.contract.models import Family
 from tests.conftest import start_image
 from worker.caching import UNET_INTERVAL, fast_tier
 
@@ -24,28 +24,13 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("caching-models")
-
-
-@pytest.fixture(scope="module", params=list(TINY_MODELS))
-def model(request: pytest.FixtureRequest) -> str:
-    return request.param
-
-
-@pytest.fixture(scope="module")
 def pipe(cache: Path, model: str) -> Any:
     """The tiny model's text-to-image pipeline, loaded as the worker loads one."""
-    from worker.tiny_model import ensure_tiny_model
+    from worker.tiny.model import ensure_tiny_model
 
     pipe = DiffusionPipeline.from_pretrained(ensure_tiny_model(cache, model), dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     return pipe
-
-
-@pytest.fixture(scope="module")
-def family(model: str) -> Family:
-    return TINY_MODELS[model]
 
 
 def generate(pipe: Any, seed: int = 0, **arguments: Any) -> np.ndarray:

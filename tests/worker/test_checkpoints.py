@@ -33,7 +33,7 @@ from worker.checkpoints import (
     load_folder_model,
 )
 from worker.pipeline import ImagePipeline, load_pipeline
-from worker.tiny_checkpoints import (
+from worker.tiny.checkpoints import (
     flux_transformer_to_bfl,
     unet_to_ldm,
     vae_to_ldm,
@@ -43,7 +43,7 @@ from worker.tiny_checkpoints import (
     write_gguf,
     write_vae,
 )
-from worker.tiny_model import ensure_tiny_model
+from worker.tiny.model import ensure_tiny_model
 
 FAMILIES: dict[str, Family] = {"tiny": "sd", "tiny-sdxl": "sdxl", "tiny-flux": "flux"}
 Files = tuple[Path, Path, Path]  # a tiny model's diffusers folder, its single file, its configs

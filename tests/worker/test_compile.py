@@ -48,8 +48,8 @@ from worker.compile import (
     warm_up,
     widest_adapter,
 )
-from worker.tiny_loras import RANK, ensure_tiny_loras
-from worker.tiny_model import ensure_tiny_model
+from worker.tiny.loras import RANK, ensure_tiny_loras
+from worker.tiny.model import ensure_tiny_model
 
 pytestmark = [
     # Compiling takes minutes here; the module's fixtures are set up inside its first tests' timeouts.

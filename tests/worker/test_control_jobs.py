@@ -1,6 +1,6 @@
 """Issue 47 end to end: ControlNet, IP-Adapter and hires jobs through the API and a real worker process on
-the tiny SD model, its tiny ControlNets (worker/tiny_controlnets.py: chalk and ember in diffusers' layout,
-chalk-file chalk's weights as one file) and its tiny IP-Adapters (worker/tiny_ip_adapters.py: plume and
+the tiny SD model, its tiny ControlNets (worker/tiny/controlnets.py: chalk and ember in diffusers' layout,
+chalk-file chalk's weights as one file) and its tiny IP-Adapters (worker/tiny/ip_adapters.py: plume and
 slate)."""
 
 from __future__ import annotations
@@ -14,10 +14,17 @@ import numpy as np
 import pytest
 from flask.testing import FlaskClient
 from PIL import Image, ImageDraw
-from redis import Redis
 
 from shared.contract.settings import Settings
-from tests.conftest import Process, app_client, data_url, post_job, start_worker, wait_for_status
+from tests.conftest import (
+    Process,
+    app_client,
+    data_url,
+    own_database,
+    post_job,
+    running_worker,
+    wait_for_status,
+)
 
 DATABASE = 4  # apart from the others' (0 per test, 1 the worker, 2-3, 5-9, 11-15 other modules)
 SMALL = {"prompt": "a lighthouse on a cliff", "width": 64, "height": 64, "steps": 2, "seed": 5}
@@ -42,11 +49,10 @@ def picture() -> Image.Image:
 
 @pytest.fixture(scope="module")
 def control_settings(redis_url: str, model_cache: Path) -> Settings:
-    from worker.tiny_controlnets import ensure_tiny_controlnets
-    from worker.tiny_ip_adapters import ensure_tiny_ip_adapters
+    from worker.tiny.controlnets import ensure_tiny_controlnets
+    from worker.tiny.ip_adapters import ensure_tiny_ip_adapters
 
-    url = redis_url.removesuffix("/0") + f"/{DATABASE}"
-    Redis.from_url(url).flushdb()
+    url = own_database(redis_url, DATABASE)
     # The model is named after the tiny one: the folders keep its own ControlNets and IP-Adapters under it.
     return Settings(redis_url=url, queue_name="control-tests", cache_dir=model_cache, drain_s=0, device="cpu",
                     dtype="float32", torch_threads=1, model_name="tiny", model_names=["tiny"],
@@ -56,9 +62,7 @@ def control_settings(redis_url: str, model_cache: Path) -> Settings:
 
 @pytest.fixture(scope="module")
 def control_worker(control_settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Process]:
-    worker = start_worker(control_settings, tmp_path_factory.mktemp("control") / "worker.log")
-    yield worker
-    assert worker.stop() == 0, worker.output()
+    yield from running_worker(control_settings, tmp_path_factory, "control")
 
 
 @pytest.fixture
@@ -207,8 +211,8 @@ def test_sdxl_runs_controls_an_ip_adapter_and_a_hires_pass_together(model_cache:
                                                                      one_torch_thread: None) -> None:
     from shared.contract.jobs import JobRequest
     from worker.pipeline import load_pipeline
-    from worker.tiny_controlnets import ensure_tiny_controlnets
-    from worker.tiny_ip_adapters import ensure_tiny_ip_adapters
+    from worker.tiny.controlnets import ensure_tiny_controlnets
+    from worker.tiny.ip_adapters import ensure_tiny_ip_adapters
 
     settings = Settings(cache_dir=model_cache, device="cpu", dtype="float32", model="tiny-sdxl",
                         model_name="tiny-sdxl", model_names=["tiny-sdxl=sdxl"],

@@ -22,8 +22,8 @@ from PIL import Image, ImageDraw
 from shared.contract.controlnets import available_controlnets, controlnet_paths
 from shared.contract.jobs import JobKind
 from worker.controlnets import ControlNets, canny, control_arguments, controlled
-from worker.tiny_controlnets import CONTROLNETS, SINGLE_FILE, ensure_tiny_controlnets
-from worker.tiny_model import ensure_tiny_model
+from worker.tiny.controlnets import CONTROLNETS, SINGLE_FILE, ensure_tiny_controlnets
+from worker.tiny.model import ensure_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -54,12 +54,6 @@ class Control:
     end: float = 1.0
 
 
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One cache for the module: each tiny model and its ControlNets are built once."""
-    return tmp_path_factory.mktemp("tiny-controlnets")
 
 
 @pytest.fixture(scope="module", params=list(CLASSES))

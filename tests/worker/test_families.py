@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 from flask.testing import FlaskClient
 from PIL import Image, ImageOps
-from redis import Redis
 
 from shared.contract.models import TINY_MODELS, UNET_SCHEDULERS
 from shared.contract.settings import Settings
@@ -22,9 +21,10 @@ from tests.conftest import (
     app_client,
     box_mask,
     data_url,
+    own_database,
     post_job,
+    running_worker,
     start_image,
-    start_worker,
     wait_for,
     wait_for_status,
 )
@@ -33,25 +33,21 @@ pytestmark = pytest.mark.timeout(300)  # a worker per family: torch, the model a
 DATABASE = 5  # the others: 0 per test, 1 the worker, 2 batching and fuzz, 3 schemathesis
 
 
-@pytest.fixture(scope="module", params=list(TINY_MODELS))
-def family_settings(request: pytest.FixtureRequest, redis_url: str, model_cache: Path) -> Settings:
-    """A queue of its own (database 5, flushed per family) for one tiny model and its tiny adapters,
-    batching up to 4."""
-    from worker.tiny_loras import ensure_tiny_loras
+@pytest.fixture(scope="module")
+def family_settings(model: str, redis_url: str, model_cache: Path) -> Settings:
+    """A queue of its own (database 5, flushed per family) for one tiny model (each in turn) and its
+    tiny adapters, batching up to 4."""
+    from worker.tiny.loras import ensure_tiny_loras
 
-    url = redis_url.removesuffix("/0") + f"/{DATABASE}"
-    Redis.from_url(url).flushdb()
-    return Settings(redis_url=url, queue_name=f"family-{request.param}", queue_capacity=50,
-                    cache_dir=model_cache, model=request.param, max_batch=4, batch_wait_ms=0, drain_s=0,
-                    max_side=512, lora_dir=ensure_tiny_loras(model_cache, request.param))
+    url = own_database(redis_url, DATABASE)
+    return Settings(redis_url=url, queue_name=f"family-{model}", queue_capacity=50,
+                    cache_dir=model_cache, model=model, max_batch=4, batch_wait_ms=0, drain_s=0,
+                    max_side=512, lora_dir=ensure_tiny_loras(model_cache, model))
 
 
 @pytest.fixture(scope="module")
 def family_worker(family_settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Process]:
-    log = tmp_path_factory.mktemp(family_settings.model) / "worker.log"
-    process = start_worker(family_settings, log)
-    yield process
-    assert process.stop() == 0, process.output()
+    yield from running_worker(family_settings, tmp_path_factory, family_settings.model)
 
 
 @pytest.fixture

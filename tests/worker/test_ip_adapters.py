@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 
 from shared.contract.ip_adapters import available_ip_adapters, image_encoder_path, ip_adapter_paths
 from worker.ip_adapters import IpAdapters, ip_adapter_arguments, share_image_encoder
-from worker.tiny_ip_adapters import IP_ADAPTERS, ensure_tiny_ip_adapters
-from worker.tiny_model import ensure_tiny_model
+from worker.tiny.ip_adapters import IP_ADAPTERS, ensure_tiny_ip_adapters
+from worker.tiny.model import ensure_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -34,12 +34,6 @@ SAME = 1e-6
 BATCHED = 1e-5
 PROMPT = "a lighthouse on a cliff"
 VARIANTS = {"image": AutoPipelineForImage2Image, "inpaint": AutoPipelineForInpainting}
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One cache for the module: each tiny model and its IP-Adapters are built once."""
-    return tmp_path_factory.mktemp("tiny-ip-adapters")
 
 
 @pytest.fixture(scope="module", params=["tiny", "tiny-sdxl"])

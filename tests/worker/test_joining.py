@@ -16,7 +16,16 @@ from redis import Redis
 
 from shared.contract.jobs import JobRequest
 from shared.contract.settings import Settings
-from tests.conftest import Process, app_client, post_job, start_worker, wait_for, wait_for_status
+from tests.conftest import (
+    Process,
+    app_client,
+    own_database,
+    post_job,
+    running_worker,
+    start_worker,
+    wait_for,
+    wait_for_status,
+)
 
 SIZE = {"width": 256, "height": 256}
 
@@ -25,8 +34,7 @@ SIZE = {"width": 256, "height": 256}
 def join_settings(redis_url: str, model_cache: Path) -> Settings:
     """A queue of its own (database 10), served by a worker that schedules at the step level and
     preempts at the next step boundary."""
-    url = redis_url.removesuffix("/0") + "/10"
-    Redis.from_url(url).flushdb()
+    url = own_database(redis_url, 10)
     return Settings(redis_url=url, queue_name="join-tests", queue_capacity=50, cache_dir=model_cache,
                     max_batch=4, drain_s=0, step_scheduling=True, preempt_after_s=0, progress_interval_ms=0,
                     worker_metrics_port=0)
@@ -34,9 +42,7 @@ def join_settings(redis_url: str, model_cache: Path) -> Settings:
 
 @pytest.fixture(scope="module")
 def join_worker(join_settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Process]:
-    process = start_worker(join_settings, tmp_path_factory.mktemp("join") / "worker.log")
-    yield process
-    assert process.stop() == 0, process.output()
+    yield from running_worker(join_settings, tmp_path_factory, "join")
 
 
 @pytest.fixture

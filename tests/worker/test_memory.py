@@ -21,7 +21,7 @@ from diffusers import DiffusionPipeline
 from shared.contract.memory import MemoryOptions
 from shared.contract.models import TINY_MODELS
 from worker.memory import MemorySettingError, check, place, unplace
-from worker.tiny_model import ensure_tiny_model
+from worker.tiny.model import ensure_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

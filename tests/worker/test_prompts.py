@@ -12,7 +12,7 @@ import pytest
 import torch
 from diffusers import AutoPipelineForImage2Image, DiffusionPipeline
 
-from shared.contract.models import TINY_MODELS, Family
+from shared.contract.models import Family
 from tests.conftest import start_image
 from worker.prompts import parse_weighted, weighted_arguments
 
@@ -53,24 +53,9 @@ def test_a_weight_that_is_no_number_is_refused() -> None:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("prompts-models")
-
-
-@pytest.fixture(scope="module", params=list(TINY_MODELS))
-def model(request: pytest.FixtureRequest) -> str:
-    return request.param
-
-
-@pytest.fixture(scope="module")
-def family(model: str) -> Family:
-    return TINY_MODELS[model]
-
-
-@pytest.fixture(scope="module")
 def pipe(cache: Path, model: str) -> Any:
     """The tiny model's text-to-image pipeline, loaded as the worker loads one."""
-    from worker.tiny_model import ensure_tiny_model
+    from worker.tiny.model import ensure_tiny_model
 
     pipe = DiffusionPipeline.from_pretrained(ensure_tiny_model(cache, model), dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)

@@ -15,10 +15,17 @@ import numpy as np
 import pytest
 from flask.testing import FlaskClient
 from PIL import Image
-from redis import Redis
 
 from shared.contract.settings import Settings
-from tests.conftest import Process, app_client, post_job, start_worker, wait_for, wait_for_status
+from tests.conftest import (
+    Process,
+    app_client,
+    own_database,
+    post_job,
+    start_worker,
+    wait_for,
+    wait_for_status,
+)
 
 DATABASE = 12  # apart from the others' (0 per test, 1 the worker, 2-3, 5-9, 11, 13 other modules)
 MODELS = ("sd", "xl")
@@ -28,8 +35,8 @@ SMALL = {"width": 64, "height": 64, "steps": 2}
 @pytest.fixture(scope="module")
 def models_dir(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> tuple[Path, dict[str, str]]:
     """A folder with a tiny SD and a tiny SDXL single file, and the configs each takes its layout from."""
-    from worker.tiny_checkpoints import write_checkpoint, write_configs
-    from worker.tiny_model import ensure_tiny_model
+    from worker.tiny.checkpoints import write_checkpoint, write_configs
+    from worker.tiny.model import ensure_tiny_model
 
     root = tmp_path_factory.mktemp("two-models")
     folder, configs = root / "models", {}
@@ -42,8 +49,7 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> t
 
 @pytest.fixture
 def two_models(redis_url: str, model_cache: Path, models_dir: tuple[Path, dict[str, str]]) -> Settings:
-    url = redis_url.removesuffix("/0") + f"/{DATABASE}"
-    Redis.from_url(url).flushdb()
+    url = own_database(redis_url, DATABASE)
     folder, configs = models_dir
     return Settings(redis_url=url, queue_name="models-tests", cache_dir=model_cache, drain_s=0,
                     models_dir=folder, model_names=["sd"], worker_models=["*"], model_cache=1,

@@ -11,7 +11,7 @@ from flask.testing import FlaskClient
 from redis import Redis
 
 from shared.contract.settings import Settings
-from tests.conftest import app_client, post_job, start_worker, wait_for, wait_for_status
+from tests.conftest import app_client, own_database, post_job, start_worker, wait_for, wait_for_status
 
 DATABASE = 14  # apart from the others' (0 per test, 1 the worker, 2-3, 5-9, 11-13 other modules)
 SMALL = {"width": 64, "height": 64, "steps": 2}
@@ -19,8 +19,7 @@ SMALL = {"width": 64, "height": 64, "steps": 2}
 
 @pytest.fixture
 def speed_settings(redis_url: str, model_cache: Path) -> Settings:
-    url = redis_url.removesuffix("/0") + f"/{DATABASE}"
-    Redis.from_url(url).flushdb()
+    url = own_database(redis_url, DATABASE)
     return Settings(redis_url=url, queue_name="speed-tests", cache_dir=model_cache, drain_s=0, device="cpu",
                     dtype="float32", torch_threads=1, heartbeat_ttl_s=2)
 
@@ -57,12 +56,15 @@ def test_degrading_runs_only_auto_jobs_fast_while_the_line_is_deeper(
 def test_a_job_larger_than_every_live_worker_can_run_is_refused_with_nothing_stored(
         client: FlaskClient, speed_settings: Settings, tmp_path: Path) -> None:
     redis = Redis.from_url(speed_settings.redis_url)
-    assert post_job(client, width=128, height=128, steps=1).status_code == 202  # no live worker: admitted
+    first = post_job(client, width=128, height=128, steps=1)
+    assert first.status_code == 202  # no live worker: admitted
     worker = start_worker(speed_settings.model_copy(update={"capacity_pixels": 64 * 64 * 2}),
                           tmp_path / "worker.log")
     try:
         wait_for(lambda: client.get("/v1/models").get_json()["models"][0]["capacity_pixels"] == 8192,
                  what="the worker's capacity in GET /v1/models")
+        # The job admitted before writes as it ends (its record, the job-time model): wait for it.
+        wait_for_status(client, first.get_json()["id"], "succeeded", "failed")
         keys = set(redis.keys())
         refused = post_job(client, width=128, height=128, steps=1)
         error = refused.get_json()["error"]

@@ -25,7 +25,7 @@ from worker.stepping import (
     refusal,
     supports,
 )
-from worker.tiny_model import ensure_tiny_model
+from worker.tiny.model import ensure_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -40,11 +40,6 @@ FAMILIES: dict[str, Family] = {"tiny": "sd", "tiny-sdxl": "sdxl", "tiny-flux": "
 SIDE = 64
 # Every model with its own sampler (None) and each sampler the loop runs on its family.
 CASES = [(model, sampler) for model in MODELS for sampler in (None, *STEPPABLE[FAMILIES[model]])]
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("stepping-models")
 
 
 @pytest.fixture(scope="module")

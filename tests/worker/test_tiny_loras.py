@@ -13,8 +13,8 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline
 
-from worker.tiny_loras import ADAPTERS, RECIPES, ensure_tiny_loras
-from worker.tiny_model import TINY_MODELS, ensure_tiny_model
+from worker.tiny.loras import ADAPTERS, RECIPES, ensure_tiny_loras
+from worker.tiny.model import TINY_MODELS, ensure_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -23,17 +23,6 @@ NAMES = list(ADAPTERS)
 VISIBLE = 0.02  # mean absolute pixel difference (pixels in [0, 1]) that no rounding noise reaches
 
 
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One cache for the module: each tiny model and its adapters are built once."""
-    return tmp_path_factory.mktemp("tiny-loras")
-
-
-@pytest.fixture(scope="module", params=list(TINY_MODELS))
-def model(request: pytest.FixtureRequest) -> str:
-    return request.param
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import socket
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,8 @@ import torch
 from diffusers import AutoPipelineForImage2Image, AutoPipelineForInpainting, DiffusionPipeline
 from PIL import Image, ImageDraw
 
-from worker.tiny_model import TINY_MODELS, ensure_tiny_model
+from worker.tiny.files import write_once
+from worker.tiny.model import TINY_MODELS, ensure_tiny_model
 
 # Each tiny model's pipeline class and the attribute that holds its denoiser.
 FAMILIES = {
@@ -106,6 +108,85 @@ def test_a_build_is_deterministic(name: str, tmp_path: Path, offline: None) -> N
     assert any(p.suffix == ".safetensors" for p in files)
     for path in files:
         assert (first / path).read_bytes() == (second / path).read_bytes(), path
+
+
+def test_write_once_shows_the_folder_only_when_whole(tmp_path: Path) -> None:
+    final = tmp_path / "cache" / "built"
+
+    def write(folder: Path) -> None:
+        assert not final.exists()  # a reader meanwhile finds nothing, not half a folder
+        (folder / "part").mkdir()
+        (folder / "part" / "weights").write_text("w")
+
+    assert write_once(final, write) == final
+    assert (final / "part" / "weights").read_text() == "w"
+    assert [p.name for p in final.parent.iterdir()] == ["built"]  # no temporary folder left behind
+    assert write_once(final, lambda folder: pytest.fail("a whole folder is built again")) == final
+
+
+def test_write_once_takes_the_folder_of_a_builder_that_won_the_race(tmp_path: Path) -> None:
+    final = tmp_path / "built"
+
+    def write(folder: Path) -> None:
+        (folder / "mine").write_text("loser")
+        final.mkdir()  # another builder renames its whole folder into place first
+        (final / "theirs").write_text("winner")
+
+    assert write_once(final, write) == final
+    assert [p.name for p in final.iterdir()] == ["theirs"]
+    assert [p.name for p in tmp_path.iterdir()] == ["built"]
+
+
+def test_write_once_with_two_builders_at_once_keeps_one_whole_folder(tmp_path: Path) -> None:
+    final, both_built = tmp_path / "built", threading.Barrier(2, timeout=10)
+    results: list[Path] = []
+    errors: list[BaseException] = []
+
+    def write(folder: Path) -> None:
+        for index in range(3):
+            (folder / f"file-{index}").write_text(threading.current_thread().name)
+        both_built.wait()  # both rename after both have built: one of them loses the race
+
+    def build() -> None:
+        try:
+            results.append(write_once(final, write))
+        except BaseException as exc:  # reported below, where the test can fail on it
+            errors.append(exc)
+
+    threads = [threading.Thread(target=build, name=f"builder-{n}") for n in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert (errors, results) == ([], [final, final])
+    assert {(final / f"file-{index}").read_text() for index in range(3)} in ({"builder-0"}, {"builder-1"})
+    assert [p.name for p in tmp_path.iterdir()] == ["built"]
+
+
+def test_write_once_cleans_up_a_failed_build(tmp_path: Path) -> None:
+    final = tmp_path / "built"
+
+    def write(folder: Path) -> None:
+        (folder / "half").write_text("h")
+        raise RuntimeError("the build broke")
+
+    with pytest.raises(RuntimeError, match="the build broke"):
+        write_once(final, write)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_write_once_refuses_an_incomplete_folder_in_the_way(tmp_path: Path) -> None:
+    final = tmp_path / "built"
+    final.mkdir()
+    (final / "leftover").write_text("x")  # no marker: not a whole build, and never taken for one
+
+    def marked(folder: Path) -> bool:
+        return (folder / "marker").is_file()
+
+    with pytest.raises(OSError):
+        write_once(final, lambda folder: (folder / "marker").write_text("m"), marked)
+    assert [p.name for p in tmp_path.iterdir()] == ["built"]
+    assert [p.name for p in final.iterdir()] == ["leftover"]
 
 
 @names

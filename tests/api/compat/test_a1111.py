@@ -25,9 +25,18 @@ from PIL import Image, ImageDraw
 from redis import Redis
 
 from shared.contract.settings import Settings
-from slotq import harness
 from slotq.localredis import free_port
-from tests.conftest import Process, app_client, box_mask, post_job, start_image, start_worker, wait_for
+from tests.conftest import (
+    Process,
+    app_client,
+    box_mask,
+    own_database,
+    post_job,
+    running_api,
+    running_worker,
+    start_image,
+    wait_for,
+)
 from tests.test_metrics import scrape, value
 
 DATABASE = 13  # apart from the others' (0 per test, 1 the worker, 2-3, 5-8 other modules)
@@ -42,7 +51,7 @@ LONG = {"width": 256, "height": 256, "steps": 60}  # runs for seconds, with prev
 
 @pytest.fixture(scope="module")
 def lora_dir(model_cache: Path) -> Path:
-    from worker.tiny_loras import ensure_tiny_loras
+    from worker.tiny.loras import ensure_tiny_loras
 
     return ensure_tiny_loras(model_cache)
 
@@ -50,7 +59,7 @@ def lora_dir(model_cache: Path) -> Path:
 @pytest.fixture(scope="module")
 def controlnet_dir(model_cache: Path) -> Path:
     """The tiny SD's ControlNets (chalk, ember, chalk-file) at the top level: every model's."""
-    from worker.tiny_controlnets import ensure_tiny_controlnets
+    from worker.tiny.controlnets import ensure_tiny_controlnets
 
     return ensure_tiny_controlnets(model_cache, "tiny") / "tiny"
 
@@ -58,8 +67,7 @@ def controlnet_dir(model_cache: Path) -> Path:
 @pytest.fixture(scope="module")
 def a1111_settings(redis_url: str, model_cache: Path, lora_dir: Path, controlnet_dir: Path) -> Settings:
     """Two models offered (``second`` has no worker: a choice to switch to, never to run on)."""
-    url = redis_url.removesuffix("/0") + f"/{DATABASE}"
-    Redis.from_url(url).flushdb()
+    url = own_database(redis_url, DATABASE)
     return Settings(redis_url=url, queue_name="a1111-tests", queue_capacity=50, cache_dir=model_cache,
                     lora_dir=lora_dir, controlnet_dir=controlnet_dir, model_names=["default", "second"],
                     preview_interval_ms=100, drain_s=0, worker_metrics_port=free_port())
@@ -67,18 +75,14 @@ def a1111_settings(redis_url: str, model_cache: Path, lora_dir: Path, controlnet
 
 @pytest.fixture(scope="module")
 def a1111_worker(a1111_settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Process]:
-    process = start_worker(a1111_settings, tmp_path_factory.mktemp("a1111-worker") / "worker.log")
-    yield process
-    assert process.stop() == 0, process.output()
+    yield from running_worker(a1111_settings, tmp_path_factory, "a1111-worker")
 
 
 @pytest.fixture(scope="module")
 def api(a1111_worker: Process, a1111_settings: Settings,
         tmp_path_factory: pytest.TempPathFactory) -> Iterator[Process]:
     """An open API process (no keys)."""
-    process = harness.start_api(a1111_settings, tmp_path_factory.mktemp("a1111-api") / "api.log")
-    yield process
-    process.stop()
+    yield from running_api(a1111_settings, tmp_path_factory, "a1111-api")
 
 
 @pytest.fixture(scope="module")
@@ -86,9 +90,7 @@ def keyed_api(a1111_worker: Process, a1111_settings: Settings,
               tmp_path_factory: pytest.TempPathFactory) -> Iterator[Process]:
     """An API process with a key for each of two tenants."""
     keyed = a1111_settings.model_copy(update={"api_keys": {KEY_A: "alpha", KEY_B: "beta"}})
-    process = harness.start_api(keyed, tmp_path_factory.mktemp("a1111-keyed") / "api.log")
-    yield process
-    process.stop()
+    yield from running_api(keyed, tmp_path_factory, "a1111-keyed")
 
 
 def webui(api: Process, key: str | None = None) -> webuiapi.WebUIApi:

@@ -23,7 +23,7 @@ from PIL import Image
 from api.app import create_app
 from shared.contract.settings import Settings
 from slotq import harness
-from tests.conftest import Process, http_post_job, start_image
+from tests.conftest import Process, http_post_job, running_api, start_image
 from tests.test_metrics import scrape, value
 
 REQUESTS = Path(__file__).parent / "requests"
@@ -67,7 +67,7 @@ def job_id_of(url: str) -> str:
 
 
 def api_process(settings: Settings, folder: Path, **extra: Any) -> Process:
-    """A real API process, started once for the module (each costs about 2 s)."""
+    """A real API process of a test's own, its log in ``folder``."""
     return harness.start_api(settings, folder / "api.log", **extra)
 
 
@@ -75,9 +75,7 @@ def api_process(settings: Settings, folder: Path, **extra: Any) -> Process:
 def api(worker: Process, worker_settings: Settings,
         tmp_path_factory: pytest.TempPathFactory) -> Iterator[Process]:
     """An open API process (no keys) on the session worker's queue."""
-    process = api_process(worker_settings, tmp_path_factory.mktemp("openai-api"))
-    yield process
-    process.stop()
+    yield from running_api(worker_settings, tmp_path_factory, "openai-api")
 
 
 @pytest.fixture(scope="module")
@@ -90,9 +88,7 @@ def client(api: Process) -> Iterator[OpenAI]:
 def keyed_api(worker: Process, worker_settings: Settings,
               tmp_path_factory: pytest.TempPathFactory) -> Iterator[Process]:
     """An API process with API keys, one per tenant, on the session worker's queue."""
-    process = api_process(worker_settings, tmp_path_factory.mktemp("openai-keyed"), api_keys=json.dumps(KEYS))
-    yield process
-    process.stop()
+    yield from running_api(worker_settings, tmp_path_factory, "openai-keyed", api_keys=json.dumps(KEYS))
 
 
 def sdk(api: Process, key: str) -> OpenAI:
