@@ -172,6 +172,8 @@ def test_a_crash_while_jobs_are_paused_runs_them_again_as_it_would_running_ones(
         running_past(client, low, 2)
         high = post_job(client, seed=9, steps=100, priority="high", width=128, height=256).get_json()["id"]
         wait_for(lambda: view(client, low)["paused"], timeout=30, what="the low job to pause")
+        # The pause comes just before the high job's own start: kill once that has started too.
+        running_past(client, high, 1)
         started[0].popen.kill()  # SIGKILL: the paused job's state is lost with the process
         started.append(start_worker(crashing, tmp_path / "second.log"))
         ended = [wait_for_status(client, job_id, "succeeded", timeout=120) for job_id in (low, high)]
