@@ -203,3 +203,22 @@ def test_fullsize_tiny_times_each_family_bare_and_through_the_worker_beside_the_
         assert len(eager["bare_s"]) == len(eager["worker_s"]) == 2, eager
         assert min(eager["bare_s"] + eager["worker_s"]) > 0, eager
         assert each["parameters"] > 0 and each["side"] == 64 and each["steps"] == 2
+
+
+# A guard against a hang: starting the peers side by side (Ray Serve alone takes about 20 s) is most of it.
+@pytest.mark.timeout(300)
+def test_peers_quick_runs_every_installed_peer_and_judges_the_goals(tmp_path: Path) -> None:
+    plot = tmp_path / "peers.png"
+    done = subprocess.run([sys.executable, "-m", "bench.peers", "--quick", "--plot", str(plot)],
+                          capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stdout + done.stderr[-5000:]
+    peers = ["slotq", "slotq, step scheduling", "Ray Serve", "Celery"]
+    for peer in peers:
+        for job_class in ("interactive", "standard", "bulk"):
+            row = rf"^ 0.9  {re.escape(peer)} +{job_class} +\d\.\d\d "
+            assert re.search(row, done.stdout, re.MULTILINE), (peer, job_class, done.stdout)
+    assert re.search(r"^lost \(admitted, never ended\): slotq 0, slotq, step scheduling 0, Ray Serve \d+, "
+                     r"Celery \d+$", done.stdout, re.MULTILINE), done.stdout
+    verdicts = re.findall(r"^(met|missed)  (slotq[^:]*): ", done.stdout, re.MULTILINE)
+    assert len(verdicts) == 6, done.stdout  # two goals at 0.9 load and the lost jobs, for each slotq
+    assert plot.read_bytes().startswith(b"\x89PNG"), done.stdout
