@@ -200,6 +200,7 @@ def verdict(text: str, met: bool) -> str:
 def plot(served: list[Served], classes: tuple[JobClass, ...], load: float, path: Path) -> None:
     """Latency CDF per class per peer at ``load``, the rounds pooled (matplotlib, PNG)."""
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -216,6 +217,7 @@ def plot(served: list[Served], classes: tuple[JobClass, ...], load: float, path:
                 axis.step(latencies, [(index + 1) / total for index in range(len(latencies))],
                           where="post", label=each.peer.name)
         axis.set_xscale("log")
+        axis.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # decades only: no overlap
         axis.set_title(f"{job_class.name} ({load} of capacity)")
         axis.set_xlabel("latency, s (log)")
         axis.grid(alpha=0.3)
