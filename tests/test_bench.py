@@ -219,6 +219,6 @@ def test_peers_quick_runs_every_installed_peer_and_judges_the_goals(tmp_path: Pa
             assert re.search(row, done.stdout, re.MULTILINE), (peer, job_class, done.stdout)
     assert re.search(r"^lost \(admitted, never ended\): slotq 0, slotq, step scheduling 0, Ray Serve \d+, "
                      r"Celery \d+$", done.stdout, re.MULTILINE), done.stdout
-    verdicts = re.findall(r"^(met|missed)  (slotq[^:]*): ", done.stdout, re.MULTILINE)
+    verdicts = re.findall(r"^(met|missed) +(slotq[^:]*): ", done.stdout, re.MULTILINE)
     assert len(verdicts) == 6, done.stdout  # two goals at 0.9 load and the lost jobs, for each slotq
     assert plot.read_bytes().startswith(b"\x89PNG"), done.stdout
