@@ -7,8 +7,10 @@ from werkzeug.exceptions import HTTPException
 from werkzeug.middleware.proxy_fix import ProxyFix
 
 from api import bodies, observability, state
+from api.admin import bp as admin_bp
 from api.compat.a1111.views import bp as a1111_bp
 from api.compat.a1111.views import controlnet_bp
+from api.compat.comfyui.socket import bp as comfyui_bp
 from api.compat.openai_images import bp as openai_bp
 from api.errors import as_service_error
 from api.page import page, secured
@@ -16,8 +18,9 @@ from api.routes import authenticate, bp
 from shared.contract.errors import ServiceError, UnauthorizedError
 from shared.contract.settings import Settings, get_settings
 
-# The compatibility surfaces (api/compat/): OpenAI Images, AUTOMATIC1111 and its ControlNet extension.
-SURFACES = (openai_bp, a1111_bp, controlnet_bp)
+# The compatibility surfaces (api/compat/): OpenAI Images, AUTOMATIC1111 and its ControlNet extension,
+# ComfyUI (its routes and, registered on the same blueprint, its websocket).
+SURFACES = (openai_bp, a1111_bp, controlnet_bp, comfyui_bp)
 
 
 def create_app(settings: Settings | None = None) -> Flask:
@@ -34,6 +37,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         app.before_request(authenticate)
     observability.install(app)
     app.register_blueprint(bp)
+    app.register_blueprint(admin_bp)  # the operators' routes, behind SLOTQ_ADMIN_KEYS
     app.register_blueprint(page)
     app.wsgi_app = secured(app.wsgi_app)  # type: ignore[method-assign,assignment]
     if settings.trusted_proxies:  # X-Forwarded-For/-Proto/-Host from that many proxies, else ignored

@@ -19,9 +19,20 @@ from typing import Any
 
 from flask import current_app, request
 
-from shared.contract.errors import PayloadTooLargeError
+from shared.contract.errors import InvalidJSONError, PayloadTooLargeError, UnsupportedMediaTypeError
 
 MAX_DEPTH = 64
+
+
+def json_body() -> Any:
+    """The request's JSON body for the native API: ``UnsupportedMediaTypeError`` for another media type,
+    ``InvalidJSONError`` for what does not parse."""
+    if request.mimetype != "application/json":
+        raise UnsupportedMediaTypeError()
+    try:
+        return loads(request.get_data(cache=False))
+    except ValueError as exc:
+        raise InvalidJSONError(f"The request body is not valid JSON: {exc}.") from None
 
 
 def loads(data: bytes | str) -> Any:

@@ -4,7 +4,7 @@ where a client asked to wait, the long-poll waits, and returns a shared model or
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -16,13 +16,15 @@ from api import longpoll
 from api.longpoll import Waits
 from shared.contract.adapters import available_adapters
 from shared.contract.controlnets import available_controlnets
-from shared.contract.errors import InvalidRequestError
+from shared.contract.errors import InvalidRequestError, NotWaitingError, PriorityNotAllowedError
 from shared.contract.images import ImageRef, InputName, input_reference
 from shared.contract.ip_adapters import available_ip_adapters
 from shared.contract.jobs import (
     PRIORITIES,
+    JobChange,
     JobStatus,
     JobView,
+    Priority,
     Submission,
     requested_model,
     validate_submission,
@@ -98,7 +100,8 @@ class Jobs:
             # The admission script already answered where the job stands: no second round trip.
             assert admitted.record is not None and admitted.position is not None
             view = records.admitted_view(admitted.job_id, admitted.record.request, admitted.record.created_at,
-                                         admitted.position, admitted.eta, admitted.deadline_at)
+                                         admitted.position, admitted.eta, admitted.deadline_at,
+                                         admitted.line_paused)
         about = admission.describe(self.settings, admitted, submission.request)
         waited = int(wait) if wait and view.status.is_terminal else None
         return Submitted(view, admitted.replayed, about, waited)
@@ -150,6 +153,24 @@ class Jobs:
         ended = endings.cancel(self.queue, self.settings, records.fetch_job(self.queue, job_id, tenant))
         return records.job_view(records.fetch_job(self.queue, job_id, tenant)), ended
 
+    def change(self, job_id: str, body: Any, tenant: Tenant | None,
+               priorities: Sequence[Priority] = PRIORITIES) -> JobView:
+        """Move a waiting job to another priority class (``priorities``: those its tenant may use, as
+        ``tenant``'s key says where it is the caller); its view with its place now, ``NotWaitingError``
+        once it runs or has ended."""
+        try:
+            change = JobChange.model_validate(body)
+        except ValidationError as exc:
+            raise InvalidRequestError.of(exc) from None
+        allowed = tenant.priorities if tenant is not None else priorities
+        if change.priority not in allowed:
+            raise PriorityNotAllowedError(f"This job's key may use priority {', '.join(allowed)}, "
+                                          f"not {change.priority}.")
+        job = records.fetch_job(self.queue, job_id, tenant)
+        if waiting.reclass(self.queue.connection, job, change.priority) is None:
+            raise NotWaitingError()
+        return records.current_view(self.queue, self.settings, records.fetch_job(self.queue, job_id, tenant))
+
     def line(self) -> dict[str, Any]:
         """How many jobs wait, by priority, against the limits of each class: the service's totals
         and, under ``models``, each model's line."""
@@ -160,9 +181,10 @@ class Jobs:
                 "capacity": sum(line["capacity"] for line in lines.values()), **total, "models": lines}
 
     def _line(self, model: str) -> dict[str, Any]:
-        counts = waiting.waiting_counts(self.queue, self.settings, self.settings.line_of(model))
+        counts, paused = waiting.waiting_state(self.queue, self.settings, self.settings.line_of(model))
         return {"waiting": sum(counts.values()), "capacity": self.settings.queue_capacity,
-                "by_priority": counts, "limits": {p: self.settings.waiting_limit(p) for p in PRIORITIES}}
+                "by_priority": counts, "limits": {p: self.settings.waiting_limit(p) for p in PRIORITIES},
+                "paused": paused}
 
     def workers(self, tenant: Tenant | None = None) -> list[WorkerView]:
         """The live workers of every model, by model and name; a worker serving several models once.

@@ -107,6 +107,7 @@ class Waits:
         self._seen: dict[threading.Event, tuple[str, JobStatus]] = {}  # each held request's job, as last read
         self._looked = time.monotonic()  # when the listener last read the statuses of the jobs waited on
         self._listener: threading.Thread | None = None
+        self._last_listener: threading.Thread | None = None  # the latest started, retired or not
         self._subscribed = threading.Event()
         self._last_wait = time.monotonic()  # when a request last began or stopped waiting
         self._lines_channel = keys.lines_channel(queue_name)
@@ -224,6 +225,13 @@ class Waits:
                 job = read()
         return read()  # the process drains: the job as it stands now
 
+    def stop(self, timeout: float = 5.0) -> None:
+        """Wait until the listener thread has ended and let go of its subscription, once ``draining``
+        is set (it looks every TICK_S)."""
+        listener = self._last_listener
+        if listener is not None:
+            listener.join(timeout)
+
     def _nudge(self) -> None:
         """Have the listener look at its channels now (an empty announcement), not at its next tick."""
         try:
@@ -241,6 +249,7 @@ class Waits:
             if self._listener is None or not self._listener.is_alive():
                 self._subscribed.clear()
                 self._listener = threading.Thread(target=self._listen, name="slotq-longpoll", daemon=True)
+                self._last_listener = self._listener
                 self._listener.start()
 
     def _leave(self, job_id: str, wake: threading.Event) -> None:

@@ -57,6 +57,8 @@ class ApiMetrics:
         self.latency = Histogram("slotq_http_request_duration_seconds", "Time to answer an HTTP request.",
                                  ["method", "route", "status"], buckets=LATENCY_BUCKETS,
                                  registry=self.registry)
+        self.admin_actions = Counter("slotq_admin_actions", "Operators' actions on the lines (/v1/admin), by "
+                                     "action and model.", ["action", "model"], registry=self.registry)
         self._latencies: dict[tuple[str, str, int], Histogram] = {}
         self._admitted: dict[tuple[str, str], Counter] = {}
         self.service = ServiceCollector(queue, settings)

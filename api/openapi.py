@@ -19,6 +19,7 @@ from shared.contract.jobs import (
     MAX_LIMIT,
     MIN_SIDE,
     PRIORITIES,
+    JobChange,
     JobRequest,
     JobStatus,
     JobView,
@@ -61,11 +62,36 @@ LINE_SCHEMA: dict[str, Any] = {
                    "capacity": {"type": "integer", "minimum": 1},
                    "by_priority": _BY_CLASS, "limits": _BY_CLASS},
 }
+# A model's line also says whether an operator paused it (docs/operations.md).
+MODEL_LINE_SCHEMA: dict[str, Any] = {
+    **LINE_SCHEMA, "required": [*LINE_SCHEMA["required"], "paused"],
+    "properties": {**LINE_SCHEMA["properties"], "paused": {"type": "boolean"}},
+}
 # The service's totals, and each model's line by its name.
 QUEUE_SCHEMA: dict[str, Any] = {
     **LINE_SCHEMA, "required": [*LINE_SCHEMA["required"], "models"],
     "properties": {**LINE_SCHEMA["properties"],
-                   "models": {"type": "object", "additionalProperties": LINE_SCHEMA}},
+                   "models": {"type": "object", "additionalProperties": MODEL_LINE_SCHEMA}},
+}
+
+CHANGE = {"required": True, "content": {JSON: {"schema": {"$ref": REF.format(model="JobChange")}}}}
+
+# An operator's view of one model's line (api/admin.py).
+ADMIN_LINE: dict[str, Any] = {
+    "type": "object", "required": ["model", "paused", "waiting"],
+    "properties": {"model": _STRING, "paused": {"type": "boolean"},
+                   "waiting": {"type": "object", "additionalProperties": {"type": "integer", "minimum": 0}}},
+}
+
+_TENANTS_VIEW: dict[str, Any] = {"allOf": [{"$ref": REF.format(model="JobView")}, {
+    "type": "object", "properties": {"tenant": {"anyOf": [_STRING, {"type": "null"}]}}}]}
+ADMIN_JOBS: dict[str, Any] = {
+    "type": "object", "required": ["lines"],
+    "properties": {"lines": {"type": "array", "items": {
+        "type": "object", "required": ["model", "running", "waiting", "waiting_count"],
+        "properties": {"model": _STRING, "running": {"type": "array", "items": _TENANTS_VIEW},
+                       "waiting": {"type": "array", "items": _TENANTS_VIEW},
+                       "waiting_count": {"type": "integer", "minimum": 0}}}}},
 }
 
 # GET /v1/jobs: a page of views and the cursor of the next (null on the last page).
@@ -203,8 +229,10 @@ def _document(max_side: int, max_steps: int, webhooks: bool, names: tuple[str, .
         "openapi": "3.1.0",
         "info": {"title": "slotq", "version": "1",
                  "description": "A GPU image-generation job service with capped admission."},
-        "tags": compat_document.TAGS,
-        "paths": {**_job_paths(codes), **_service_paths(codes), **compat_document.paths()},
+        "tags": [*compat_document.TAGS, {"name": "Operations", "description": "The operators' routes, behind "
+                 "an admin key (SLOTQ_ADMIN_KEYS): pause and resume a line, move a job to the front."}],
+        "paths": {**_job_paths(codes), **_service_paths(codes), **_admin_paths(codes),
+                  **compat_document.paths()},
         "components": {"schemas": {**_model_schemas(max_side, max_steps, webhooks, model, names),
                                    "Error": ERROR_SCHEMA},
                        # No operation answers 405 itself; any other method on a documented path does.
@@ -239,6 +267,9 @@ def _job_paths(codes: dict[int, list[str]]) -> dict[str, Any]:
             "get": _operation(codes, "getJob", "A job's status, progress and result links.",
                               {"200": _json("The job.", "JobView")}, (404, 410, 422, 429, 503),
                               parameters=[WAIT]),
+            "patch": _operation(codes, "changeJob", "Move a waiting job to another class its key may use.",
+                                {"200": _json("The job, at its place now.", "JobView")},
+                                (400, 403, 404, 409, 410, 415, 422, 503), requestBody=CHANGE),
             "delete": _operation(codes, "cancelJob", "Cancel a job.",
                                  {"200": _json("Canceled now.", "JobView"),
                                   "202": _json("Its worker stops it at its next step.", "JobView")},
@@ -318,13 +349,60 @@ def _service_paths(codes: dict[int, list[str]]) -> dict[str, Any]:
     }
 
 
+def _admin_paths(codes: dict[int, list[str]]) -> dict[str, Any]:
+    """The operators' routes (api/admin.py), behind an admin key."""
+    model = {"name": "model", "in": "path", "required": True, "schema": _STRING,
+             "description": "A model's name (SLOTQ_MODEL_NAMES)."}
+    worker = {"name": "name", "in": "path", "required": True, "schema": _STRING,
+              "description": "A live worker's name (GET /v1/workers)."}
+    admin = (401, 403, 503)
+
+    def line_action(operation_id: str, summary: str) -> dict[str, Any]:
+        return {"parameters": [model],
+                "post": _operation(codes, operation_id, summary, {"200": _json("The line now.", ADMIN_LINE)},
+                                   (*admin, 422), tags=["Operations"])}
+
+    return {
+        "/v1/admin/lines": {"get": _operation(
+            codes, "adminLines", "Every model's line: paused or not, and how many wait in each class.",
+            {"200": _json("The lines.", {"type": "object", "required": ["lines"],
+                                         "properties": {"lines": {"type": "array", "items": ADMIN_LINE}}})},
+            admin, tags=["Operations"])},
+        "/v1/admin/jobs": {"get": _operation(
+            codes, "adminJobs", "Every tenant's running jobs and the first waiting of each model's line, "
+                                "in the order workers take them, each view with its tenant.",
+            {"200": _json("The jobs by line.", ADMIN_JOBS)}, (*admin, 422), tags=["Operations"],
+            parameters=[{"name": "limit", "in": "query", "required": False,
+                         "schema": {"type": "integer", "minimum": 1, "maximum": 1000, "default": 100},
+                         "description": "Waiting jobs listed a line."}])},
+        "/v1/admin/lines/{model}/pause": line_action(
+            "pauseLine", "Stop workers taking this model's jobs: admission goes on, a running job finishes."),
+        "/v1/admin/lines/{model}/resume": line_action(
+            "resumeLine", "Let workers take this model's jobs again, in their order."),
+        "/v1/admin/workers/{name}/drain": {"parameters": [worker], "post": _operation(
+            codes, "drainWorker", "Have a live worker finish its execution, claim nothing more and exit.",
+            {"200": _json("Asked: its next heartbeat takes it.", {
+                "type": "object", "required": ["worker", "draining"],
+                "properties": {"worker": _STRING, "draining": {"const": True}}})},
+            (*admin, 404), tags=["Operations"])},
+        "/v1/admin/jobs/{id}": {"parameters": [JOB_ID], "patch": _operation(
+            codes, "adminChangeJob", "Move any tenant's waiting job to another class its tenant may use.",
+            {"200": _json("The job, at its place now.", "JobView")}, (400, *admin, 404, 409, 410, 415, 422),
+            tags=["Operations"], requestBody=CHANGE)},
+        "/v1/admin/jobs/{id}/front": {"parameters": [JOB_ID], "post": _operation(
+            codes, "moveJobToFront", "Move any tenant's waiting job to the front of its class.",
+            {"200": _json("The job, at its new place.", "JobView")}, (*admin, 404, 409),
+            tags=["Operations"])},
+    }
+
+
 def _model_schemas(max_side: int, max_steps: int, webhooks: bool, model: ModelInfo, names: tuple[str, ...]
                    ) -> dict[str, Any]:
     """The models' JSON schemas, plus the limits their validators take from the settings and the
     model (its family's sampler names and side multiple; the defaults are the family's too), and the
     names a job's ``model`` may give."""
     schemas: dict[str, Any] = {}
-    for kind in (JobRequest, JobView, WorkerView, ModelInfo):
+    for kind in (JobRequest, JobView, JobChange, WorkerView, ModelInfo):
         # What a client sends, as it may send it; what it reads, as the service writes it.
         schema = kind.model_json_schema(ref_template=REF,
                                         mode="validation" if kind is JobRequest else "serialization")

@@ -5,8 +5,6 @@ Errors are raised as the typed errors of ``shared/contract/errors.py``; ``api/ap
 
 from __future__ import annotations
 
-from typing import Any
-
 from flask import Blueprint, Response, g, jsonify, request
 from pydantic import BaseModel
 
@@ -17,10 +15,8 @@ from api.openapi import openapi_document
 from shared.contract import logs, tenants
 from shared.contract.errors import (
     DrainingError,
-    InvalidJSONError,
     InvalidRequestError,
     NotFoundError,
-    UnsupportedMediaTypeError,
 )
 from shared.contract.images import INPUT_NAMES
 from shared.contract.jobs import DEFAULT_LIMIT, MAX_IDEMPOTENCY_KEY, MAX_LIMIT, JobStatus, Submission
@@ -31,7 +27,7 @@ bp = Blueprint("slotq", __name__)
 def authenticate() -> None:
     """With SLOTQ_API_KEYS set, every /v1 call needs a valid bearer key; it names the tenant. (An
     open service has no tenants: ``api/app.py`` registers this hook only where there are keys.)"""
-    if request.path.startswith("/v1/"):
+    if request.path.startswith("/v1/") and not request.path.startswith("/v1/admin/"):  # api/admin.py's own
         state.set_tenant(tenants.authenticate(state.key_policies(), state.settings(),
                                               request.headers.get("Authorization")))
 
@@ -112,6 +108,12 @@ def cancel_job(job_id: str) -> tuple[Response, int]:
     """Cancel a job, which keeps its record: 200 once it is canceled, 202 while its worker stops it."""
     view, ended = state.jobs().cancel(job_id, state.tenant())
     return _json(view), 200 if ended else 202
+
+
+@bp.patch("/v1/jobs/<job_id>")
+def change_job(job_id: str) -> Response:
+    """Move a waiting job of the caller to another priority class its key may use."""
+    return _json(state.jobs().change(job_id, bodies.json_body(), state.tenant()))
 
 
 @bp.get("/v1/queue")
@@ -199,16 +201,7 @@ def _json(view: BaseModel) -> Response:
 def _submission() -> Submission:
     """The body as a job request for the model it names, with this service's limits, or
     ``InvalidRequestError`` (``UnknownModelError``, ``InvalidImageError`` for an input image)."""
-    return state.jobs().submission(_json_body())
-
-
-def _json_body() -> Any:
-    if request.mimetype != "application/json":
-        raise UnsupportedMediaTypeError()
-    try:
-        return bodies.loads(request.get_data(cache=False))
-    except ValueError as exc:
-        raise InvalidJSONError(f"The request body is not valid JSON: {exc}.") from None
+    return state.jobs().submission(bodies.json_body())
 
 
 def _idempotency_key() -> str | None:

@@ -38,10 +38,13 @@ Body = dict[str, Any]
 
 
 def bench_settings(scratch: Path, clients: int, redis_url: str = "redis://127.0.0.1:6379/0") -> Settings:
-    """The settings of every process of a run; threads enough for every client on one API process."""
+    """The settings of every process of a run; threads enough for every client on one API process.
+    One job an execution, whole-pipeline: these sections measure the service around one execution
+    (their recorded results did so); batching and step scheduling, the defaults, have benchmarks of
+    their own (bench.batching, bench.joining, bench.peers)."""
     return Settings(redis_url=redis_url, queue_name="bench", queue_capacity=100_000, drain_s=0,
                     cache_dir=scratch / "models", log_level="WARNING", api_workers=2,
-                    api_threads=max(4, clients))
+                    api_threads=max(4, clients), max_batch=1, step_scheduling=False)
 
 
 def running(scratch: Path, clients: int, **overrides: Any) -> AbstractContextManager[Service]:

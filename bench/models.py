@@ -205,6 +205,7 @@ def line_run(settings: Settings, scratch: Path, jobs: int, size: int, steps: int
     """Queue the alternating line on an empty Redis, start a worker on it, and follow every job to its end."""
     from redis import Redis
 
+    from api import state
     from api.app import create_app
     from slotq.harness import start_worker
 
@@ -223,7 +224,7 @@ def line_run(settings: Settings, scratch: Path, jobs: int, size: int, steps: int
                 raise RuntimeError(f"the worker exited with {worker.popen.returncode}:\n"
                                    f"{worker.output()[-3000:]}")
     finally:
-        app.extensions["slotq.queue"].connection.close()
+        state.close(app)
     began = min(datetime.fromisoformat(view["started_at"]) for view in views)
     ended = max(datetime.fromisoformat(view["finished_at"]) for view in views)
     sources = [view["model_load"]["source"] for view in views]

@@ -19,6 +19,7 @@ from redis.connection import Connection
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq import Queue
 
+from api import state
 from api.app import create_app
 from shared.contract import keys
 from shared.contract.jobs import PRIORITIES
@@ -30,6 +31,9 @@ from slotq.harness import spawn as spawn
 from slotq.localredis import free_port
 
 DEADLINE_S = 60.0
+# A worker that runs one job per execution: for tests of what one execution does (claiming ahead,
+# counting executions, timing one job), where the defaults would batch and join (docs/settings.md).
+ONE_AT_A_TIME: dict[str, Any] = {"max_batch": 1, "step_scheduling": False}
 
 # The suite's workers run torch on one thread: the suite's two processes and all that they start share
 # two cores, where an operator on two threads waits whenever another process takes one of them
@@ -203,7 +207,7 @@ def app_client(settings: Settings) -> Iterator[FlaskClient]:
     try:
         yield app.test_client()
     finally:
-        app.extensions["slotq.queue"].connection.close()
+        state.close(app)
 
 
 @pytest.fixture

@@ -67,7 +67,9 @@ def test_worker_and_api_metrics_move_with_jobs(worker: Process, worker_client: A
     before = wait_for(lambda: _try_scrape(worker_url), what="the worker's metrics port")
     api_before = scrape_app(worker_client)
 
-    ids = [post_job(worker_client, width=64, height=64, steps=2).get_json()["id"] for _ in range(2)]
+    # Of two widths: they neither batch nor join, so each has a GPU section of its own.
+    ids = [post_job(worker_client, width=64 + 8 * index, height=64, steps=2).get_json()["id"]
+           for index in range(2)]
     for job_id in ids:
         wait_for_status(worker_client, job_id, "succeeded")
     # The job's end is recorded before its metrics: wait for the counter, not for a fixed time.

@@ -237,7 +237,7 @@ class Finishing(RQWorker):
         if any(end.outcome is Outcome.SUCCEEDED for end in ended):
             try:
                 estimates.job_done(self.connection, batch.line, self.name, batch.running, batch.cost,
-                                   batch.seconds)
+                                   batch.seconds, len(batch.works))
             except RedisError as exc:  # the ends are recorded: the model only misses one sample
                 log.warning("could not update the job-time model: %s", exc)
         return ended

@@ -9,7 +9,9 @@ joins is claimed by the same atomic claim as a batch's companions (``claim_compa
 key), from its own class, at most SLOTQ_MAX_BATCH jobs in the loop at once and never more pixels than
 batching allows. Preemption pauses the loop's jobs (their state kept: on the CPU where the models
 run on a GPU), runs the higher class's job as an execution of its own, then resumes them: a worker
-crash meanwhile leaves them claimed, and recovery runs them again as after any crash.
+crash meanwhile leaves them claimed, and recovery runs them again as after any crash. While they run,
+each job's state is saved every SLOTQ_CHECKPOINT_EVERY_S (worker/resuming.py), and a later attempt at
+it resumes at the step saved.
 """
 
 from __future__ import annotations
@@ -27,12 +29,18 @@ from rq.job import Job
 from rq.timeouts import BaseDeathPenalty, JobTimeoutException
 
 from shared.contract import logs
-from shared.contract.errors import JobCanceledError, JobFailedError, JobInterruptedError, WorkerFatalError
+from shared.contract.errors import (
+    JobCanceledError,
+    JobFailedError,
+    JobInterruptedError,
+    StorageUnavailableError,
+    WorkerFatalError,
+)
 from shared.contract.jobs import PRIORITIES, JobRequest
-from shared.store import estimates, records, waiting
+from shared.store import estimates, records, results, waiting
 from shared.store.fencing import Fence, StaleAttemptError, holding
 from shared.store.waiting import SentCompatible
-from worker import batching, lifecycle, previews, progress, tasks
+from worker import batching, lifecycle, previews, progress, resuming, tasks
 from worker.desk import JobDesk, Taken
 from worker.messages import Batch, Rendered, Work
 from worker.outcomes import Member, ids_of
@@ -54,6 +62,7 @@ class Seat:
     flights: list[Flight]
     timeout_at: float  # time.perf_counter() past which its job timeout ends it
     previews: previews.Cadence
+    checkpoints: resuming.Cadence
 
     @property
     def job(self) -> Job:
@@ -88,10 +97,12 @@ class JoinedExecution:
         self.run_preempting, self.death_penalty = run_preempting, death_penalty
         self.first, self.like = first, first.claims[0]  # joiners are claimed like its first job
         self.connection = desk.connection
+        self.results = results.of(self.settings)
         self.pipeline = current_pipeline()
         self.loop = SteppingLoop(self.pipeline.for_stepping(), self.pipeline.samplers)
         self.priority = self.like.record.get(b"priority", b"normal").decode()
         self.running, self.cost = running, cost  # the worker's running entry, and its jobs' cost
+        self.stepped: int | None = 0  # loop steps since the running entry was marked (None: unknown)
         self.seats: list[Seat] = []
         self.done: list[tuple[Member, Work]] = []  # decoded, not yet handed to the finishing process
         self.joining: SentCompatible | None = None  # a join's claim sent, its answer not yet read
@@ -104,17 +115,19 @@ class JoinedExecution:
         """Run these started jobs and those that join them until all have ended; the members the loop
         refused (they run as a whole-pipeline execution instead)."""
         refused = self._seat(members, canceled)
+        self._pausing(True)
         try:
             try:
                 while self.seats or self.joining is not None:
                     self._step()
-            except WorkerFatalError:
-                raise  # the device is lost: the jobs stay claimed, for the next worker to run again
+            except (WorkerFatalError, RedisError):
+                raise  # the device is lost, or Redis: the jobs stay claimed, to run again after recovery
             except Exception as exc:  # a fault of the device or the loop: every job in it ends by it
                 estimates.clear_running(self.connection, self.line, self.desk.name)
                 for seat in list(self.seats):
                     self._end(seat, exc)
             finally:
+                self._pausing(False)
                 self._put_back_joiners()
                 self._hand_over(wait=True)  # the decoded ones are done whatever became of the others
         except BaseException:
@@ -143,15 +156,22 @@ class JoinedExecution:
                 self.death_penalty(left, JobTimeoutException, job_id=self.seats[0].job.id), \
                 self.pipeline.section():
             self.loop.step()
+            if self.stepped is not None:
+                self.stepped += 1
+            if self.settings.fault_injection:  # a test's device fault, at step 1 as in a whole execution
+                for seat in first:
+                    tasks.inject_fault(seat.request)
         self._offer_previews()
         self._end_overflowed([seat for seat in self.seats if seat in first])  # as a whole execution looks
         self._finish([seat for seat in self.seats if seat.done])
+        self._save_checkpoints(self.seats)
         self._hand_over(wait=not self.seats and self.joining is None)
 
     def _check_in(self) -> None:
         """Interrupt, timeouts; when a report is due, each job's progress and whether it was canceled,
         and a NaN check."""
         if lifecycle.interrupting.is_set():
+            self._save_checkpoints(self.seats, at_once=True)  # the next attempt goes on from here
             for seat in list(self.seats):
                 self._end(seat, JobInterruptedError())
             return
@@ -163,9 +183,11 @@ class JoinedExecution:
         if not reporting or not self.cadence.due(len(self.seats), -1):  # a loop has no last step
             return
         try:
+            left = max(total - step for step, total in (seat.progress for seat in self.seats))
+            timed = (self.stepped, self.stepped + left) if self.stepped else None
             with holding(*self._fences(reporting)):
                 canceled = records.report_steps([seat.job for seat in reporting],
-                                                [seat.progress for seat in reporting])
+                                                [seat.progress for seat in reporting], timed)
         except StaleAttemptError:
             canceled = [False] * len(reporting)
             self._drop_stale(reporting)
@@ -195,13 +217,57 @@ class JoinedExecution:
                     log.info("job %s runs as a whole-pipeline execution: %s", member.job.id, exc)
                     refused.append(member)
                     continue
+                if int(member.job.meta.get("attempt", 1)) > 1:  # a first attempt has no checkpoint
+                    flights = self._resume(member.job, each[0], flights)
                 now = time.perf_counter()
                 timeout = member.job.timeout or self.settings.job_timeout_s
                 cadence = previews.Cadence(self.settings.preview_interval_ms / 1000)
-                self.seats.append(Seat(member, each[0], flights, now + timeout, cadence))
+                checkpoints = resuming.Cadence(self.settings.checkpoint_every_s, saved_step=flights[0].step)
+                self.seats.append(Seat(member, each[0], flights, now + timeout, cadence, checkpoints))
         if self.seats:
             self.pipeline.threads.use(work_of([seat.request for seat in self.seats]))
         return refused
+
+    def _resume(self, job: Job, request: JobRequest, flights: list[Flight]) -> list[Flight]:
+        """A later attempt's flights, put where the job's step checkpoint says where it has one that
+        fits (its meta then says ``resumed_from_step``); else as they are, at step 0."""
+        job.meta.pop("resumed_from_step", None)  # an earlier attempt's
+        try:
+            found = self.results.checkpoint(job)
+        except (RedisError, StorageUnavailableError) as exc:
+            log.warning("job %s: could not read its step checkpoint (%s): it starts at step 0", job.id, exc)
+            return flights
+        if found is None:
+            return flights
+        flights = resuming.resume(self.loop, job, request, flights, found)
+        if flights[0].step:
+            job.meta["resumed_from_step"] = flights[0].step
+        return flights
+
+    def _save_checkpoints(self, seats: list[Seat], at_once: bool = False) -> None:
+        """Save the step checkpoint of each of these jobs that is due one (``at_once``: each that has
+        taken a step since its last), under its attempt's fence; a write that fails is logged, and the
+        job goes on."""
+        now = time.monotonic()
+        due = [seat for seat in seats if seat.checkpoints.due(seat.progress[0], now, at_once)]
+        if not due:
+            return
+        pipe_class = type(self.loop.pipe).__name__
+        with self.pipeline.section():  # the latents are read off the device
+            saved = [(seat, resuming.dump(resuming.fingerprint(seat.job, pipe_class),
+                                          [self.loop.state_of(flight) for flight in seat.flights]))
+                     for seat in due]
+        for seat, data in saved:
+            step = seat.progress[0]
+            try:
+                with holding(seat.member.fence):
+                    self.results.save_checkpoint(seat.job, step, data)
+            except StaleAttemptError as exc:
+                self._end(seat, exc)
+                continue
+            except (RedisError, StorageUnavailableError) as exc:  # best effort, as progress is
+                log.warning("job %s: could not save its step checkpoint (%s)", seat.job.id, exc)
+            seat.checkpoints.saved(step, now)
 
     def _send_join(self) -> None:
         """Send the claim of compatible jobs waiting in the first job's class, as many as there is room
@@ -223,7 +289,9 @@ class JoinedExecution:
         self.looked_aside = now
         classes = PRIORITIES[:PRIORITIES.index(self.priority) + 1]
         try:
-            self.others_wait = any(waiting.counts(self.connection, line)[name] for line in others
+            # A paused line's jobs wait for its resume, not for this loop to drain.
+            states = [waiting.line_state(self.connection, line) for line in others]
+            self.others_wait = any(counts[name] for counts, paused in states if not paused
                                    for name in classes)
         except RedisError as exc:
             log.warning("could not look at the other lines (%s): no job joins now", exc)
@@ -240,10 +308,14 @@ class JoinedExecution:
         if not claims:
             return
         taken = self.desk.taken_with(self.first, claims)
-        members, running, cost, canceled = self.desk.begin(taken, self.line, running_cost=self.cost)
+        try:
+            members, running, cost, canceled = self.desk.begin(taken, self.line, running_cost=self.cost)
+        except BaseException:
+            self.desk.unhold(claims)  # not started (Redis went away): leftovers, which recovery puts back
+            raise
         if not members:
             return
-        self.running, self.cost = running, cost
+        self.running, self.cost, self.stepped = running, cost, 0  # marked anew, from the joiners' start
         log.info("%d job(s) joined the running batch at a step boundary", len(members))
         for member in self._seat(members, canceled):  # the model refused none before: it cannot now
             self.desk.fail(member, JobFailedError("invalid_request", "the job cannot join the loop"))
@@ -372,6 +444,7 @@ class JoinedExecution:
                 self.loop.pause(flight)
         self._mark_paused(paused, True)
         log.info("%d job(s) paused at a step boundary for a job of a higher class", len(paused))
+        self._pausing(False)  # the preempting execution pauses for no one
         try:
             self.run_preempting(self.line)
         finally:
@@ -379,15 +452,34 @@ class JoinedExecution:
                 for flight in seat.flights:
                     self.loop.resume(flight)
             self.seats = paused
+            self._pausing(True)
             try:
                 with holding(*self._fences()), self.connection.pipeline(transaction=False) as pipe:
                     self.running = estimates.mark_running(pipe, self.line, self.desk.name, self.cost,
                                                           self.first.starts_at())
+                    # Since the first job's start, which the preempting execution's time is part of:
+                    # no step time from this entry.
+                    self.stepped = None
                     pipe.execute()
             except (RedisError, StaleAttemptError) as exc:
                 log.warning("could not mark the resumed jobs running: %s", exc)
             self._mark_paused(paused, False)
             self.slot_since = time.perf_counter()  # the preempting execution's time was its own
+
+    def _pausing(self, pausing: bool) -> None:
+        """Say whether this worker's running execution is this loop, which a higher class's job pauses
+        after SLOTQ_PREEMPT_AFTER_S: that job's estimated start (its ETA, a deadline's admission) then
+        does not wait for the loop's end."""
+        if self.settings.preempt_after_s < 0 or (pausing and not self.seats):
+            return
+        try:
+            if pausing:
+                estimates.mark_pausing(self.connection, self.line, self.desk.name, self.priority,
+                                       self.settings.preempt_after_s)
+            else:
+                estimates.clear_pausing(self.connection, self.line, self.desk.name)
+        except RedisError as exc:  # an estimate the less: the loop goes on
+            log.warning("could not note whether the loop pauses for a higher class: %s", exc)
 
     def _mark_paused(self, seats: list[Seat], paused: bool) -> None:
         """Say on each job whether it is paused (``GET /v1/jobs/<id>``: running, ``"paused": true``)."""

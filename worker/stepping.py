@@ -5,7 +5,9 @@ later waits for the whole batch. Here each image is a ``Flight`` with its own la
 scheduler object (a sampler keeps its step index, and a multistep one its past predictions, on the
 object) and its own CPU generator, and one ``SteppingLoop.step`` runs one denoising step of every
 flight in a single UNet (or Flux transformer) call, each row at its own timestep. A flight
-joins at a step boundary, leaves after its last step, and can be paused and resumed where it stopped.
+joins at a step boundary, leaves after its last step, and can be paused and resumed where it stopped;
+its state can be read out between steps and put into a new flight of the same request, in another
+process (worker/resuming.py's step checkpoints).
 
 Each flight makes the image diffusers' own pipeline makes for its seed alone: the noise, timesteps,
 classifier-free guidance and sampler step below mirror ``StableDiffusionPipeline``,
@@ -266,6 +268,49 @@ class SteppingLoop:
         flight.state = FlightState.RUNNING
         self.running.append(flight)
 
+    @torch.inference_mode()
+    def state_of(self, flight: Flight) -> dict[str, Any]:
+        """What a flight between steps needs to go on elsewhere, on the CPU: its step, latents, sampler's
+        state and generator's. Its conditioning is not in it: ``restore`` encodes the prompt again."""
+        cpu = torch.device("cpu")
+        sampler = {name: _to(value, cpu) for name, value in vars(flight.scheduler).items() if _kept(value)}
+        return {"image": flight.image, "step": flight.step, "sampler": type(flight.scheduler).__name__,
+                "latents": flight.latents.cpu(), "state": sampler, "generator": flight.generator.get_state()}
+
+    @torch.inference_mode()
+    def restore(self, flight: Flight, state: dict[str, Any]) -> None:
+        """Put a flight just admitted (at step 0) where ``state_of`` read one of the same request out:
+        its next step is the one that flight stopped before. ``ValueError`` where the state does not
+        fit this flight (another sampler, size or image, a step outside its run), which it leaves as
+        it was."""
+        self._expect(flight, FlightState.RUNNING)
+        if flight.step != 0:
+            raise ValueError("only a flight at step 0 takes a saved state")
+        fresh = vars(flight.scheduler)
+        latents, sampler = state.get("latents"), state.get("state")
+        if state.get("image") != flight.image or state.get("sampler") != type(flight.scheduler).__name__:
+            raise ValueError("the state is another image's, or another sampler's")
+        if not (isinstance(latents, torch.Tensor) and latents.shape == flight.latents.shape
+                and latents.dtype == flight.latents.dtype):
+            raise ValueError("the state's latents are not this flight's shape and type")
+        # Some attributes appear at a sampler's first step (UniPC's last sample): those are taken as saved.
+        if not isinstance(sampler, dict) or any(
+                name in fresh and not _fits(value, fresh[name]) for name, value in sampler.items()):
+            raise ValueError("the state's sampler attributes are not this sampler's")
+        step = state.get("step")
+        if not isinstance(step, int) or not 0 < step < flight.total:
+            raise ValueError(f"the state's step, {step!r}, is not one this flight resumes at")
+        generator = state.get("generator")
+        if not isinstance(generator, torch.Tensor):
+            raise ValueError("the state has no generator state")
+        flight.generator.set_state(generator)
+        for name, value in sampler.items():
+            # On the device its fresh one is on (Euler keeps its sigmas on the CPU), else the loop's.
+            home = fresh.get(name)
+            fresh[name] = _to(value, home.device if isinstance(home, torch.Tensor) else self.device)
+        flight.latents = latents.to(flight.latents.device)
+        flight.step = step
+
     def cancel(self, flight: Flight) -> None:
         """End a running or paused flight for good; its tensors are let go."""
         if flight.state not in (FlightState.RUNNING, FlightState.PAUSED):
@@ -302,9 +347,7 @@ def _move(flight: Flight, to: torch.device) -> None:
     flight.shared = {name: tensor.to(to) for name, tensor in flight.shared.items()}
     state = vars(flight.scheduler)
     for name in flight.offloaded:
-        value = state[name]
-        state[name] = ([each.to(to) if isinstance(each, torch.Tensor) else each for each in value]
-                       if isinstance(value, list) else value.to(to))
+        state[name] = _to(state[name], to)
 
 
 def _on(value: object, device: torch.device) -> bool:
@@ -313,6 +356,31 @@ def _on(value: object, device: torch.device) -> bool:
     if isinstance(value, list):
         return any(isinstance(each, torch.Tensor) and each.device.type == device.type for each in value)
     return isinstance(value, torch.Tensor) and value.device.type == device.type
+
+
+def _kept(value: object) -> bool:
+    """Whether a sampler attribute is state a checkpoint keeps: tensors, numbers, flags and lists of
+    them (a multistep sampler's past predictions), not its config."""
+    if isinstance(value, list):
+        return all(each is None or isinstance(each, torch.Tensor | int | float | bool) for each in value)
+    return value is None or isinstance(value, torch.Tensor | int | float | bool | str)
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    """A sampler attribute on a device: a tensor, or a list's tensors (other values as they are)."""
+    if isinstance(value, list):
+        return [each.to(device) if isinstance(each, torch.Tensor) else each for each in value]
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
+def _fits(saved: Any, fresh: Any) -> bool:
+    """Whether a saved sampler attribute can stand for a fresh sampler's: the same kind, and a tensor
+    of the same shape."""
+    if isinstance(fresh, torch.Tensor):
+        return isinstance(saved, torch.Tensor) and saved.shape == fresh.shape and saved.dtype == fresh.dtype
+    if isinstance(fresh, list):
+        return isinstance(saved, list) and len(saved) == len(fresh)
+    return fresh is None or saved is None or type(saved) is type(fresh)
 
 
 _accepts: dict[type, frozenset[str]] = {}

@@ -24,7 +24,7 @@ from shared.contract.errors import JobEndedError, ServiceError, SyncWaitExceeded
 from shared.contract.jobs import JobStatus, JobView, Submission
 from shared.store import preferences
 
-Surface = str  # "openai" or "a1111": the label of the admissions metric (slotq_admissions_total)
+Surface = str  # "openai", "a1111" or "comfyui": the label of the admissions metric (slotq_admissions_total)
 P = ParamSpec("P")
 R = TypeVar("R")
 

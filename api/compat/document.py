@@ -8,11 +8,14 @@ from typing import Any
 
 from shared.contract.jobs import MAX_IMAGES
 
-OPENAI_TAG, A1111_TAG = "OpenAI Images", "AUTOMATIC1111"
+OPENAI_TAG, A1111_TAG, COMFYUI_TAG = "OpenAI Images", "AUTOMATIC1111", "ComfyUI"
 TAGS = [{"name": OPENAI_TAG, "description": "OpenAI's Images API over slotq's queue (base URL `/v1`): "
          "each call admits a job and answers when it ends (SLOTQ_SYNC_WAIT_S)."},
         {"name": A1111_TAG, "description": "AUTOMATIC1111's `/sdapi/v1` over slotq's queue: each call admits "
-         "a job and answers when it ends; options are kept per tenant."}]
+         "a job and answers when it ends; options are kept per tenant."},
+        {"name": COMFYUI_TAG, "description": "ComfyUI's API over slotq's queue, each route also under "
+         "`/api`: a graph posted to `/prompt` is admitted as one job at once; `/history`, `/view` and the "
+         "websocket `/ws` follow it."}]
 
 _STRING, _INTEGER, _NUMBER = {"type": "string"}, {"type": "integer"}, {"type": "number"}
 _OBJECT = {"type": "object"}
@@ -21,6 +24,11 @@ OPENAI_ERROR = {"type": "object", "required": ["error"], "properties": {"error":
     "type": "object", "required": ["message", "type", "param", "code"],
     "properties": {"message": _STRING, "type": _STRING, "param": {"type": ["string", "null"]},
                    "code": {"type": ["string", "null"]}}}}}
+COMFYUI_ERROR = {"type": "object", "required": ["error", "node_errors"], "properties": {
+    "error": {"type": "object", "required": ["type", "message"], "properties": {
+        "type": _STRING, "message": _STRING, "details": _STRING, "extra_info": _OBJECT}},
+    "node_errors": {"type": "object", "description": "by node id: `{errors, dependent_outputs, class_type}`"},
+}}
 A1111_ERROR = {"type": "object", "required": ["error", "detail"],
                "properties": {"error": _STRING, "detail": _STRING, "body": {}, "errors": {}, "code": _STRING}}
 # slotq's job fields an OpenAI request may add (``extra_body`` in the openai package).
@@ -77,7 +85,7 @@ def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
 
 def _operation(tag: str, operation_id: str, summary: str, answer: dict[str, Any], errors: tuple[int, ...],
                body: tuple[str, dict[str, Any]] | None = None) -> dict[str, Any]:
-    envelope = OPENAI_ERROR if tag == OPENAI_TAG else A1111_ERROR
+    envelope = {OPENAI_TAG: OPENAI_ERROR, A1111_TAG: A1111_ERROR, COMFYUI_TAG: COMFYUI_ERROR}[tag]
     responses = {"200": answer, **{str(status): _json(envelope, "An error in the surface's envelope.")
                                    for status in errors}}
     operation = {"tags": [tag], "operationId": operation_id, "summary": summary, "responses": responses}
@@ -137,4 +145,90 @@ def paths() -> dict[str, Any]:
             A1111_TAG, "a1111_controlnet_module_list", "The preprocessors a unit may name: `none`, "
             "`canny`.", _json(_OBJECT, "`{module_list, module_detail}`."), (401,))},
         **a1111,
+        **comfyui_paths(),
     }
+
+
+PROMPT = {"type": "object", "required": ["prompt"], "properties": {
+    "prompt": {"type": "object", "description": "the graph in API format: node id -> `{class_type, inputs}`"},
+    "client_id": {"type": "string", "maxLength": 128}, "extra_data": _OBJECT,
+    "front": {"type": "boolean", "description": "the high class, where the caller's key may use it"}}}
+QUEUED = {"type": "object", "required": ["prompt_id", "number", "node_errors"],
+          "properties": {"prompt_id": _STRING, "number": _INTEGER, "node_errors": _OBJECT}}
+CHANGES = {"type": "object", "properties": {"delete": {"type": "array", "items": _STRING},
+                                            "clear": {"type": "boolean"}}}
+_UPLOADED: dict[str, Any] = {"image": _BINARY, "type": {"enum": ["input", "temp", "output"]},
+                             "subfolder": _STRING, "overwrite": _STRING}
+UPLOAD = {"type": "object", "required": ["image"], "properties": _UPLOADED}
+MASK = {"type": "object", "required": ["image", "original_ref"], "properties": {**_UPLOADED, "original_ref": {
+    "type": "string", "description": "JSON `{filename, subfolder}` of the image uploaded before"}}}
+_DONE = {"description": "Done.", "content": {}}
+_NAMES = {"type": "array", "items": _STRING}
+
+
+def comfyui_paths() -> dict[str, Any]:
+    """ComfyUI's routes, each at ``/x`` and ``/api/x``; the websocket at ``/ws`` only."""
+    tag, of_caller = COMFYUI_TAG, (400, 401, 429, 500, 503)
+    def operation(operation_id: str, summary: str, answer: dict[str, Any], errors: tuple[int, ...] = (401,),
+                  body: tuple[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+        return _operation(tag, operation_id, summary, answer, errors, body)
+    routes: dict[str, dict[str, Any]] = {
+        "/prompt": {
+            "post": operation("comfyui_prompt", "Admit a graph as one job (400 names the nodes slotq cannot "
+                              "run; 429 when the line is full).", _json(QUEUED, "Admitted."),
+                              (400, 401, 413, 429, 500, 503), ("application/json", PROMPT)),
+            "get": operation("comfyui_prompt_status", "`{exec_info: {queue_remaining}}`: the caller's.",
+                             _json(_OBJECT, "The caller's prompts that have not ended."))},
+        "/queue": {
+            "get": operation("comfyui_queue", "The caller's running and pending prompts, in ComfyUI's "
+                             "tuples.", _json(_OBJECT, "`{queue_running, queue_pending}`.")),
+            "post": operation("comfyui_queue_change", "Cancel the caller's pending prompts: `delete` those "
+                              "named, or `clear`.", _DONE, of_caller, ("application/json", CHANGES))},
+        "/interrupt": {"post": operation("comfyui_interrupt", "Cancel the caller's running prompt "
+                                         "(`{prompt_id}`: that one).", _DONE, of_caller,
+                                         ("application/json", _OBJECT))},
+        "/history": {
+            "get": operation("comfyui_history", "The caller's ended prompts (`max_items`: the newest so "
+                             "many): outputs and status.", _json(_OBJECT, "By prompt id.")),
+            "post": operation("comfyui_history_change", "Out of the caller's history: `delete` those "
+                              "named, or `clear`.", _DONE, of_caller, ("application/json", CHANGES))},
+        "/history/{id}": {"get": operation("comfyui_prompt_history", "One prompt's entry once it has ended; "
+                                           "`{}` before, or for an id of no prompt of the caller's.",
+                                           _json(_OBJECT, "`{<id>: entry}` or `{}`."))},
+        "/view": {"get": operation("comfyui_view", "An output by its file name (without a key too: the "
+                                   "name is the capability), or an upload (`type=input`).",
+                                   {"description": "The image.", "content": {"image/*": {"schema": _BINARY}}},
+                                   (401, 404))},
+        "/upload/image": {"post": operation("comfyui_upload_image", "Keep an image for a graph's "
+                                            "`LoadImage`: `{name, subfolder, type}`.",
+                                            _json(_OBJECT, "Kept."), (400, 401, 413),
+                                            ("multipart/form-data", UPLOAD))},
+        "/upload/mask": {"post": operation("comfyui_upload_mask", "Keep an earlier upload (`original_ref`) "
+                                           "with the alpha of the `image` sent, under its name (a mask "
+                                           "`LoadImage` reads).", _json(_OBJECT, "Kept."),
+                                           (400, 401, 404, 413), ("multipart/form-data", MASK))},
+        "/object_info": {"get": operation("comfyui_object_info", "The node classes slotq runs, with their "
+                                          "inputs and the models, LoRAs and samplers they may name.",
+                                          _json(_OBJECT, "By class."))},
+        "/object_info/{name}": {"get": operation("comfyui_object_info_class", "One node class; `{}` for "
+                                                 "one slotq does not run.",
+                                                 _json(_OBJECT, "`{<class>: entry}`."))},
+        "/models": {"get": operation("comfyui_model_folders", "The model folders.", _json(_NAMES, "Names."))},
+        "/models/{name}": {"get": operation("comfyui_models", "The files a graph may name from one folder.",
+                                            _json(_NAMES, "File names."), (401, 404))},
+        "/embeddings": {"get": operation("comfyui_embeddings", "None.", _json(_NAMES, "None."))},
+        "/extensions": {"get": operation("comfyui_extensions", "None.", _json(_NAMES, "None."))},
+        "/system_stats": {"get": operation("comfyui_system_stats", "The service and its live workers' "
+                                           "devices.", _json(_OBJECT, "`{system, devices}`."))},
+    }
+    paths = {**routes, **{f"/api{path}": {method: {**item, "operationId": f"{item['operationId']}_api"}
+                                          for method, item in methods.items()}
+                          for path, methods in routes.items()}}
+    paths["/ws"] = {"get": {"tags": [tag], "operationId": "comfyui_websocket", "summary": "A websocket "
+                            "(`?clientId=`): the messages of the caller's prompts of this client id.",
+                            "responses": {"101": {"description": "Switching to the websocket protocol."},
+                                          "401": _json(COMFYUI_ERROR, "No key, or an unknown one."),
+                                          "429": _json(COMFYUI_ERROR, "The caller holds its share of the "
+                                                       "process's streams."),
+                                          "503": _json(COMFYUI_ERROR, "The process holds all it may.")}}}
+    return paths

@@ -3,16 +3,19 @@
     python -m bench.peers [--rounds 3] [--jobs 60] [--loads 0.5,0.9,1.3] [--plot FILE] [--quick]
 
 Peers, each serving the tiny SD pipeline on the CPU with the same torch threads: slotq with its
-defaults; slotq with step-level scheduling and preemption (``SLOTQ_MAX_BATCH=8``,
-``SLOTQ_STEP_SCHEDULING=true``, ``SLOTQ_PREEMPT_AFTER_S=0``); Ray Serve with ``@serve.batch``
-(bench/peers/ray_app.py); a Celery worker behind a Flask app (bench/peers/celery_app.py). A peer
+defaults (batches of up to 8, step-level scheduling and preemption); slotq one job at a time
+(``SLOTQ_MAX_BATCH=1``, ``SLOTQ_STEP_SCHEDULING=false``: the defaults before this benchmark);
+Ray Serve with ``@serve.batch`` (bench/peers/ray_app.py); a Celery worker behind a Flask app
+(bench/peers/celery_app.py). A peer
 whose packages are missing (the ``bench`` extra) is skipped with a line saying so.
 
 All peers run side by side, idle but for the one replaying. Each first serves every shape of job of
 the trace alone (its solo latency: a job's SLO is 3 times it, on that peer). The capacity is the mix's
 mean solo time on slotq with its defaults; each round replays, for each load, one seeded open-loop
 trace of Poisson arrivals at that share of the capacity to every peer in turn (the order rotating),
-clients giving up at 10 times their SLO. The median of the rounds counts; the spread is shown.
+clients giving up at 10 times their SLO. Each client asks to start by its SLO less its solo latency,
+which slotq takes as the job's ``deadline_s`` (refusing at once what its estimates say cannot start
+by then) and the others have no field for. The median of the rounds counts; the spread is shown.
 """
 
 from __future__ import annotations
@@ -30,11 +33,11 @@ from pathlib import Path
 
 from bench.peers.peer import Outcome, Peer
 from bench.peers.replay import ClassFigures, Shape, figures, replay, shape, solo_latencies
-from bench.peers.slotq_peer import STEPPED, SlotqPeer
+from bench.peers.slotq_peer import ONE_AT_A_TIME, SlotqPeer
 from bench.peers.trace import CLASSES, QUICK_CLASSES, SLO_FACTOR, JobClass, TraceJob, mean_service_s, trace
 from bench.stats import median
 
-SLOTQ, STEPPED_NAME = "slotq", "slotq, step scheduling"
+SLOTQ, ONE_NAME = "slotq", "slotq, one job at a time"
 SETTLE_S = 60.0
 
 
@@ -55,7 +58,7 @@ class Served:
 def available_peers(cache_dir: Path, threads: int) -> tuple[list[Peer], list[str]]:
     """Every peer that can run here, and a line for each that cannot."""
     peers: list[Peer] = [SlotqPeer(cache_dir, threads, SLOTQ),
-                         SlotqPeer(cache_dir, threads, STEPPED_NAME, STEPPED)]
+                         SlotqPeer(cache_dir, threads, ONE_NAME, ONE_AT_A_TIME)]
     skipped = []
     if importlib.util.find_spec("ray") is not None:
         from bench.peers.ray_peer import RayServePeer
@@ -114,6 +117,11 @@ def run(served: list[Served], classes: tuple[JobClass, ...], rounds: int, jobs: 
 
 
 def class_figures(each: Served, load: float, job_class: str) -> list[ClassFigures]:
+    """The class's figures in each round that had a job of it."""
+    return [f for f in round_figures(each, load, job_class) if f.jobs]
+
+
+def round_figures(each: Served, load: float, job_class: str) -> list[ClassFigures]:
     return [figures(arrivals, outcomes, each.slo_s, job_class, span)
             for arrivals, outcomes, span in each.rounds.get(load, [])]
 
@@ -132,7 +140,8 @@ def table(served: list[Served], classes: tuple[JobClass, ...], loads: Sequence[f
         for each in served:
             for job_class in classes:
                 rounds = class_figures(each, load, job_class.name)
-                if not rounds:
+                if not rounds:  # no job of the class arrived (a --quick trace)
+                    lines.append(f"{load:>4}  {each.peer.name:<24} {job_class.name:<11} -")
                     continue
                 tails = [shown([getattr(f, name) for f in rounds if getattr(f, name) is not None])
                          for name in ("p50", "p95", "p99")]
@@ -158,9 +167,8 @@ def shown(values: Sequence[float]) -> str:
 
 def goodput(each: Served, load: float, classes: tuple[JobClass, ...]) -> float:
     """The median over rounds of the goodput summed over the classes."""
-    runs = len(each.rounds.get(load, []))
-    return median([sum(class_figures(each, load, job_class.name)[index].goodput for job_class in classes)
-                   for index in range(runs)] or [0.0])
+    by_class = [round_figures(each, load, job_class.name) for job_class in classes]
+    return median([sum(f.goodput for f in in_round) for in_round in zip(*by_class, strict=True)] or [0.0])
 
 
 def goals(served: list[Served], classes: tuple[JobClass, ...], loads: Sequence[float]) -> list[str]:
@@ -168,10 +176,10 @@ def goals(served: list[Served], classes: tuple[JobClass, ...], loads: Sequence[f
     lines = []
     for mine in (each for each in served if each.peer.name.startswith(SLOTQ)):
         others = [each for each in served if each is not mine]
-        unstepped = [each for each in others if each.peer.name != STEPPED_NAME]
+        unstepped = [each for each in others if each.peer.name != SLOTQ]  # slotq's defaults step
         if 0.9 in loads:
-            own = median([f.attainment for f in class_figures(mine, 0.9, "interactive")])
-            best = max((median([f.attainment for f in class_figures(each, 0.9, "interactive")])
+            own = median([f.attainment for f in class_figures(mine, 0.9, "interactive")] or [0.0])
+            best = max((median([f.attainment for f in class_figures(each, 0.9, "interactive")] or [0.0])
                         for each in unstepped), default=0.0)
             lines.append(verdict(f"{mine.peer.name}: interactive SLO met at 0.9 load, at least 0.95 and "
                                  f"1.44x each peer without step scheduling: {own:.2f} vs {best:.2f}",
@@ -181,8 +189,10 @@ def goals(served: list[Served], classes: tuple[JobClass, ...], loads: Sequence[f
             lines.append(verdict(f"{mine.peer.name}: goodput at 0.9 load at least every peer's: "
                                  f"{mine_goodput:.2f}/s vs {top:.2f}/s", mine_goodput >= top))
         if 1.3 in loads:
-            rounds = [f for job_class in classes for f in class_figures(mine, 1.3, job_class.name)]
-            admitted = median([f.admitted_attainment for f in rounds]) if rounds else 0.0
+            by_class = [round_figures(mine, 1.3, job_class.name) for job_class in classes]
+            admitted = median([sum(f.met for f in in_round) / max(1, sum(f.admitted for f in in_round))
+                               for in_round in zip(*by_class, strict=True)] or [0.0])
+            rounds = [f for in_class in by_class for f in in_class]
             refused = sum(f.refused for f in rounds)
             at_once = all(f.retry_after == f.refused and (f.refusal_s or 0.0) < 0.1 for f in rounds)
             lines.append(verdict(f"{mine.peer.name}: at 1.3 load, admitted jobs meet their SLO "

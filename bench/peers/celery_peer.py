@@ -96,7 +96,7 @@ class CeleryPeer:
         except OSError:
             return False
 
-    def call(self, job: TraceJob, give_up_s: float) -> Outcome:
+    def call(self, job: TraceJob, give_up_s: float, start_by_s: float | None = None) -> Outcome:
         """POST the job, poll it every 50 ms until it ends, fetch its PNG; revoke it on giving up."""
         started = time.perf_counter()
         task_id = self._submit(job)

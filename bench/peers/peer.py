@@ -32,8 +32,10 @@ class Peer(Protocol):
     def start(self, scratch: Path) -> None:
         """Start every process it needs, the model loaded once, and return once it serves."""
 
-    def call(self, job: TraceJob, give_up_s: float) -> Outcome:
-        """Submit the job and wait for its image, as a client would (thread-safe, blocking)."""
+    def call(self, job: TraceJob, give_up_s: float, start_by_s: float | None = None) -> Outcome:
+        """Submit the job and wait for its image, as a client would (thread-safe, blocking).
+        ``start_by_s``: the latest start that still meets the job's SLO, for a peer whose API can
+        take a deadline and refuse at once what it cannot start in time."""
 
     def lost(self, settle_s: float) -> int:
         """Jobs it admitted that never ended, after waiting up to ``settle_s`` for the last to end."""

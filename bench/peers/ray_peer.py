@@ -102,7 +102,7 @@ class RayServePeer:
             # On a give-up, the closed connection is what tells Serve to cancel the request.
             connection.close()
 
-    def call(self, job: TraceJob, give_up_s: float) -> Outcome:
+    def call(self, job: TraceJob, give_up_s: float, start_by_s: float | None = None) -> Outcome:
         """POST the job and wait up to ``give_up_s`` for its PNG (http.client, not urlopen: a client
         that gives up must close its connection at once, and urlopen leaves that to the collector)."""
         began = time.perf_counter()

@@ -1,6 +1,7 @@
 """slotq as a peer: its own redis-server, ``slotq api`` and one ``slotq worker``, with its defaults or
-with step-level scheduling and preemption; its client is slotq's own (``slotq.client``), which
-follows a job by long-polling and cancels it when it gives up."""
+with step-level scheduling and preemption; its client is slotq's own (``slotq.client``), which sends
+each job's latest useful start as its ``deadline_s``, follows a job by long-polling and cancels it
+when it gives up."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from slotq.localredis import free_port
 
 PROMPT = "a lighthouse at dusk"
 ENDED = ("succeeded", "failed", "canceled", "expired")
-# Step-level scheduling as issue 48 built it: jobs join a running batch of up to 8 at a step boundary,
-# and a job of a higher class pauses it at the next boundary.
-STEPPED: dict[str, Any] = {"max_batch": 8, "step_scheduling": True, "preempt_after_s": 0.0}
+# The defaults before this benchmark decided them (issue 58): one job an execution, no batching, no
+# joining at step boundaries, no preemption. slotq's defaults batch up to 8 jobs, which join a running
+# batch at a step boundary and are paused for a job of a higher class (SLOTQ_PREEMPT_AFTER_S, 0).
+ONE_AT_A_TIME: dict[str, Any] = {"max_batch": 1, "step_scheduling": False}
 
 
 class SlotqPeer:
@@ -46,12 +48,13 @@ class SlotqPeer:
         self.processes.append(api)
         self.client = Client(api.url or "", timeout=30.0, retries=0)
 
-    def call(self, job: TraceJob, give_up_s: float) -> Outcome:
-        """POST the job, follow it with ``?wait=`` until it ends, fetch its image; cancel on giving up."""
+    def call(self, job: TraceJob, give_up_s: float, start_by_s: float | None = None) -> Outcome:
+        """POST the job (``start_by_s`` as its ``deadline_s``), follow it with ``?wait=`` until it ends,
+        fetch its image; cancel on giving up."""
         started = time.perf_counter()
         try:
             view = self.client.submit(PROMPT, width=job.side, height=job.side, steps=job.steps,
-                                      seed=job.seed, priority=job.priority)
+                                      seed=job.seed, priority=job.priority, deadline_s=start_by_s)
         except (QueueFullError, RateLimitedError) as refusal:
             return Outcome(admitted=False, refused_in_s=time.perf_counter() - started,
                            retry_after=refusal.retry_after is not None)

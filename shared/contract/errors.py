@@ -65,6 +65,14 @@ class PriorityNotAllowedError(ServiceError):
     status, code, message = 403, "priority_not_allowed", "This API key may not use this priority."
 
 
+class AdminDisabledError(ServiceError):
+    status, code, message = 403, "admin_disabled", "This service has no admin keys (SLOTQ_ADMIN_KEYS)."
+
+
+class NotAdminError(ServiceError):
+    status, code, message = 403, "not_admin", "This route needs an admin key (SLOTQ_ADMIN_KEYS)."
+
+
 class NotFoundError(ServiceError):
     status, code, message = 404, "not_found", "No such resource."
 
@@ -75,6 +83,10 @@ class JobNotFoundError(NotFoundError):
 
 class MethodNotAllowedError(ServiceError):
     status, code, message = 405, "method_not_allowed", "This method is not allowed on this resource."
+
+
+class NotWaitingError(ServiceError):
+    status, code, message = 409, "not_waiting", "The job does not wait in its line: it runs or has ended."
 
 
 class AlreadyFinishedError(ServiceError):
@@ -155,6 +167,11 @@ class QueueFullError(ServiceError):
 
 class TenantQueueFullError(ServiceError):
     status, code, message = 429, "tenant_queue_full", "This tenant already has its most jobs waiting."
+
+
+class DeadlineUnmeetableError(ServiceError):
+    status, code = 429, "deadline_unmeetable"
+    message = "The jobs ahead in this line would keep this one from starting by its deadline_s; retry later."
 
 
 class TenantWaitShareError(ServiceError):

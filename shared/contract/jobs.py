@@ -599,6 +599,15 @@ class Eta(BaseModel):
     finish: float
 
 
+class JobChange(BaseModel):
+    """What ``PATCH /v1/jobs/<id>`` changes of a waiting job: its priority class, within those its
+    tenant's key may use."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    priority: Priority
+
+
 class JobError(BaseModel):
     """Why a job failed, with a stable code."""
 
@@ -631,4 +640,10 @@ class JobView(BaseModel):
     paused: bool = Field(False, description="while it runs: set aside at a step boundary for a job of a "
                                             "higher class (SLOTQ_PREEMPT_AFTER_S); it resumes where it "
                                             "stopped")
+    line_paused: bool = Field(False, description="while it waits: its model's line is paused by an operator "
+                                                 "(`POST /v1/admin/lines/<model>/pause`); it starts in its "
+                                                 "turn once the line resumes, and `eta_s` counts from then")
+    resumed_from_step: int | None = Field(None, description="the step its attempt resumed at, from a "
+                                                            "step checkpoint of an earlier attempt; "
+                                                            "null when it started at step 0")
     request: JobRequest

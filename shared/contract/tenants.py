@@ -40,6 +40,14 @@ def policies(settings: Settings) -> dict[str, KeyPolicy]:
             for key, value in (settings.api_keys or {}).items()}
 
 
+def priorities_of(table: dict[str, KeyPolicy], tenant: str) -> tuple[Priority, ...]:
+    """The classes a tenant's keys may use, all its keys together; every class for a tenant no key
+    names (an open service's jobs)."""
+    allowed = [name for policy in table.values() if policy.tenant == tenant
+               for name in (policy.priorities or PRIORITIES)]
+    return tuple(dict.fromkeys(allowed)) or PRIORITIES
+
+
 def authenticate(table: dict[str, KeyPolicy], settings: Settings, authorization: str | None) -> Tenant | None:
     """The tenant behind an ``Authorization: Bearer`` header; None when the service is open."""
     if not table:

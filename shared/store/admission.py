@@ -27,6 +27,7 @@ from rq.utils import get_call_string
 
 from shared.contract import keys, logs, webhooks
 from shared.contract.errors import (
+    DeadlineUnmeetableError,
     IdempotencyConflictError,
     InvalidRequestError,
     NotReplicatedError,
@@ -75,6 +76,7 @@ class Admission:
     deadline_at: float | None = None
     prior: Job | None = None
     replayed: bool = False  # an earlier submit with this Idempotency-Key made the job
+    line_paused: bool = False  # its model's line is paused: admitted, it starts once resumed
 
 
 def request_digest(request: JobRequest) -> str:
@@ -247,7 +249,8 @@ def _fields(record: Record, request: JobRequest) -> list[Any]:
 def _admission(queue: Queue, record: Record, answer: list[Any], digest: str | None,
                tenant: Tenant | None) -> Admission:
     outcome, detail = answer[0], answer[1] if len(answer) > 1 else None
-    refusals = {-1: QueueFullError, -3: RateLimitedError, -4: TenantQueueFullError}
+    refusals = {-1: QueueFullError, -3: RateLimitedError, -4: TenantQueueFullError,
+                -6: DeadlineUnmeetableError}
     if outcome in refusals:
         raise refusals[outcome](retry_after=_whole_seconds(detail))
     if outcome == -5:  # admitted by this call's first sending, and taken from the line since
@@ -257,9 +260,10 @@ def _admission(queue: Queue, record: Record, answer: list[Any], digest: str | No
         if prior_digest != digest:
             raise IdempotencyConflictError()
         return Admission(prior_id, prior=fetch_job(queue, prior_id, tenant), replayed=True)
-    start, finish, deadline = (answer + [None] * 4)[1:4]
+    start, finish, deadline, paused = (answer + [None] * 5)[1:5]
     eta = (float(start), float(finish)) if start is not None else None
-    return Admission(record.id, record, int(outcome), eta, float(deadline) if deadline is not None else None)
+    return Admission(record.id, record, int(outcome), eta, float(deadline) if deadline is not None else None,
+                     line_paused=paused == 1)
 
 
 def _await_replicas(connection: Redis, settings: Settings, job_id: str, tenant: str) -> None:

@@ -118,6 +118,7 @@ def job_view(job: Job, position: int | None = None) -> JobView:
         model_load=ModelLoad(**meta["model_load"]) if meta.get("model_load") else None,
         tier=meta.get("tier"),
         paused=bool(meta.get("paused")) and status is JobStatus.RUNNING,
+        resumed_from_step=meta.get("resumed_from_step"),
         request=request,
     )
 
@@ -183,12 +184,18 @@ def report_progress(jobs: list[Job], step: int, total: int) -> list[bool]:
     return [bool(answer) for answer in answers[-len(jobs):]]
 
 
-def report_steps(jobs: list[Job], steps: Sequence[tuple[int, int]]) -> list[bool]:
+def report_steps(jobs: list[Job], steps: Sequence[tuple[int, int]], timed: tuple[int, int] | None = None
+                 ) -> list[bool]:
     """:func:`report_progress` for jobs each at its own step (``(step, total)`` each, none 0: the
-    step-level loop's), in one round trip; whether each was canceled by its client."""
+    step-level loop's), in one round trip; whether each was canceled by its client. ``timed``: the
+    steps the loop has run since its running entry was marked, and that plus the most any job has
+    left, for the entry's step time (ETAs)."""
     for job, (step, total) in zip(jobs, steps, strict=True):
         job.meta["progress"] = {"step": step, "total": total}
-    return _report_step(jobs)
+    worker = jobs[0].worker_name
+    if timed is None or not worker:
+        return _report_step(jobs)
+    return _report_step(jobs, (waiting.line_of(jobs[0]), worker, *timed))
 
 
 def announce_start(jobs: list[Job], pipe: Pipeline) -> None:
@@ -317,8 +324,9 @@ def standing_view(queue: Queue, job: Job) -> JobView:
     """The job's view, with its place and start and finish estimates while it waits or runs."""
     if job_status(job).is_terminal:
         return job_view(job)
-    position, estimate = estimates.standing(queue, job)
-    return view_with_eta(job_view(job, position), estimate)
+    position, estimate, paused = estimates.standing(queue, job)
+    view = view_with_eta(job_view(job, position), estimate)
+    return view.model_copy(update={"line_paused": True}) if paused else view
 
 
 def current_view(queue: Queue, settings: Settings, job: Job, tenant: Tenant | None = None) -> JobView:
@@ -332,12 +340,13 @@ def current_view(queue: Queue, settings: Settings, job: Job, tenant: Tenant | No
 
 
 def admitted_view(job_id: str, request: JobRequest, created_at: datetime, position: int,
-                  estimate: tuple[float, float] | None, deadline_at: float | None) -> JobView:
+                  estimate: tuple[float, float] | None, deadline_at: float | None,
+                  line_paused: bool = False) -> JobView:
     """The view of a job just admitted, from its request and what its admission answered: what
     ``job_view`` reads from a waiting job's record, without reading or parsing it back."""
     return JobView(id=job_id, status=JobStatus.QUEUED, model=request.model or waiting.DEFAULT_MODEL_NAME,
                    position=position, eta_s=Eta(start=estimate[0], finish=estimate[1]) if estimate else None,
-                   created_at=created_at, request=request,
+                   created_at=created_at, request=request, line_paused=line_paused,
                    deadline_at=datetime.fromtimestamp(deadline_at, UTC) if deadline_at is not None else None)
 
 

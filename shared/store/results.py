@@ -8,6 +8,11 @@ replay), and the finishing process writes the PNGs of an attempt under a name of
 (``images/<job>/<attempt>/<i>.png``) before the fenced write of the record that names that
 attempt, so a reader only ever finds the images of the attempt whose end was recorded, whole.
 
+A running job's step checkpoint (worker/resuming.py) is one more such write: its bytes beside a
+Redis hash (``keys.checkpoint_key``) that names them, written under the attempt's fence and deleted
+with the job's end (``lua/lib/ending.lua``); in a folder or a bucket they are an object of their
+own (``checkpoints/<job>/<write>.pt``), which the sweep deletes once the hash names another.
+
 Nothing expires by itself there: :meth:`ExternalResults.sweep` (the workers run it at least once a
 minute, one at a time) deletes what no live record points to: the images and inputs of jobs whose
 result TTL has passed or whose record is gone, and the writes of attempts that never got recorded
@@ -25,6 +30,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from redis import Redis
 from redis.client import Pipeline
@@ -117,6 +123,32 @@ class Results:
         if not 0 <= index < job.meta.get("images", 0):
             raise JobNotFoundError("No image with this index.")
 
+    def save_checkpoint(self, job: Job, step: int, data: bytes) -> None:
+        """Keep a running job's step checkpoint in place of the one before: on the worker's fenced
+        connection, under the attempt's fence, so a stale attempt writes nothing."""
+        with job.connection.pipeline() as pipe:
+            self._record_checkpoint(job, step, ("data", data), pipe)
+            pipe.execute()
+
+    def checkpoint(self, job: Job) -> tuple[int, bytes] | None:
+        """A job's last step checkpoint (the step it was saved at, its bytes), or None where it has none."""
+        record = job.connection.hgetall(keys.checkpoint_key(job.id))
+        if b"step" not in record:
+            return None
+        data = self._checkpoint_bytes(record)
+        return None if data is None else (int(record[b"step"]), data)
+
+    def _checkpoint_bytes(self, record: dict[Any, Any]) -> bytes | None:
+        return record.get(b"data")
+
+    def _record_checkpoint(self, job: Job, step: int, where: tuple[str, bytes], pipe: Pipeline) -> None:
+        key = keys.checkpoint_key(job.id)
+        pipe.delete(key)
+        field, value = where
+        pipe.hset(key, mapping={"step": step, "attempt": int(job.meta.get("attempt", 0)), field: value})
+        # Deleted with the job's end; the expiry covers a record that outlives its job.
+        pipe.expire(key, self.settings.record_ttl_s)
+
     def sweep(self, connection: Redis) -> int:
         """Delete what has outlived its records: nothing to do, Redis expires it."""
         return 0
@@ -166,6 +198,19 @@ class ExternalResults(Results):
         job.meta["images"] = len(pngs)
         save_meta(job, pipe)
 
+    def save_checkpoint(self, job: Job, step: int, data: bytes) -> None:
+        # The bytes under a name of their own first, then the fenced record that names them: a stale
+        # attempt's object is named by no record, and the sweep removes it.
+        name = _checkpoint_name(job.id, secrets.token_hex(8))
+        self.blobs.put(name, data)
+        with job.connection.pipeline() as pipe:
+            self._record_checkpoint(job, step, ("blob", name.encode()), pipe)
+            pipe.execute()
+
+    def _checkpoint_bytes(self, record: dict[Any, Any]) -> bytes | None:
+        name = record.get(b"blob")
+        return None if name is None else self.blobs.get(_text(name))
+
     def image(self, job: Job, index: int) -> bytes:
         self._check_image(job, index)
         png = None if self._expired(job) else self.blobs.get(self._image_of(job, index))
@@ -196,7 +241,7 @@ class ExternalResults(Results):
         doomed: list[str] = []
         for name, written in self.blobs.listing():
             parts = name.split("/")
-            if len(parts) >= 3 and parts[0] in ("images", "inputs"):
+            if len(parts) >= 3 and parts[0] in ("images", "inputs", "checkpoints"):
                 by_job[parts[1]].append((name, written))
             elif now - written > grace:
                 doomed.append(name)  # a stray: a partial write's leftover, say
@@ -206,9 +251,10 @@ class ExternalResults(Results):
             with connection.pipeline(transaction=False) as pipe:
                 for job_id in chunk:
                     pipe.hmget(Job.key_for(job_id), "status", "ended_at", "meta")
-                records = pipe.execute()
-            for job_id, record in zip(chunk, records, strict=True):
-                kept = self._kept(job_id, record, now)
+                    pipe.hget(keys.checkpoint_key(job_id), "blob")
+                replies = pipe.execute()
+            for job_id, record, checkpoint in zip(chunk, replies[::2], replies[1::2], strict=True):
+                kept = self._kept(job_id, record, now) + ([_text(checkpoint)] if checkpoint else [])
                 doomed += [name for name, written in by_job[job_id]
                            if not any(name.startswith(prefix) for prefix in kept) and now - written > grace]
         self.blobs.delete(doomed)
@@ -266,6 +312,10 @@ def _make(settings: Settings) -> Results:
 
 def _input_name(job_id: str, name: str) -> str:
     return f"inputs/{job_id}/{name}"
+
+
+def _checkpoint_name(job_id: str, write: str) -> str:
+    return f"checkpoints/{job_id}/{write}.pt"
 
 
 def _image_name(job_id: str, attempt: str, index: int) -> str:

@@ -19,10 +19,11 @@ in the same script, so the id is always in exactly one place.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from redis import Redis
 from redis.client import Pipeline
@@ -31,10 +32,11 @@ from rq.queue import Queue
 from rq.utils import utcformat, utcparse
 
 from shared.contract import keys
-from shared.contract.jobs import PRIORITIES
+from shared.contract.jobs import PRIORITIES, Priority
 from shared.contract.models import DEFAULT_MODEL_NAME
 from shared.contract.settings import Settings
 from shared.store import fencing, scripts
+from shared.store.connection import text
 
 
 @dataclass(frozen=True)
@@ -200,10 +202,61 @@ def waited_above(connection: Redis, line: str, priority: str) -> float | None:
     return max(0.0, float(now) - utcparse(admitted.decode()).replace(tzinfo=UTC).timestamp())
 
 
+def pause(connection: Redis, line: str) -> int:
+    """Pause a line (an operator's): it admits, and no worker claims from it, a running job finishing
+    as ever; how many jobs wait in it."""
+    return _pausing(connection, line, "pause")
+
+
+def resume(connection: Redis, line: str) -> int:
+    """Resume a paused line: its jobs start in their order again; how many wait in it."""
+    return _pausing(connection, line, "resume")
+
+
+def _pausing(connection: Redis, line: str, mode: str) -> int:
+    return int(scripts.run(connection, "pause", [], [line, mode, keys.lines_channel(keys.queue_of(line))]))
+
+
+def to_front(connection: Redis, line: str, job_id: str) -> int | None:
+    """Move a waiting job to the front of its class (an operator's); its place before the move, None
+    when it does not wait in the line."""
+    answer = scripts.run(connection, "front", [Job.key_for(job_id)],
+                         [line, job_id, keys.lines_channel(keys.queue_of(line))])
+    return None if answer is None else int(answer)
+
+
+def waiting_ids(connection: Redis, line: str, limit: int) -> list[str]:
+    """The first ``limit`` ids of a line in the order workers take them: class by class, fair share
+    inside each (without affinity, which a claim applies at its own moment)."""
+    ids: list[str] = []
+    for name in PRIORITIES:
+        if len(ids) >= limit:
+            break
+        order = f"{keys.line_key(line)}:{name}"  # lua/lib/line.lua's order_key
+        ids += [text(raw) for raw in cast(list[bytes], connection.zrange(order, 0, limit - len(ids) - 1))]
+    return ids
+
+
+def reclass(connection: Redis, job: Job, priority: Priority) -> int | None:
+    """Move a waiting job to another priority class, its stored request naming it; its place in the
+    line now, None when it does not wait."""
+    request = {**job.kwargs.get("request", {}), "priority": priority}
+    job.kwargs = {**job.kwargs, "request": request}
+    data = zlib.compress(job.data)  # as RQ stores a job's call
+    answer = scripts.run(connection, "reclass", [job.key],
+                         [line_of(job), job.id, priority, data, keys.lines_channel(job.origin)])
+    return None if answer is None else int(answer)
+
+
 def counts(connection: Redis, line: str) -> dict[str, int]:
     """How many jobs wait in each class."""
-    answer = scripts.run(connection, "counts", [], [line])
-    return dict(zip(PRIORITIES, (int(n) for n in answer), strict=True))
+    return line_state(connection, line)[0]
+
+
+def line_state(connection: Redis, line: str) -> tuple[dict[str, int], bool]:
+    """How many jobs wait in each class, and whether an operator paused the line: one round trip."""
+    *classes, paused = scripts.run(connection, "counts", [], [line])
+    return dict(zip(PRIORITIES, (int(n) for n in classes), strict=True)), paused == 1
 
 
 def position(connection: Redis, line: str, job_id: str) -> int | None:
@@ -223,5 +276,10 @@ def expire_due(queue: Queue, settings: Settings, line: str) -> float:
 
 def waiting_counts(queue: Queue, settings: Settings, line: str) -> dict[str, int]:
     """Jobs waiting now in each priority class of a line, after the expired ones have left."""
+    return waiting_state(queue, settings, line)[0]
+
+
+def waiting_state(queue: Queue, settings: Settings, line: str) -> tuple[dict[str, int], bool]:
+    """:func:`waiting_counts`, and whether the line is paused."""
     expire_due(queue, settings, line)
-    return counts(queue.connection, line)
+    return line_state(queue.connection, line)

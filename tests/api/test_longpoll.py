@@ -22,7 +22,7 @@ from redis.client import PubSub
 from redis.connection import Connection
 from rq.job import Job
 
-from api import longpoll
+from api import longpoll, state
 from api.app import create_app
 from api.longpoll import Waits
 from shared.contract import keys
@@ -151,7 +151,7 @@ def test_waits_past_the_bound_answer_at_once(settings: Settings, pool: ThreadPoo
         client.delete(f"/v1/jobs/{held}")
         assert future.result(timeout=10)[0].get_json()["status"] == "canceled"
     finally:
-        app.extensions["slotq.queue"].connection.close()
+        state.close(app)
 
 
 @pytest.mark.usefixtures("announcements_only")
@@ -183,7 +183,7 @@ def test_a_tenant_over_its_share_of_the_waits_is_refused_and_another_is_held(
             client.delete(f"/v1/jobs/{job_id}", headers=headers)
         assert [future.result(timeout=10).get_json()["status"] for future in futures] == ["canceled"] * 3
     finally:
-        app.extensions["slotq.queue"].connection.close()
+        state.close(app)
 
 
 @pytest.mark.usefixtures("announcements_only")
@@ -321,7 +321,7 @@ def test_the_listener_subscribes_again_after_redis_restarts(settings: Settings, 
         assert answered_at - canceled_at < PROMPT_S
     finally:
         redis.close()
-        app.extensions["slotq.queue"].connection.close()
+        state.close(app)
 
 
 # --- Prefer: wait=N ------------------------------------------------------------------------------

@@ -542,7 +542,9 @@ def test_the_queue_panel_counts_places_down_and_cancels_from_the_list(
     try:
         # Each long enough (a few tenths of a second here) for the page to be told each place in
         # turn: at 2 steps a job ran in about 30 ms, and a busy machine's page once missed a place.
-        queued = [submit_from_page(page, f"waiting {n}", width=64, height=64, steps=24) for n in range(3)]
+        # Each of its own width: none batches or joins with another, so each leaves the line alone.
+        queued = [submit_from_page(page, f"waiting {n}", width=64 + 8 * n, height=64, steps=24)
+                  for n in range(3)]
         doomed = submit_from_page(page, "canceled while it waits", width=64, height=64, steps=2)
         for place, job_id in enumerate([*queued, doomed]):
             expect(card(page, job_id)).to_have_attribute("data-position", str(place))

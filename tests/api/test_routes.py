@@ -170,7 +170,7 @@ def test_wrong_method_gets_405(client: FlaskClient) -> None:
 
 @pytest.mark.parametrize(("method", "path", "allowed"), [
     ("PUT", "/v1/jobs", {"GET", "HEAD", "POST", "OPTIONS"}),
-    ("PATCH", "/v1/jobs/{id}", {"GET", "HEAD", "DELETE", "OPTIONS"}),
+    ("PUT", "/v1/jobs/{id}", {"GET", "HEAD", "PATCH", "DELETE", "OPTIONS"}),
     ("POST", "/v1/jobs/{id}/images/0", {"GET", "HEAD", "OPTIONS"}),
     ("DELETE", "/v1/queue", {"GET", "HEAD", "OPTIONS"}),
 ])
@@ -256,7 +256,7 @@ def test_queue_state_reports_waiting_and_capacity(client: FlaskClient, settings:
     post_job(client)
     line = {"waiting": 1, "capacity": 5, "by_priority": {"high": 0, "normal": 1, "low": 0},
             "limits": {"high": 6, "normal": 5, "low": 3}}
-    assert client.get("/v1/queue").get_json() == {**line, "models": {"default": line}}
+    assert client.get("/v1/queue").get_json() == {**line, "models": {"default": {**line, "paused": False}}}
 
 
 def test_a_job_past_the_default_limits_shows_with_the_limits_it_was_admitted_under(

@@ -76,3 +76,32 @@ def test_a_key_names_the_requests_tenant(app: Flask) -> None:
     assert [tenant.name if tenant else None for tenant in seen] == ["alice", "alice"]
     assert client.get("/v1/queue").status_code == 401 and client.get("/healthz").status_code == 200
     assert seen[-1] is None  # an unauthenticated route sets none
+
+
+def test_close_stops_the_listener_then_closes_the_connections(settings: Settings) -> None:
+    """An app closed while a request waits on a job: the request answers, the listener thread ends
+    and nothing stays subscribed (before, the listener subscribed again on a fresh connection that
+    nothing closed, which the garbage collector later found open)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from redis import Redis
+
+    from shared.contract import keys
+    from tests.conftest import post_job, wait_for
+
+    chosen = settings.model_copy(update={"queue_name": "state-close"})  # a channel no other app hears
+    app, redis = create_app(chosen), Redis.from_url(chosen.redis_url)
+    try:
+        job_id = post_job(app.test_client()).get_json()["id"]
+        with ThreadPoolExecutor(1) as pool:
+            held = pool.submit(app.test_client().get, f"/v1/jobs/{job_id}?wait=20")
+            wait_for(lambda: state.waits(app).waiting == 1, timeout=10, what="the held request")
+            wait_for(lambda: redis.pubsub_numsub(keys.events_channel("state-close"))[0][1] == 1, timeout=10,
+                     what="the listener")
+            listener = state.waits(app)._last_listener
+            state.close(app)
+            held.result(timeout=5).close()
+        assert listener is not None and not listener.is_alive()
+        assert redis.pubsub_numsub(keys.events_channel("state-close"))[0][1] == 0
+    finally:
+        redis.close()

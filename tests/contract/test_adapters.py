@@ -271,9 +271,9 @@ def rendered(settings: Settings, scale: float, steps: int) -> Any:
     for client in app_client(settings):
         response = post_job(client, width=64, height=64, steps=steps, seed=11, loras=names(ink=scale))
         assert response.status_code == 202, response.get_json()
-        job = Job.fetch(response.get_json()["id"], connection=Redis.from_url(settings.redis_url),
-                        serializer=JSONSerializer)
-        (outcome,) = tasks.render([job])
+        with Redis.from_url(settings.redis_url) as connection:
+            job = Job.fetch(response.get_json()["id"], connection=connection, serializer=JSONSerializer)
+            (outcome,) = tasks.render([job])
     return outcome
 
 

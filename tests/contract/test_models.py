@@ -279,8 +279,8 @@ def test_a_killed_workers_job_runs_again_on_its_own_models_line(fleet: FlaskClie
     try:
         view = wait_for_status(fleet, job_id, "succeeded", timeout=120)
         assert (view["worker"], view["attempt"], view["model"]) == ("xl-two", 2, "xl")
-        assert Queue(fleet_settings.queue_name, connection=Redis.from_url(fleet_settings.redis_url)
-                     ).finished_job_registry.get_job_ids() != []
+        with Redis.from_url(fleet_settings.redis_url) as connection:
+            assert Queue(fleet_settings.queue_name, connection=connection).finished_job_registry.get_job_ids()
     finally:
         assert second.stop() == 0, second.output()
 

@@ -180,12 +180,18 @@ class Burst:
                     break  # never acknowledged: the client knows it has no job to count on
 
 
+# A whole-pipeline execution, and the step-level loop whose joiners are claimed while a step runs.
+EXECUTIONS: dict[str, dict[str, Any]] = {"whole": {"step_scheduling": False},
+                                         "loop": {"step_scheduling": True, "max_batch": 8}}
+
+
 def get_view(url: str, job_id: str) -> dict[str, Any] | None:
     """The job as the API has it now; None when it answers 404."""
     try:
         with urllib.request.urlopen(f"{url}/v1/jobs/{job_id}", timeout=10) as response:
             return json.loads(response.read())
     except urllib.error.HTTPError as exc:
+        exc.close()  # its socket now, not whenever the garbage collector finds it
         if exc.code == 404:
             return None
         raise
@@ -216,11 +222,13 @@ def wait_all_ended(url: str, job_ids: list[str], timeout: float) -> tuple[Counte
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("execution", EXECUTIONS)
 def test_failover_loses_no_acknowledged_job(group: Group, start_api: Any, model_cache: Path,
-                                            tmp_path: Path) -> None:
+                                            tmp_path: Path, execution: str) -> None:
     settings = Settings(redis_url=f"redis://127.0.0.1:{group.master.port}/0", redis_master=MASTER,
                         redis_sentinels=group.addresses.split(","), min_replicas_ack=1,
                         replicas_ack_timeout_ms=500, queue_name="failover", queue_capacity=1000,
+                        **EXECUTIONS[execution],
                         cache_dir=model_cache, drain_s=0, heartbeat_ttl_s=2, worker_metrics_port=0,
                         api_workers=1, api_threads=8)
     # slotq_env writes a list as Python's repr; the comma-separated form is what an operator writes.

@@ -90,7 +90,8 @@ def test_api_drains_on_sigterm(settings: Settings, start_api: Callable[..., Proc
 
     def draining() -> bool:
         try:
-            urllib.request.urlopen(api.url + "/readyz", timeout=2)
+            with urllib.request.urlopen(api.url + "/readyz", timeout=2):
+                pass
         except urllib.error.HTTPError as exc:
             return exc.code == 503 and json.loads(exc.read())["error"]["code"] == "draining"
         return False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -13,8 +14,10 @@ import pytest
 from flask.testing import FlaskClient
 from redis import Redis
 
+from shared.contract import keys
 from shared.contract.settings import Settings
 from tests.conftest import (
+    ONE_AT_A_TIME,
     Process,
     RedisServer,
     app_client,
@@ -97,12 +100,12 @@ def test_sigterm_finishes_the_running_job_and_exits_0(client: FlaskClient,
     assert view(client, waiting)["status"] == "queued" and view(client, waiting)["position"] == 0
 
 
-def test_second_sigterm_puts_the_job_back_at_the_head(client: FlaskClient,
+def test_second_sigterm_puts_the_job_back_at_the_head(client: FlaskClient, redis: Redis,
                                                       workers: Callable[..., Process]) -> None:
     worker = workers()
     running = post_job(client, **LONG).get_json()["id"]
     behind = post_job(client, width=64, height=64, steps=1).get_json()["id"]
-    wait_for_step(client, running)
+    seen = wait_for_step(client, running)["progress"]["step"]
     worker.popen.send_signal(signal.SIGTERM)
     # Two signals sent at once may arrive as one: send the second once the first is handled.
     wait_for(lambda: "stop requested" in worker.output(), what="the first SIGTERM to be handled")
@@ -111,6 +114,40 @@ def test_second_sigterm_puts_the_job_back_at_the_head(client: FlaskClient,
     back = view(client, running)
     assert back["status"] == "queued" and back["position"] == 0 and back["error"] is None
     assert view(client, behind)["position"] == 1
+    # The interrupted job's state was saved as it was handed back: its next attempt resumes there.
+    saved = redis.hgetall(keys.checkpoint_key(running))
+    assert int(saved[b"step"]) >= seen >= 1 and saved[b"attempt"] == b"1"
+
+
+def test_a_killed_workers_job_resumes_at_its_step_checkpoint_and_makes_the_uninterrupted_image(
+        client: FlaskClient, redis: Redis, workers: Callable[..., Process]) -> None:
+    """SIGKILL after a step checkpoint of a 40-step job: the next attempt starts at the checkpoint's
+    step, says so, reports progress from there and makes the bytes the uninterrupted job makes."""
+    job = {"width": 512, "height": 512, "steps": 40, "seed": 4242, "scheduler": "dpmpp_2m"}
+    first = workers(checkpoint_every_s=0.5)
+    job_id = post_job(client, **job).get_json()["id"]
+    checkpoint = keys.checkpoint_key(job_id)
+    saved = wait_for(lambda: int(redis.hget(checkpoint, "step") or 0) or None, timeout=120,
+                     what="a step checkpoint")
+    first.popen.kill()
+    assert 1 <= saved < 40
+
+    second = workers(checkpoint_every_s=0.5)
+    done = wait_for_status(client, job_id, "succeeded", timeout=120)
+    assert done["attempt"] == 2 and saved <= done["resumed_from_step"] < 40
+    log = [(fields[b"event"], fields.get(b"data")) for _, fields in redis.xrange(keys.log_key(job_id))]
+    second_start = [index for index, (event, _) in enumerate(log) if event == b"started"][1]
+    steps = [json.loads(data)["step"] for event, data in log[second_start:] if event == b"progress"]
+    assert steps[0] == 0 and min(steps[1:]) >= done["resumed_from_step"]  # step 0 is the start's own
+    assert not redis.exists(checkpoint)  # gone with the job's end
+    resumed = client.get(f"/v1/jobs/{job_id}/images/0").data
+
+    # The same job again, on the same worker, never stopped.
+    again = post_job(client, **job).get_json()["id"]
+    uninterrupted = wait_for_status(client, again, "succeeded", timeout=120)
+    assert uninterrupted["attempt"] == 1 and uninterrupted["resumed_from_step"] is None
+    assert client.get(f"/v1/jobs/{again}/images/0").data == resumed
+    second.popen.kill()
 
 
 def test_stop_timeout_interrupts_and_requeues(client: FlaskClient, workers: Callable[..., Process]) -> None:
@@ -142,7 +179,7 @@ def loads_torch(pid: int) -> bool:
 
 def test_the_finishing_process_runs_without_torch_and_a_crash_of_it_loses_no_job(
         client: FlaskClient, workers: Callable[..., Process]) -> None:
-    worker = workers()
+    worker = workers(**ONE_AT_A_TIME)  # one job an execution: the second waits with its images
     finishing = wait_for(lambda: finishing_process(worker.popen.pid), what="the finishing process")
     # Its GIL is its own only if it never loads torch: the worker does, and the check can tell.
     assert loads_torch(worker.popen.pid) and not loads_torch(finishing)
@@ -166,9 +203,14 @@ def test_the_finishing_process_runs_without_torch_and_a_crash_of_it_loses_no_job
     assert post_job(client, width=64, height=64, steps=1).status_code == 202
 
 
-def test_out_of_memory_fails_the_job_and_the_worker_goes_on(client: FlaskClient,
-                                                           workers: Callable[..., Process]) -> None:
-    worker = workers(fault_injection=True)
+# Each device fault in a whole-pipeline execution and in the step-level loop.
+EXECUTIONS = {"whole": {"step_scheduling": False}, "loop": {"step_scheduling": True, "max_batch": 4}}
+
+
+@pytest.mark.parametrize("execution", EXECUTIONS)
+def test_out_of_memory_fails_the_job_and_the_worker_goes_on(
+        client: FlaskClient, workers: Callable[..., Process], execution: str) -> None:
+    worker = workers(fault_injection=True, **EXECUTIONS[execution])
     oom = post_job(client, prompt="__oom__ a huge picture", width=64, height=64, steps=2).get_json()["id"]
     failed = wait_for_status(client, oom, "failed", "succeeded")
     assert failed["status"] == "failed" and failed["error"]["code"] == "out_of_memory"
@@ -177,9 +219,10 @@ def test_out_of_memory_fails_the_job_and_the_worker_goes_on(client: FlaskClient,
     assert worker.popen.poll() is None
 
 
-def test_lost_device_exits_non_zero_and_the_job_is_retried(client: FlaskClient,
-                                                          workers: Callable[..., Process]) -> None:
-    broken = workers(fault_injection=True)
+@pytest.mark.parametrize("execution", EXECUTIONS)
+def test_lost_device_exits_non_zero_and_the_job_is_retried(
+        client: FlaskClient, workers: Callable[..., Process], execution: str) -> None:
+    broken = workers(fault_injection=True, **EXECUTIONS[execution])
     body = {"prompt": "__device_lost__ then fine", "width": 64, "height": 64, "steps": 2}
     job_id = post_job(client, **body).get_json()["id"]
     assert broken.popen.wait(60) == 3

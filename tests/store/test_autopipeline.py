@@ -21,6 +21,8 @@ from tests.conftest import RedisServer, post_job, wait_for, waiting_ids
 
 CALLERS = 10
 
+EMPTY = [0, 0, 0, 0]  # counts.lua on an empty line: each class's count, then 0: not paused
+
 
 def evalsha_calls(redis: Redis) -> int:
     return int(redis.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
@@ -61,7 +63,7 @@ def test_calls_made_while_a_round_trip_is_out_go_together_in_the_next(private_re
     # also serves the workers other tests leave running (a heartbeat's script once spoiled the count).
     redis = Redis.from_url(private_redis.url)
     pipeline, line = AutoPipeline(Redis.from_url(private_redis.url)), "autopipe"
-    assert pipeline.run("counts", [], [line]) == [0, 0, 0]  # alone; and the script is loaded
+    assert pipeline.run("counts", [], [line]) == EMPTY  # alone; and the script is loaded
     before = evalsha_calls(redis)
     with redis_paused(redis):
         # The first call goes out at once and waits on the paused Redis; the others gather behind it.
@@ -71,7 +73,7 @@ def test_calls_made_while_a_round_trip_is_out_go_together_in_the_next(private_re
         wait_for(gathered(pipeline, CALLERS), what="the other calls gathered")
     for thread in threads + more:
         thread.join(30)
-    assert answers == {0: [0, 0, 0]} and more_answers == dict.fromkeys(range(CALLERS), [0, 0, 0])
+    assert answers == {0: EMPTY} and more_answers == dict.fromkeys(range(CALLERS), EMPTY)
     assert pipeline.round_trips == 3  # the first alone, then the ten in one
     # Still one EVALSHA a call: Redis runs each script on its own, atomically.
     assert evalsha_calls(redis) - before == 1 + CALLERS
@@ -108,8 +110,8 @@ def test_a_call_s_error_is_its_own(redis: Redis) -> None:
         wait_for(gathered(pipeline, 3), what="three calls gathered")
     for thread in threads + more:
         thread.join(30)
-    assert first == {0: [0, 0, 0]}
-    assert answers[0] == answers[2] == [0, 0, 0]
+    assert first == {0: EMPTY}
+    assert answers[0] == answers[2] == EMPTY
     assert isinstance(answers[1], ResponseError)
     assert pipeline.round_trips == 2
 
@@ -117,12 +119,12 @@ def test_a_call_s_error_is_its_own(redis: Redis) -> None:
 @pytest.mark.parametrize("callers", [1, 4])
 def test_scripts_flushed_from_redis_are_loaded_again(redis: Redis, callers: int) -> None:
     pipeline = AutoPipeline(Redis.from_url(_url(redis)))
-    assert pipeline.run("counts", [], ["autopipe"]) == [0, 0, 0]
+    assert pipeline.run("counts", [], ["autopipe"]) == EMPTY
     redis.script_flush()
     threads, answers = in_threads([lambda: pipeline.run("counts", [], ["autopipe"])] * callers)
     for thread in threads:
         thread.join(30)
-    assert answers == dict.fromkeys(range(callers), [0, 0, 0])
+    assert answers == dict.fromkeys(range(callers), EMPTY)
 
 
 def test_a_connection_error_reaches_every_call_of_its_round_trip() -> None:
@@ -145,7 +147,7 @@ def test_a_round_trip_cut_off_is_sent_again_as_the_client_s_retry_says(redis: Re
 
     client = Redis.from_url(_url(redis), retry=Retry(NoBackoff(), retries))
     pipeline = AutoPipeline(client)
-    assert pipeline.run("counts", [], ["autopipe"]) == [0, 0, 0]
+    assert pipeline.run("counts", [], ["autopipe"]) == EMPTY
     first = client.client_id()  # the pool's one connection: the next call's
     with redis_paused(redis):
         threads, answers = in_threads([lambda: pipeline.run("counts", [], ["autopipe"])])
@@ -154,10 +156,10 @@ def test_a_round_trip_cut_off_is_sent_again_as_the_client_s_retry_says(redis: Re
         assert redis.client_kill_filter(_id=str(first)) == 1
     threads[0].join(30)
     if retries:
-        assert answers == {0: [0, 0, 0]} and client.client_id() != first
+        assert answers == {0: EMPTY} and client.client_id() != first
     else:
         assert isinstance(answers[0], RedisConnectionError), answers
-    assert pipeline.run("counts", [], ["autopipe"]) == [0, 0, 0]  # and the next call goes as usual
+    assert pipeline.run("counts", [], ["autopipe"]) == EMPTY  # and the next call goes as usual
 
 
 def test_an_argument_redis_cannot_take_is_refused_as_redis_py_refuses_it(redis: Redis) -> None:
@@ -166,7 +168,7 @@ def test_an_argument_redis_cannot_take_is_refused_as_redis_py_refuses_it(redis: 
     pipeline = AutoPipeline(Redis.from_url(_url(redis)))
     with pytest.raises(DataError, match="bool"):
         pipeline.run("counts", [], [True])
-    assert pipeline.run("counts", [], ["autopipe"]) == [0, 0, 0]
+    assert pipeline.run("counts", [], ["autopipe"]) == EMPTY
 
 
 def test_a_caller_gone_before_its_call_was_sent_passes_its_lead_on(redis: Redis) -> None:
@@ -183,7 +185,7 @@ def test_a_caller_gone_before_its_call_was_sent_passes_its_lead_on(redis: Redis)
     assert pipeline._gathered == [waiting] and waiting.leads and waiting.woken.is_set()
     pipeline._abandon(waiting)
     assert pipeline._gathered == [] and pipeline._out is False
-    assert pipeline.run("counts", [], ["autopipe"]) == [0, 0, 0]  # the next call leads at once
+    assert pipeline.run("counts", [], ["autopipe"]) == EMPTY  # the next call leads at once
 
 
 def test_one_auto_pipeline_a_client(redis: Redis) -> None:

@@ -16,7 +16,7 @@ from flask.testing import FlaskClient
 from redis import Redis
 
 from shared.contract.settings import Settings
-from tests.conftest import Process, post_job, start_worker, wait_for, wait_for_status
+from tests.conftest import ONE_AT_A_TIME, Process, post_job, start_worker, wait_for, wait_for_status
 
 pytestmark = pytest.mark.slow
 SMALL = {"width": 256, "height": 256, "steps": 4}  # 1 cost unit
@@ -29,8 +29,9 @@ APART_S = 3.0
 
 @pytest.fixture
 def trained(settings: Settings, client: FlaskClient, tmp_path: Path) -> Iterator[Process]:
-    """A worker whose model has seen a few jobs of both sizes."""
-    worker = start_worker(settings, tmp_path / "worker.log")
+    """A worker whose model has seen a few jobs of both sizes, one job an execution (the estimates of
+    batches: test_the_jobs_ahead_pay_an_executions_cost_once_per_batch)."""
+    worker = start_worker(settings, tmp_path / "worker.log", **ONE_AT_A_TIME)
     try:
         for body in [SMALL, LARGE, SMALL, LARGE, SMALL, LARGE]:
             job_id = post_job(client, **body).get_json()["id"]
@@ -63,11 +64,14 @@ def within(estimate: float, actual: float, share: float = 0.25) -> bool:
 
 
 @pytest.mark.alone  # the step time against the wall clock: no other test may slow the machine
+@pytest.mark.parametrize("execution", ["whole", "loop"])
 def test_a_running_job_s_eta_falls_with_its_steps(client: FlaskClient, settings: Settings,
-                                                  tmp_path: Path) -> None:
+                                                  tmp_path: Path, execution: str) -> None:
     """A 40-step job, read at two steps: the later ETA is smaller, and each is within half of the time
-    that was then left (before any job of the model ended, so from the job's own step time alone)."""
-    worker = start_worker(settings, tmp_path / "worker.log")
+    that was then left (before any job of the model ended, so from the job's own step time alone),
+    in a whole-pipeline execution and in the step-level loop."""
+    loop = {"step_scheduling": True, "max_batch": 4} if execution == "loop" else {}
+    worker = start_worker(settings, tmp_path / "worker.log", **loop)
     try:
         job_id = post_job(client, width=512, height=512, steps=40, seed=3).get_json()["id"]
         readings = []  # (the ETA's finish, when it was read)
@@ -200,3 +204,46 @@ def test_an_eta_down_a_long_line_counts_what_the_jobs_ahead_cost(settings: Setti
     sums = redis.hgetall(f"{keys.line_key(settings.line)}:costs")
     assert {name.decode(): float(value) for name, value in sums.items()} == pytest.approx(
         {"high": 0, "normal": 25 * cost[64] + 12 * cost[128], "low": 2 * cost[64]})
+
+
+def test_a_job_that_cannot_start_by_its_deadline_is_refused_at_once_and_leaves_nothing(
+        settings: Settings, redis: Redis) -> None:
+    from shared.contract import keys
+    from tests.conftest import app_client
+
+    redis.hset(keys.model_key(settings.line), mapping={"a": 1.0, "b": 0.0})  # every job: a second
+    with contextmanager(app_client)(settings.model_copy(update={"queue_capacity": 1000})) as api:
+        for _ in range(3):
+            assert post_job(api, **SMALL).status_code == 202
+        before = {key: redis.dump(key) for key in redis.scan_iter()}
+        # Three seconds of jobs ahead: a 2.5 s start deadline cannot be met, and the refusal says
+        # when it could be (the line half a second shorter, in whole seconds).
+        refused = post_job(api, deadline_s=2.5, **SMALL)
+        assert refused.status_code == 429
+        assert refused.get_json()["error"]["code"] == "deadline_unmeetable"
+        assert refused.headers["Retry-After"] == "1"
+        assert {key: redis.dump(key) for key in redis.scan_iter()} == before
+        # A deadline the line can keep is admitted, and so is a high job with nothing of its class ahead.
+        assert post_job(api, deadline_s=3.5, **SMALL).status_code == 202
+        assert post_job(api, deadline_s=0.5, priority="high", **SMALL).status_code == 202
+        # Behind that high job and the four normal ones, a low job needs five seconds.
+        assert post_job(api, deadline_s=4.9, priority="low", **SMALL).get_json()["error"]["code"] == \
+            "deadline_unmeetable"
+        assert post_job(api, deadline_s=5.1, priority="low", **SMALL).status_code == 202
+
+
+def test_the_jobs_ahead_pay_an_executions_cost_once_per_batch(settings: Settings, redis: Redis) -> None:
+    # Executions of four jobs each took a second, whatever their cost: the fit says a = 1 s an
+    # execution, b = 0, and four jobs an execution. Four jobs ahead are one execution, not four.
+    from shared.contract import keys
+    from shared.store import estimates
+    from tests.conftest import app_client
+
+    for cost in (0.1, 0.2, 0.3, 0.4) * 3:
+        estimates.job_done(redis, settings.line, "worker", "", 4 * cost, 1.0, jobs=4)
+    fitted = redis.hgetall(keys.model_key(settings.line))
+    model = {name.decode(): float(value) for name, value in fitted.items()}
+    assert (model["a"], model["b"], model["k"]) == pytest.approx((1.0, 0.0, 4.0), abs=1e-6)
+    with contextmanager(app_client)(settings) as api:
+        etas = [post_job(api, width=64, height=64, steps=4).get_json()["eta_s"]["start"] for _ in range(5)]
+    assert etas == pytest.approx([index / 4 for index in range(5)])

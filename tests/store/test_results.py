@@ -172,6 +172,48 @@ def test_the_sweep_keeps_what_live_records_name_and_nothing_else(settings: Setti
     assert names(store) == ["images/live/good/0.png", "inputs/live/image", "inputs/waiting/image"]
 
 
+def round_trip_checkpoints(store: results.Results, redis: Redis) -> Job:
+    """Two checkpoints of a running job, the second replacing the first; a stale attempt's write
+    refused; the job's end deletes its record."""
+    from shared.store.fencing import Fence, FencedRedis, StaleAttemptError, holding
+
+    job = stored(redis, "resuming", "started", None, None)
+    fenced = Job.fetch("resuming", connection=FencedRedis.from_url(store.settings.redis_url),
+                       serializer=JSONSerializer)
+    assert store.checkpoint(fenced) is None
+    redis.set(keys.fence_key(job.id), "token-2")
+    with holding(Fence(job.id, "token-2")):
+        store.save_checkpoint(fenced, 3, b"at three")
+        store.save_checkpoint(fenced, 7, b"at seven")
+    with holding(Fence(job.id, "token-1")), pytest.raises(StaleAttemptError):
+        store.save_checkpoint(fenced, 9, b"a stale attempt's")
+    assert store.checkpoint(fenced) == (7, b"at seven")
+    fenced.connection.close()
+    return job
+
+
+def test_a_step_checkpoint_in_redis_replaces_the_last_and_goes_with_the_jobs_end(settings: Settings,
+                                                                                  redis: Redis) -> None:
+    from shared.store import endings
+
+    job = round_trip_checkpoints(results.of(settings), redis)
+    with redis.pipeline() as pipe:
+        endings.ended(pipe, settings.queue_name, job, 60)
+        pipe.execute()
+    assert not redis.exists(keys.checkpoint_key(job.id))
+
+
+def test_a_step_checkpoint_in_the_store_is_kept_while_named_and_swept_after(
+        settings: Settings, redis: Redis, store_values: dict[str, Any]) -> None:
+    store = results.of(settings.model_copy(update=store_values))
+    job = round_trip_checkpoints(store, redis)
+    named = redis.hget(keys.checkpoint_key(job.id), "blob")
+    assert named is not None and len(names(store)) == 3  # the stale write's object too, named by none
+    assert store.sweep(redis) == 2 and names(store) == [named.decode()]
+    redis.delete(keys.checkpoint_key(job.id))  # as the job's end does
+    assert store.sweep(redis) == 1 and names(store) == []
+
+
 def test_the_grace_spares_a_write_in_progress(settings: Settings, redis: Redis,
                                               store_values: dict[str, Any]) -> None:
     store = results.of(settings.model_copy(update={**store_values, "sweep_grace_s": 600}))
@@ -188,7 +230,8 @@ def store_worker(redis_url: str, model_cache: Path, store_values: dict[str, Any]
     settings = Settings(redis_url=redis_url.removesuffix("/0") + "/9", queue_name="store-tests",
                         queue_capacity=200, cache_dir=model_cache, drain_s=0, result_ttl_s=15,
                         sweep_interval_s=1, **store_values)
-    Redis.from_url(settings.redis_url).flushdb()
+    with Redis.from_url(settings.redis_url) as connection:
+        connection.flushdb()
     process = start_worker(settings, tmp_path / "worker.log")
     yield settings, process
     assert process.stop() == 0, process.output()
@@ -235,7 +278,8 @@ def test_a_store_that_cannot_be_written_fails_the_job_after_its_attempts(
     settings = Settings(redis_url=redis_url.removesuffix("/0") + "/9", queue_name="store-tests",
                         cache_dir=model_cache, drain_s=0, max_attempts=2, worker_metrics_port=free_port(),
                         result_store=f"file://{tmp_path / 'a-file' / 'results'}")
-    Redis.from_url(settings.redis_url).flushdb()
+    with Redis.from_url(settings.redis_url) as connection:
+        connection.flushdb()
     worker = start_worker(settings, tmp_path / "worker.log")
     try:
         with api(settings) as client:
@@ -245,10 +289,10 @@ def test_a_store_that_cannot_be_written_fails_the_job_after_its_attempts(
             view = wait_for_status(client, job_id, "failed", timeout=90)
             assert view["error"]["code"] == "storage_unavailable" and view["attempt"] == 2, view
             # Ended once: counted once, one final event.
-            connection = Redis.from_url(settings.redis_url)
-            counts = [connection.hget(key, "failed") for key in connection.scan_iter(keys.ended_key("*"))]
+            with Redis.from_url(settings.redis_url) as connection:
+                counts = [connection.hget(key, "failed") for key in connection.scan_iter(keys.ended_key("*"))]
+                events = [entry[b"event"] for _, entry in connection.xrange(keys.log_key(job_id))]
             assert counts == [b"1"], counts
-            events = [entry[b"event"] for _, entry in connection.xrange(keys.log_key(job_id))]
             assert events.count(b"failed") == 1, events
         with pytest.raises(urllib.error.HTTPError) as answer:
             urllib.request.urlopen(f"http://127.0.0.1:{settings.worker_metrics_port}/readyz", timeout=5)
@@ -264,7 +308,8 @@ def test_a_worker_killed_between_the_image_write_and_the_record_loses_no_job_and
     settings = Settings(redis_url=redis_url.removesuffix("/0") + "/9", queue_name="store-tests",
                         cache_dir=model_cache, drain_s=0, heartbeat_ttl_s=2, fault_injection=True,
                         result_store=f"file://{tmp_path / 'results'}", sweep_interval_s=1, sweep_grace_s=1)
-    Redis.from_url(settings.redis_url).flushdb()
+    with Redis.from_url(settings.redis_url) as connection:
+        connection.flushdb()
     store = results.of(settings)
     first = start_worker(settings, tmp_path / "first.log", worker_name="first")
     with api(settings) as client:
@@ -277,8 +322,8 @@ def test_a_worker_killed_between_the_image_write_and_the_record_loses_no_job_and
         try:
             view = wait_for_status(client, job_id, "succeeded", timeout=90)
             assert view["attempt"] == 2
-            record = Job.fetch(job_id, connection=Redis.from_url(settings.redis_url),
-                               serializer=JSONSerializer)
+            with Redis.from_url(settings.redis_url) as connection:
+                record = Job.fetch(job_id, connection=connection, serializer=JSONSerializer)
             attempt = record.meta["images_at"]
             # The first attempt's image is swept; the one the record names stays and is served.
             wait_for(lambda: names(store) == [f"images/{job_id}/{attempt}/0.png"], what="the orphan swept")

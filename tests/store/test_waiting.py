@@ -187,7 +187,8 @@ def test_tenants_take_turns_by_cost_within_a_class(keyed: FlaskClient, redis: Re
 def test_a_newcomer_is_not_starved_by_a_burst_across_api_processes(
         worker: Process, worker_settings: Settings, start_api: Callable[..., Process]) -> None:
     """A 500-job burst from one tenant, posted by concurrent clients through two API processes:
-    another tenant's single job runs after at most one more of the burst."""
+    another tenant's single job runs after at most one more execution of the burst (one job at a
+    time, or a batch of up to SLOTQ_MAX_BATCH)."""
     changes = {"api_keys": json.dumps(KEYS), "queue_capacity": 1000}
     apis = [start_api(worker_settings, **changes) for _ in range(2)]
     tiny = {"prompt": "x", "width": 64, "height": 64, "steps": 1}
@@ -211,7 +212,7 @@ def test_a_newcomer_is_not_starved_by_a_burst_across_api_processes(
         views = [client.get(f"/v1/jobs/{view['id']}", headers=alice).get_json() for _, view in burst]
         arrived, started = _at(newcomer["created_at"]), _at(done["started_at"])
         overtook = [v for v in views if v["started_at"] and arrived < _at(v["started_at"]) < started]
-        assert len(overtook) <= 1, overtook
+        assert len(overtook) <= max(1, worker_settings.max_batch), overtook
         assert sum(1 for v in views if v["status"] == "queued") > 100  # the burst was really waiting
     finally:
         for _, view in burst:  # leave the session's worker an empty queue

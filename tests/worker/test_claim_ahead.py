@@ -20,7 +20,7 @@ from shared.contract import keys
 from shared.contract.settings import Settings
 from shared.store.connection import job_queue
 from shared.store.fencing import connect_worker
-from tests.conftest import post_job, waiting_ids
+from tests.conftest import ONE_AT_A_TIME, post_job, waiting_ids
 from worker import lifecycle, tasks
 from worker.main import Mode, SlotWorker, claims_ahead
 from worker.pipeline import current_pipeline, load_pipeline, set_current_pipeline
@@ -29,7 +29,7 @@ from worker.pipeline import current_pipeline, load_pipeline, set_current_pipelin
 @contextmanager
 def worker_claiming(settings: Settings, claim_ahead: bool | str) -> Iterator[SlotWorker]:
     """A worker of the test queue in this process, its model loaded on the CPU, not serving."""
-    on = settings.model_copy(update={"claim_ahead": claim_ahead})
+    on = settings.model_copy(update={"claim_ahead": claim_ahead, **ONE_AT_A_TIME})
     set_current_pipeline(load_pipeline(on.model_copy(update={"device": "cpu"})))
     worker = SlotWorker(job_queue(connect_worker(on), on), on)
     try:

@@ -98,6 +98,18 @@ def test_a_short_job_joins_a_long_one_ends_first_and_makes_its_own_image(
     assert_same_image(client, short, worker_client, **short_request)
 
 
+def test_each_job_in_the_loop_has_the_eta_of_its_own_steps(client: FlaskClient) -> None:
+    long = post_job(client, seed=8, steps=80, **SIZE).get_json()["id"]
+    running_past(client, long, 2)
+    short = post_job(client, seed=9, steps=20, **SIZE).get_json()["id"]
+    running_past(client, short, 2)
+    views = [view(client, job_id) for job_id in (short, long)]
+    assert all(each["status"] == "running" and each["eta_s"] for each in views), views
+    # By the loop's step time: the short job's 18 or fewer steps left, the long one's 60 or more.
+    assert 2 * views[0]["eta_s"]["finish"] < views[1]["eta_s"]["finish"], views
+    wait_for_status(client, long, "succeeded")
+
+
 def test_a_joined_job_has_its_previews_and_events(client: FlaskClient) -> None:
     long = post_job(client, seed=5, steps=60, **SIZE).get_json()["id"]
     running_past(client, long, 2)
@@ -145,6 +157,29 @@ def test_a_high_job_preempts_a_low_batch_which_then_resumes_where_it_stopped(
     assert low_done["paused"] is False and low_done["attempt"] == 1  # resumed, not started again
     assert "paused at a step boundary" in join_worker.output()
     assert_same_image(client, low, worker_client, **low_request)
+
+
+def test_a_higher_job_s_start_estimate_does_not_wait_for_a_loop_that_pauses_for_it(
+        client: FlaskClient, join_settings: Settings) -> None:
+    from shared.contract import keys
+
+    low = post_job(client, prompt="a long low job", seed=5, steps=100, priority="low", width=512,
+                   height=512).get_json()["id"]
+    running = running_past(client, low, 2)
+    with Redis.from_url(join_settings.redis_url) as redis:
+        # The loop has seconds left by its step time (or, before its first report, by the model, which
+        # says 30 s).
+        redis.hset(keys.model_key(join_settings.line), mapping={"a": 30.0, "b": 0.0})
+        assert redis.hget(keys.pausing_key(join_settings.line), running["worker"]) == b"low 0.0"
+        # Another low job waits for the loop: a 2 s start deadline is refused. A high one pauses it at
+        # the next step boundary: admitted, starting at once by the estimate.
+        late = post_job(client, seed=6, steps=4, priority="low", deadline_s=2, **SIZE)
+        assert late.get_json()["error"]["code"] == "deadline_unmeetable"
+        high = post_job(client, seed=7, steps=4, priority="high", deadline_s=2, width=128, height=128)
+        assert high.status_code == 202 and high.get_json()["eta_s"]["start"] < 1
+        assert wait_for_status(client, high.get_json()["id"], "succeeded")
+        assert wait_for_status(client, low, "succeeded")
+        assert redis.hget(keys.pausing_key(join_settings.line), running["worker"]) is None
 
 
 def test_join_keys_separate_what_the_loop_cannot_share() -> None:

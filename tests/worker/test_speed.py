@@ -11,7 +11,15 @@ from flask.testing import FlaskClient
 from redis import Redis
 
 from shared.contract.settings import Settings
-from tests.conftest import app_client, own_database, post_job, start_worker, wait_for, wait_for_status
+from tests.conftest import (
+    ONE_AT_A_TIME,
+    app_client,
+    own_database,
+    post_job,
+    start_worker,
+    wait_for,
+    wait_for_status,
+)
 
 DATABASE = 14  # apart from the others' (0 per test, 1 the worker, 2-3, 5-9, 11-13 other modules)
 SMALL = {"width": 64, "height": 64, "steps": 2}
@@ -33,7 +41,8 @@ def test_a_speed_other_than_normal_fast_or_auto_is_refused(client: FlaskClient,
                                                            speed_settings: Settings) -> None:
     refused = post_job(client, speed="warp", **SMALL)
     assert refused.status_code == 422 and refused.get_json()["error"]["code"] == "invalid_request"
-    assert Redis.from_url(speed_settings.redis_url).dbsize() == 0  # nothing stored
+    with Redis.from_url(speed_settings.redis_url) as redis:
+        assert redis.dbsize() == 0  # nothing stored
     assert post_job(client, speed="fast", **SMALL).status_code == 202
 
 
@@ -42,7 +51,9 @@ def test_degrading_runs_only_auto_jobs_fast_while_the_line_is_deeper(
     speeds = ["normal", "auto", "auto", "auto", "auto", "auto", "normal", "fast"]
     ids = [post_job(client, speed=speed, seed=index, **SMALL).get_json()["id"]
            for index, speed in enumerate(speeds)]
-    worker = start_worker(speed_settings.model_copy(update={"degrade_at": 3}), tmp_path / "worker.log")
+    # One job an execution: each job's tier is chosen as it starts (a batch's, once for all of it).
+    worker = start_worker(speed_settings.model_copy(update={"degrade_at": 3, **ONE_AT_A_TIME}),
+                          tmp_path / "worker.log")
     try:
         views = [wait_for_status(client, job_id, "succeeded") for job_id in ids]
     finally:
@@ -77,4 +88,5 @@ def test_a_job_larger_than_every_live_worker_can_run_is_refused_with_nothing_sto
         workers = client.get("/v1/workers").get_json()["workers"]
         assert [(each["capacity_pixels"], each["compile"]) for each in workers] == [(8192, "off")]
     finally:
+        redis.close()
         assert worker.stop() == 0, worker.output()

@@ -15,6 +15,7 @@ from diffusers import DiffusionPipeline, PNDMScheduler
 
 from shared.contract.jobs import HiresRequest, JobRequest
 from shared.contract.models import PIPELINE_CLASSES, Family
+from worker import resuming
 from worker.samplers import Samplers
 from worker.stepping import (
     STEPPABLE,
@@ -284,3 +285,49 @@ def test_a_requests_images_admitted_together_are_those_it_makes_one_by_one(loade
         run_out(single)
         assert difference(made, single.decode([flight])[0]) <= SAME
     assert difference(together[0], together[1]) > 0.01  # two seeds, two images
+
+
+@pytest.mark.parametrize(("model", "sampler"), CASES)
+def test_a_flights_saved_state_in_a_new_loop_makes_the_uninterrupted_image(
+        loaded: Any, cache: Path, model: str, sampler: str | None) -> None:
+    """A step checkpoint's round trip: the state read out after 3 of 6 steps, saved to bytes and loaded,
+    taken by a flight of the same request in a loop of its own, makes the very image the flight that
+    was never stopped makes (an ancestral sampler's generator and a multistep one's history with it)."""
+    pipe, samplers = pipeline(loaded, cache, model)
+    request = job(model, sampler, steps=6, seed=31)
+    straight, stopped = SteppingLoop(pipe, samplers), SteppingLoop(pipe, samplers)
+    whole, part = straight.admit(request), stopped.admit(request)
+    for _ in range(3):
+        stopped.step()
+    saved = resuming.dump("print", [stopped.state_of(part)])
+    stopped.cancel(part)
+    again = SteppingLoop(pipe, samplers)
+    resumed = again.admit(request)
+    again.restore(resumed, resuming.load(saved, "print")[0])
+    assert resumed.step == 3
+    run_out(straight), run_out(again)
+    assert np.array_equal(again.decode([resumed])[0], straight.decode([whole])[0])
+
+
+def test_a_state_that_does_not_fit_the_flight_is_refused_and_changes_nothing(loaded: Any, cache: Path
+                                                                              ) -> None:
+    pipe, samplers = pipeline(loaded, cache, "tiny")
+    loop = SteppingLoop(pipe, samplers)
+    source = loop.admit(job("tiny", "euler", steps=6, seed=3))
+    loop.step()
+    state = loop.state_of(source)
+    larger = loop.admit(job("tiny", "euler", steps=6, seed=3, side=2 * SIDE))
+    other_sampler = loop.admit(job("tiny", "ddim", steps=6, seed=3))
+    fewer_steps = loop.admit(job("tiny", "euler", steps=3, seed=3))
+    same = loop.admit(job("tiny", "euler", steps=6, seed=3))
+    for flight, saved, why in ((larger, state, "shape"), (other_sampler, state, "another sampler"),
+                               (fewer_steps, state, "sampler attributes"),
+                               (same, state | {"step": 6}, "step"),
+                               (same, state | {"generator": None}, "generator")):
+        latents = flight.latents.clone()
+        with pytest.raises(ValueError, match=why):
+            loop.restore(flight, saved)
+        assert flight.step == 0 and torch.equal(flight.latents, latents)
+    loop.step()
+    with pytest.raises(ValueError, match="step 0"):
+        loop.restore(source, state)

@@ -56,7 +56,7 @@ _TEXT_HIDDEN = 32
 # loader tells the two apart by width (worker/tiny/checkpoints.py).
 _TEXT_HIDDEN_2 = 48
 _T5_MAX_TOKENS = 512  # FluxPipeline's default max_sequence_length
-_T5_HIDDEN = 32
+T5_HIDDEN = 32
 _TIME_EMBED = 8  # SDXL's addition_time_embed_dim
 
 
@@ -129,12 +129,14 @@ def build_t5_tokenizer() -> T5TokenizerFast:
     )
 
 
-def _build_t5_encoder(tokenizer: T5TokenizerFast) -> T5EncoderModel:
-    """Return a 2-layer T5 v1.1-style (gated-GELU) encoder sized to the tokenizer."""
+def build_t5_encoder(tokenizer: T5TokenizerFast, model: Callable[[Any], Any] = T5EncoderModel,
+                     config_class: Callable[..., Any] = T5Config) -> Any:
+    """Return a 2-layer T5 v1.1-style (gated-GELU) encoder sized to the tokenizer (``model`` and its
+    ``config_class``: UMT5's for Wan, whose configuration takes the same fields)."""
     torch.manual_seed(0)
-    config = T5Config(
+    config = config_class(
         vocab_size=len(tokenizer),
-        d_model=_T5_HIDDEN,
+        d_model=T5_HIDDEN,
         d_kv=8,
         d_ff=64,
         num_layers=2,
@@ -144,7 +146,7 @@ def _build_t5_encoder(tokenizer: T5TokenizerFast) -> T5EncoderModel:
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
-    return T5EncoderModel(config).eval()
+    return model(config).eval()
 
 
 # --- denoisers -------------------------------------------------------------------------------
@@ -202,7 +204,7 @@ def _build_flux_transformer() -> FluxTransformer2DModel:
         num_single_layers=1,
         attention_head_dim=16,
         num_attention_heads=2,
-        joint_attention_dim=_T5_HIDDEN,
+        joint_attention_dim=T5_HIDDEN,
         pooled_projection_dim=_TEXT_HIDDEN,
         guidance_embeds=True,  # like FLUX.1-dev: guidance_scale is an input, not CFG
         axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim
@@ -314,7 +316,7 @@ def _build_flux(folder: Path) -> None:
         vae=_build_flux_vae(),
         text_encoder=_build_text_encoder(tokenizer),
         tokenizer=tokenizer,
-        text_encoder_2=_build_t5_encoder(tokenizer_2),
+        text_encoder_2=build_t5_encoder(tokenizer_2),
         tokenizer_2=tokenizer_2,
         transformer=_build_flux_transformer(),
     )
@@ -332,9 +334,9 @@ def ensure_tiny_model(cache_dir: Path, name: str = "tiny") -> Path:
     """Write the named tiny random pipeline (a key of TINY_MODELS) under cache_dir once; return its folder."""
     if name not in TINY_MODELS:
         raise ValueError(f"unknown tiny model {name!r}; known: {', '.join(TINY_MODELS)}")
-    return write_once(Path(cache_dir) / TINY_MODELS[name], _BUILDERS[name], _is_pipeline)
+    return write_once(Path(cache_dir) / TINY_MODELS[name], _BUILDERS[name], is_pipeline)
 
 
-def _is_pipeline(folder: Path) -> bool:
+def is_pipeline(folder: Path) -> bool:
     """Whether the folder holds a whole pipeline (save_pretrained writes model_index.json)."""
     return (folder / "model_index.json").is_file()

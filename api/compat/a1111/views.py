@@ -15,7 +15,7 @@ from typing import Any
 from flask import Blueprint, Response, jsonify, request
 
 from api import bodies, state
-from api.compat import calls
+from api.compat import calls, credentials
 from api.compat.a1111 import controlnet, images, translate
 from api.errors import as_service_error
 from shared.contract.errors import (
@@ -28,7 +28,6 @@ from shared.contract.errors import (
 )
 from shared.contract.jobs import JobView
 from shared.contract.models import ModelInfo
-from shared.contract.tenants import tenant_of_key
 from shared.store import preferences
 
 bp = Blueprint("a1111", __name__, url_prefix="/sdapi/v1")
@@ -52,18 +51,11 @@ IDLE_STATE = {"skipped": False, "interrupted": False, "stopping_generation": Fal
 @controlnet_bp.before_request
 def authenticate() -> None:
     """With API keys on, the caller's tenant from its key: Basic's password (or a bearer token)."""
-    table = state.key_policies()
-    if not table:
+    if not state.key_policies():
         return
-    try:
-        sent = request.authorization
-    except ValueError:  # Basic credentials that are not base64 of ASCII: no key was sent
-        sent = None
-    key = (sent.password if sent.type == "basic" else sent.token) if sent is not None else None
-    try:
-        state.set_tenant(tenant_of_key(table, state.settings(), key or None))
-    except UnauthorizedError:
-        raise UnauthorizedError(NEEDS_KEY) from None
+    sent = credentials.sent()
+    credentials.authenticate((sent.password if sent.type == "basic" else sent.token) if sent else None,
+                             NEEDS_KEY)
 
 
 def render(exc: Exception) -> tuple[Response, int]:

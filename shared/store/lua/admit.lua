@@ -6,8 +6,8 @@
 -- listed jobs (GET /v1/jobs).
 -- ARGV[1]: the parameters as JSON; ARGV[2..]: the RQ job's fields, as Job.save would write them
 -- (`p.fields` of them), then the bytes of each input image that `p.inputs` names.
--- Answers {position, starts in, finishes in, deadline}, or a refusal: {-1 full, -2 replay,
--- -3 rate limited, -4 tenant full; detail}, or {-5} (below).
+-- Answers {position, starts in, finishes in, deadline, 1 where its line is paused}, or a refusal: {-1 full, -2 replay,
+-- -3 rate limited, -4 tenant full, -6 cannot start by its deadline; detail}, or {-5} (below).
 local p = cjson.decode(ARGV[1])
 local line, prefix = line_of(p.queue), p.job_prefix
 -- Where the job stands, and when it starts and finishes by the estimates; nil once it left the line.
@@ -16,8 +16,9 @@ local function standing(now, counts, deadline)
   if not position then return nil end
   local model = job_model(KEYS[6])
   local own = job_seconds(model, p.cost)
-  local start = own and starts_in(line, model, KEYS[7], now, position, counts, p.priority, p.cost)
-  return {position, own and num(start) or false, own and num(start + own) or false, deadline and num(deadline)}
+  local start = own and starts_in(line, model, KEYS[7], now, position, counts, p.priority, p.cost, p.priority)
+  return {position, own and num(start) or false, own and num(start + own) or false,
+          deadline and num(deadline) or false, line_paused(line) and 1 or false}
 end
 -- The same call sent again: redis-py sends a command once more when a timeout lost its reply, and
 -- the job (its id is new to each submit) went in the first time. This run writes nothing: it
@@ -50,6 +51,16 @@ if p.max_queued and line_tenant_count(line, p.tenant) >= p.max_queued then
 end
 -- The class's share of the line: `limit` places for normal, fewer for low, more for high.
 if total >= p.limit then return {-1, frees_in(total - p.limit, counts)} end
+-- A job the estimates say cannot start before its deadline is refused now rather than left to
+-- expire in the line; it could start in time once the line has shortened by the difference.
+if p.deadline_s then
+  local model = job_model(KEYS[6])
+  if model then
+    local place = line_place(line, p.priority, line_next_tag(line, p.priority, p.tenant), counts)
+    local start = starts_in(line, model, KEYS[7], now, place, counts, nil, nil, p.priority)
+    if start > p.deadline_s then return {-6, num(start - p.deadline_s)} end
+  end
+end
 -- The job's hash in one write: RQ's fields, then its place in the fair order.
 local tag = line_tag(line, p.priority, p.tenant, p.cost)
 redis.call('HSET', KEYS[1], 'priority', p.priority, 'tenant', p.tenant, 'cost', num(p.cost), 'tag', num(tag),

@@ -1,8 +1,9 @@
 -- uses: line
 -- The first job of the highest class above ARGV[2] that has work, for preemption (worker/joining.py):
 -- its id, when it was admitted (RQ's enqueued_at) and Redis's clock; false when none waits above.
--- ARGV: the queue's name, the class, RQ's job key prefix.
+-- ARGV: the queue's name, the class, RQ's job key prefix. A paused line has none: no claim would take it.
 local line = line_of(ARGV[1])
+if line_paused(line) then return false end
 for _, class in ipairs(CLASSES) do
   if class == ARGV[2] then return false end
   local head = redis.call('ZRANGE', order_key(line, class), 0, 0)[1]

@@ -80,6 +80,7 @@ def test_a_tenant_over_its_share_of_the_waiting_slots_is_refused_and_the_others_
 
 
 def test_every_route_of_both_surfaces_is_documented_under_its_tag(settings: Settings) -> None:
+    from api import state
     from api.app import create_app
     from api.openapi import openapi_document
 
@@ -96,4 +97,4 @@ def test_every_route_of_both_surfaces_is_documented_under_its_tag(settings: Sett
     for path, method in documented:
         assert (path, method) in routes, f"{method} {path} is documented but not served"
         assert document["paths"][path][method]["tags"] == [tags[path[:6]]]
-    app.extensions["slotq.queue"].connection.close()
+    state.close(app)

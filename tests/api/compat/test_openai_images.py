@@ -20,6 +20,7 @@ from flask.testing import FlaskClient
 from openai import OpenAI
 from PIL import Image
 
+from api import state
 from api.app import create_app
 from shared.contract.settings import Settings
 from slotq import harness
@@ -319,7 +320,9 @@ def test_a_full_line_is_a_rate_limit_error_and_a_long_wait_is_not_retried(
         assert refused.value.code == "queue_full" and refused.value.type == "rate_limit_error"
         assert int(refused.value.response.headers["Retry-After"]) >= 1
         assert http_post_job(api.url, {"prompt": "native", "width": 64, "height": 64})[0] == 429
-        urllib.request.urlopen(urllib.request.Request(f"{api.url}/v1/jobs/{job_id[1]}", method="DELETE"))
+        cancel = urllib.request.Request(f"{api.url}/v1/jobs/{job_id[1]}", method="DELETE")
+        with urllib.request.urlopen(cancel):
+            pass
     finally:
         api.stop()
 
@@ -366,7 +369,7 @@ def test_models_list_adds_the_aliases(worker_settings: Settings) -> None:
     try:
         answer = app.test_client().get("/v1/models").get_json()
     finally:
-        app.extensions["slotq.queue"].connection.close()
+        state.close(app)
     assert answer["object"] == "list"
     assert [model["id"] for model in answer["data"]] == [*aliased.offered_models, "sdxl-turbo"]
 

@@ -9,13 +9,14 @@
 -- ttl (the record's) and channel (the queue's events channel, or nil: no announcement).
 -- What follows a final status, whoever wrote it (RQ's own paths in the worker, or end_job): its
 -- count by status, its `completed` webhook, its final event, and the expiry of its input images
--- and event log, kept as long as its images.
+-- and event log, kept as long as its images; its step checkpoint is of no more use.
 local function ended(j)
   redis.call('HINCRBY', j.ended, j.status, 1)
   if j.webhook then webhook_completed(j.outbox, j.id, j.now) end
   redis.call('XADD', '@LOG_PREFIX@' .. j.id, 'MAXLEN', '~', @LOG_LENGTH@, '*', 'event', j.status)
   redis.call('EXPIRE', '@INPUTS_PREFIX@' .. j.id, j.inputs_ttl)
   redis.call('EXPIRE', '@LOG_PREFIX@' .. j.id, j.inputs_ttl)
+  redis.call('DEL', '@CHECKPOINT_PREFIX@' .. j.id)
 end
 -- A job that ends outside RQ's own paths (canceled, expired, or failed or stopped by recovery):
 -- when and with what meta, its record kept `ttl` more, what follows, then the announcement.

@@ -1,11 +1,12 @@
 -- How long jobs take (shared/store/estimates.py): the fitted model `a + b * cost`, what running jobs
 -- have left, and Redis's clock.
--- The model's two coefficients, {a, b}, or nil before it has seen a job: read once a script.
+-- The model's two coefficients and the jobs an execution holds on average, {a, b, k}, or nil before
+-- it has seen a job: read once a script.
 local function job_model(model_key)
-  local m = redis.call('HMGET', model_key, 'a', 'b')
+  local m = redis.call('HMGET', model_key, 'a', 'b', 'k')
   local a, b = tonumber(m[1]), tonumber(m[2])
   if not a then return nil end
-  return {a, b}
+  return {a, b, math.max(1, tonumber(m[3]) or 1)}
 end
 -- What a job of this cost takes by the model, or nil without one.
 local function job_seconds(model, cost)
@@ -23,10 +24,14 @@ local function entry_left(model, entry, now)
   if not model then return nil end
   return math.max(0, model[1] + model[2] * tonumber(cost) - (now - started))
 end
-local function running_left(model, running_key, now)
-  local left = {}
-  for _, entry in ipairs(redis.call('HVALS', running_key)) do
-    local seconds = entry_left(model, entry, now)
+-- What each running execution has left; `waits`, when given, the most a worker's execution makes
+-- the asking job wait, by worker name.
+local function running_left(model, running_key, now, waits)
+  local left, running = {}, redis.call('HGETALL', running_key)
+  for i = 1, #running, 2 do
+    local seconds = entry_left(model, running[i + 1], now)
+    local most = waits and waits[running[i]]
+    if most then seconds = math.min(seconds or most, most) end
     if seconds then table.insert(left, seconds) end
   end
   return left

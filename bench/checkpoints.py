@@ -1,0 +1,157 @@
+"""What step checkpoints cost a running job, and what they save it when its worker dies.
+
+    python -m bench.checkpoints [--rounds 3] [--size 256] [--steps 40]
+
+In-process: the tiny SD model (float32), ``dpmpp_2m`` (a multistep sampler, whose past predictions
+are in each checkpoint), worker/stepping.py's loop, and the result store on a redis-server of its
+own, saved and read as the worker does (``SteppingLoop.state_of``, ``resuming.dump``,
+``Results.save_checkpoint``; ``Results.checkpoint``, ``resuming.resume``).
+
+- **Cost**: one job from step 0 to its image without checkpoints (the baseline), then with one after
+  every step, the most the worker ever saves. Their difference over the steps is one save's time;
+  at the default SLOTQ_CHECKPOINT_EVERY_S a job saves once a minute, so its share of the job's time
+  is one save's time over 60 s (the goal: at most 2 %).
+- **Crash**: the job's worker dies after its checkpoint at half its steps; the time from its next
+  attempt's start to its image, from step 0 (no checkpoints: the baseline) and from the checkpoint
+  (read, loaded, its prompt encoded again). The resumed image must equal the
+  uninterrupted one, byte for byte.
+
+Rounds alternate which way runs first; the median of the paired rounds counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.stats import median, ratios
+
+SAMPLER, SEED, GOAL = "dpmpp_2m", 11, 0.02
+DEFAULT_EVERY_S = 60.0
+
+
+def run(loop: Any, request: Any, save: Any = None, resume_from: Any = None) -> tuple[float, np.ndarray]:
+    """Seconds from admission to the image, saving after each step with ``save`` (where given) and
+    resuming from ``resume_from`` (a job and its stored checkpoint, where given)."""
+    from worker import resuming
+
+    started = time.perf_counter()
+    flights = loop.admit_all(request)
+    if resume_from is not None:
+        job, found = resume_from
+        flights = resuming.resume(loop, job, request, flights, found)
+        assert flights[0].step, "the checkpoint did not resume"
+    while loop.running:
+        loop.step()
+        if save is not None and loop.running:
+            save(flights)
+    (image,) = loop.decode(flights)
+    return time.perf_counter() - started, image
+
+
+def stopped_at(loop: Any, request: Any, steps: int) -> list[Any]:
+    """The job's flights after ``steps`` steps, out of the loop: a cancel lets go of their prompt's
+    embeddings only, so their state can still be read, as a checkpoint of that step."""
+    flights = loop.admit_all(request)
+    for _ in range(steps):
+        loop.step()
+    for flight in flights:
+        loop.cancel(flight)
+    return flights
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--size", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=40)
+    args = parser.parse_args(argv)
+
+    import torch
+    from diffusers import DiffusionPipeline
+    from redis import Redis
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    from shared.contract.jobs import JobRequest
+    from shared.contract.settings import Settings
+    from shared.store import results
+    from slotq.localredis import running_redis
+    from worker import resuming
+    from worker.samplers import Samplers
+    from worker.stepping import SteppingLoop
+    from worker.tiny.model import ensure_tiny_model
+
+    torch.set_num_threads(1)
+    request = JobRequest(prompt="a lighthouse on a cliff", width=args.size, height=args.size,
+                         steps=args.steps, seed=SEED, scheduler=SAMPLER)
+    with tempfile.TemporaryDirectory() as folder, running_redis(Path(folder)) as url:
+        pipe = DiffusionPipeline.from_pretrained(ensure_tiny_model(Path(folder) / "models", "tiny"),
+                                                 dtype=torch.float32)
+        pipe.set_progress_bar_config(disable=True)
+        loop = SteppingLoop(pipe, Samplers(pipe.scheduler))
+        settings = Settings(redis_url=url)
+        store = results.of(settings)
+        connection = Redis.from_url(url)
+        job = Job.create("worker.tasks.generate", kwargs={"request": request.model_dump(mode="json")},
+                         connection=connection, id="bench-checkpoints", serializer=JSONSerializer)
+        job.save()
+        print_of = resuming.fingerprint(job, type(pipe).__name__)
+
+        def save(flights: list[Any]) -> None:
+            data = resuming.dump(print_of, [loop.state_of(flight) for flight in flights])
+            store.save_checkpoint(job, flights[0].step, data)
+
+        run(loop, request)  # untimed: the first calls at this size
+        plain, saving, from_zero, resumed, sizes = [], [], [], [], []
+        same = True
+        for number in range(args.rounds):
+            ways = {"plain": lambda: run(loop, request), "saving": lambda: run(loop, request, save)}
+            times = {}
+            for name in (("plain", "saving") if number % 2 == 0 else ("saving", "plain")):
+                times[name], _ = ways[name]()
+            plain.append(times["plain"])
+            saving.append(times["saving"])
+            sizes.append(len(connection.hget(f"slotq:checkpoint:{job.id}", "data") or b""))
+
+            half = args.steps // 2
+            checkpointed = stopped_at(loop, request, half)
+            save(checkpointed)
+            again = {}
+            for name in (("zero", "resumed") if number % 2 == 0 else ("resumed", "zero")):
+                found = store.checkpoint(job) if name == "resumed" else None
+                again[name] = run(loop, request, resume_from=(job, found) if found else None)
+            from_zero.append(again["zero"][0])
+            resumed.append(again["resumed"][0])
+            same = same and np.array_equal(again["zero"][1], again["resumed"][1])
+        connection.close()
+
+    saves = args.steps - 1
+    per_save = max(0.0, median([(s - p) / saves for s, p in zip(saving, plain, strict=True)]))
+    share = per_save / DEFAULT_EVERY_S
+    print(f"Step checkpoints: tiny SD {args.size}x{args.size}, {args.steps} steps, {SAMPLER}, one torch "
+          f"thread, the Redis store; {args.rounds} paired round(s), medians")
+    print(f"{'':44}{'job ms':>10}{'ratio':>9}")
+    print(f"{'no checkpoints (baseline)':44}{1000 * median(plain):>10.1f}{1.0:>9.2f}x")
+    print(f"{'a checkpoint after every step':44}{1000 * median(saving):>10.1f}"
+          f"{median(ratios(saving, plain)):>9.2f}x")
+    print(f"one save: {1000 * per_save:.2f} ms ({median(sizes) / 1024:.0f} KiB); at the default interval "
+          f"({DEFAULT_EVERY_S:.0f} s) {100 * share:.3f} % of a job's time: goal <= {100 * GOAL:.0f} % "
+          f"{'met' if share <= GOAL else 'missed'}")
+    print(f"The attempt after a crash, the last checkpoint at step {args.steps // 2}: its start to its image")
+    print(f"{'':44}{'ms':>10}{'ratio':>9}")
+    print(f"{'from step 0 (baseline)':44}{1000 * median(from_zero):>10.1f}{1.0:>9.2f}x")
+    print(f"{'from the checkpoint':44}{1000 * median(resumed):>10.1f}"
+          f"{median(ratios(resumed, from_zero)):>9.2f}x")
+    print(f"images: the resumed image {'equals' if same else 'DIFFERS FROM'} the uninterrupted one, "
+          "byte for byte")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,109 @@
+"""Step checkpoints: a step-level job's denoising state, saved while it runs, so that the attempt after
+a crash, a drain or a restart resumes at the step it had reached rather than at step 0.
+
+Every SLOTQ_CHECKPOINT_EVERY_S at most, and only once a step has passed since the last save, the
+worker reads each running job's flights out of the loop (their step, latents, sampler state and
+generator state: ``SteppingLoop.state_of``) and keeps them in the result store under the attempt's
+fence (``Results.save_checkpoint``); a drain saves them once more before it hands the jobs back.
+The next attempt at the job encodes its prompt again and puts its flights where the checkpoint
+says, so it makes the bytes an uninterrupted run makes. A checkpoint is tied to the job's request
+and model by a fingerprint: one that does not fit (another model or request, another format, bytes
+that do not load) is logged and ignored, and the job starts at step 0. The job's end deletes it.
+
+Checkpoints load with ``torch.load(weights_only=True)``: tensors, numbers and containers, never code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from rq.job import Job
+
+from shared.contract.jobs import JobRequest
+from shared.store import waiting
+from worker.stepping import Flight, SteppingLoop
+
+log = logging.getLogger(__name__)
+FORMAT = 1  # of the saved dict; a checkpoint of another format is ignored
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that this job cannot resume from: why, for the log."""
+
+
+def fingerprint(job: Job, pipeline_class: str) -> str:
+    """What ties a checkpoint to its job: the stored request, the model it runs on and its pipeline."""
+    identity = {"request": job.kwargs.get("request"), "model": waiting.job_model(job),
+                "pipeline": pipeline_class}
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def dump(print_of: str, flights: list[dict[str, Any]]) -> bytes:
+    """A checkpoint's bytes: the flights' states (``SteppingLoop.state_of``) under the job's fingerprint."""
+    buffer = io.BytesIO()
+    torch.save({"format": FORMAT, "fingerprint": print_of, "flights": flights}, buffer)
+    return buffer.getvalue()
+
+
+def load(data: bytes, print_of: str) -> dict[int, dict[str, Any]]:
+    """The flights' states of a checkpoint by image, or ``CheckpointError`` where it is not this job's."""
+    try:
+        saved = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # what a corrupt file raises varies: pickle, zip, torch errors
+        raise CheckpointError(f"it does not load ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(saved, dict) or saved.get("format") != FORMAT:
+        raise CheckpointError("it is not a checkpoint of this format")
+    if saved.get("fingerprint") != print_of:
+        raise CheckpointError("it was saved for another request or model")
+    flights = saved.get("flights")
+    if not isinstance(flights, list) or not all(isinstance(each, dict) for each in flights):
+        raise CheckpointError("it holds no flights")
+    return {each.get("image"): each for each in flights}
+
+
+def resume(loop: SteppingLoop, job: Job, request: JobRequest, flights: list[Flight],
+           checkpoint: tuple[int, bytes]) -> list[Flight]:
+    """A job's flights just admitted, put where its checkpoint (the step it was saved at, its bytes)
+    says where it fits them all; else, the reason logged, its flights afresh at step 0."""
+    step, data = checkpoint
+    try:
+        states = load(data, fingerprint(job, type(loop.pipe).__name__))
+        for flight in flights:
+            loop.restore(flight, states.get(flight.image, {}))
+    except ValueError as exc:  # CheckpointError, or a state that does not fit a flight
+        log.warning("job %s: its step checkpoint of step %d is not one it can resume from (%s): it starts "
+                    "at step 0", job.id, step, exc)
+        for flight in flights:  # some may have taken their state already
+            loop.cancel(flight)
+        return loop.admit_all(request)
+    log.info("job %s resumes at step %d of %d, from its step checkpoint", job.id, flights[0].step,
+             flights[0].total)
+    return flights
+
+
+@dataclass
+class Cadence:
+    """When a job's next checkpoint is due: ``every_s`` after its start or its last save, once a step has
+    passed since (``every_s`` 0: never)."""
+
+    every_s: float
+    saved_at: float = field(default_factory=time.monotonic)
+    saved_step: int = 0
+
+    def due(self, step: int, now: float | None = None, at_once: bool = False) -> bool:
+        if self.every_s <= 0 or step <= self.saved_step:
+            return False
+        return at_once or (time.monotonic() if now is None else now) - self.saved_at >= self.every_s
+
+    def saved(self, step: int, now: float | None = None) -> None:
+        self.saved_at, self.saved_step = time.monotonic() if now is None else now, step
+
+
+__all__ = ["FORMAT", "Cadence", "CheckpointError", "dump", "fingerprint", "load", "resume"]
