@@ -49,6 +49,7 @@ from slotq.harness import slotq_env
 from slotq.localredis import running_redis
 from worker.adapters import Adapters
 from worker.capacity import Capacity
+from worker.device_time import DeviceTime
 from worker.previews import Previewer
 
 Sections = list[tuple[float, float]]
@@ -62,9 +63,7 @@ CLAIM_AHEAD = "slotq worker, claim ahead "
 class NullPipeline:
     """A pipeline that does no work: one blank image per request, at once."""
 
-    sections: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=100_000))
-    busy_s: float = 0.0
-    running_since: float | None = None
+    device_time: DeviceTime = field(default_factory=lambda: DeviceTime(deque(maxlen=100_000)))
     device: str = "null"  # not a torch device: the worker's metrics name it and ask nothing more
     info: ModelInfo = field(default_factory=lambda: model_info("tiny", "sd"))  # what the jobs are checked for
     adapters: Adapters = field(default_factory=lambda: Adapters(None, 1))  # none: every job is bare
@@ -76,7 +75,7 @@ class NullPipeline:
         began, first = time.perf_counter(), requests[0]
         for step in range(1, first.steps_run + 1):
             on_step(step, first.steps_run, None)
-        self.sections.append((began, time.perf_counter()))
+        self.device_time.sections.append((began, time.perf_counter()))
         return [[Image.new("RGB", (r.width, r.height)) for _ in range(r.num_images)] for r in requests]
 
     @property
@@ -122,11 +121,11 @@ def in_process_loop(settings: Settings, batch: list[JobRequest]) -> Sections:
     from worker.pipeline import load_pipeline
 
     pipeline = load_pipeline(settings)
-    pipeline.sections.clear()  # not the warm-up
+    pipeline.device_time.sections.clear()  # not the warm-up
     for request in batch:
         for image in pipeline.generate(request):
             encode_png(image, request, settings.png_compress_level)
-    return list(pipeline.sections)
+    return list(pipeline.device_time.sections)
 
 
 @dataclass(frozen=True)
@@ -186,7 +185,7 @@ def serve(plan: Path) -> None:
         pipeline = NullPipeline() if run["null"] else load_pipeline(settings)
         set_current_pipeline(pipeline)  # type: ignore[arg-type]
         serve_burst(run["kind"], settings)
-        Path(run["trace"]).write_text(json.dumps(list(pipeline.sections)))
+        Path(run["trace"]).write_text(json.dumps(list(pipeline.device_time.sections)))
 
 
 def queue_jobs(kind: str, settings: Settings, batch: list[JobRequest]) -> None:
@@ -333,8 +332,11 @@ def report(jobs: int = 60, size: int = 256, steps: int = 4, large_jobs: int = 12
     ``one_process``, the worker runs of a round in one process (fewer starts, for a smoke test)."""
     with tempfile.TemporaryDirectory(prefix="slotq-bench-") as scratch, \
             running_redis(Path(scratch) / "redis") as url:
+        # One job an execution, whole-pipeline: the duty cycle and the dispatch overhead of one
+        # execution are what this measures (a null pipeline cannot step).
         settings = Settings(redis_url=url, queue_name="bench", queue_capacity=100_000,
-                            cache_dir=Path(scratch) / "models", log_level="WARNING", max_steps=1000)
+                            cache_dir=Path(scratch) / "models", log_level="WARNING", max_steps=1000,
+                            max_batch=1, step_scheduling=False)
         lines: list[str] = []
         for count, side, denoise in ((jobs, size, steps), (large_jobs, 1024, 1)):
             if count:

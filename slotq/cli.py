@@ -1,8 +1,9 @@
-"""The ``slotq`` command: run the API, a worker, everything at once, or submit a job."""
+"""The ``slotq`` command: run the API, a worker, everything at once, submit a job, or operate a worker."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import TYPE_CHECKING, Any, TextIO
@@ -29,9 +30,22 @@ def _parser() -> argparse.ArgumentParser:
     api.add_argument("--port", type=int, help="port to bind (default: SLOTQ_API_PORT)")
     api.set_defaults(run=_run_api)
 
-    worker = commands.add_parser("worker", help="run one single-slot GPU worker")
+    worker = commands.add_parser("worker", help="run one single-slot GPU worker, or operate a running one")
     worker.add_argument("--burst", action="store_true", help="quit when the queue is empty")
     worker.set_defaults(run=_run_worker)
+    operations = worker.add_subparsers(metavar="ACTION")
+    for action, about in [("release", "let go of the device, claim nothing (for --hold-s, or until resume)"),
+                          ("resume", "end a hold: claim again"),
+                          ("drain", "finish the running job, claim nothing more and exit (--stay: wait)")]:
+        operation = operations.add_parser(action, help=about)
+        operation.add_argument("name", help="the worker's name (GET /v1/admin/workers lists them)")
+        operation.add_argument("--url", default="http://127.0.0.1:8000", help="the service's base URL")
+        operation.add_argument("--admin-key", default=os.environ.get("SLOTQ_ADMIN_KEY"),
+                               help="one of SLOTQ_ADMIN_KEYS (default: $SLOTQ_ADMIN_KEY)")
+        operation.set_defaults(run=_operate_worker, action=action)
+    operations.choices["release"].add_argument("--hold-s", type=float, help="seconds to stay free")
+    operations.choices["drain"].add_argument("--stay", action="store_true",
+                                             help="stay, claiming nothing, until resumed")
 
     dev = commands.add_parser("dev", help="run Redis (if needed), the API and a worker together")
     dev.add_argument("--host", default="127.0.0.1")
@@ -90,6 +104,25 @@ def _become(arguments: list[str]) -> int:
     """
     os.execv(sys.executable, [sys.executable, *arguments])
     return 1  # not reached
+
+
+def _operate_worker(args: argparse.Namespace) -> int:
+    """``slotq worker release|resume|drain NAME``: the admin routes, from a shell."""
+    from slotq.client import APIError, Client
+
+    client = Client(args.url, api_key=args.admin_key)
+    try:
+        if args.action == "release":
+            answer = client.release_worker(args.name, args.hold_s)
+        elif args.action == "resume":
+            answer = client.resume_worker(args.name)
+        else:
+            answer = client.drain_worker(args.name, exit=not args.stay)
+    except APIError as exc:
+        print(f"slotq: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(answer))
+    return 0
 
 
 def _run_dev(args: argparse.Namespace) -> int:

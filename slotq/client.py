@@ -17,7 +17,7 @@ Every error answer raises a subclass of ``APIError`` (``.status``, ``.code``, ``
     NotFoundError         not_found                                                 404
     ConflictError         already_finished, not_ready, idempotency_conflict         409
     GoneError             expired                                                   410
-    QueueFullError        queue_full, tenant_queue_full
+    QueueFullError        queue_full, tenant_queue_full, deadline_unmeetable
     RateLimitedError      rate_limited                                              429
     UnavailableError      unavailable, draining, unreachable                        502, 503, 504
     ServerError           internal_error                                            other 5xx
@@ -47,7 +47,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import quote, urlencode
 
 TERMINAL = {"succeeded", "failed", "canceled", "expired"}
 LONG_POLL_S = 30  # the service holds a ?wait request at most 60 s
@@ -94,7 +94,8 @@ class GoneError(APIError):
 
 
 class QueueFullError(APIError):
-    """The line, or this tenant's share of it, is full (429); retry after ``retry_after``."""
+    """The line, or this tenant's share of it, is full, or too long for the job's deadline (429);
+    retry after ``retry_after``."""
 
 
 class RateLimitedError(APIError):
@@ -117,7 +118,7 @@ ERRORS_BY_CODE: dict[str, type[APIError]] = {
     "not_found": NotFoundError,
     **dict.fromkeys(["already_finished", "not_ready", "idempotency_conflict"], ConflictError),
     "expired": GoneError,
-    **dict.fromkeys(["queue_full", "tenant_queue_full"], QueueFullError),
+    **dict.fromkeys(["queue_full", "tenant_queue_full", "deadline_unmeetable"], QueueFullError),
     "rate_limited": RateLimitedError,
     **dict.fromkeys(["unavailable", "draining", "unreachable"], UnavailableError),
     "internal_error": ServerError,
@@ -271,6 +272,23 @@ class Client:
                                    ) from exc
         if response.status != 204:
             raise UnavailableError(503, "unreachable", "the stream ended before the job")
+
+    def release_worker(self, name: str, hold_s: float | None = None) -> dict[str, Any]:
+        """Have a worker let go of its device and claim nothing for ``hold_s`` seconds (None: until
+        :meth:`resume_worker`); the client's key must be an admin key."""
+        body = {"hold_s": hold_s} if hold_s is not None else {}
+        path = f"/v1/admin/workers/{quote(name)}/release"
+        return json.loads(self._send("POST", path, _read_retryable, body))
+
+    def resume_worker(self, name: str) -> dict[str, Any]:
+        """End a worker's hold: it claims again (admin key)."""
+        return json.loads(self._send("POST", f"/v1/admin/workers/{quote(name)}/resume", _read_retryable, {}))
+
+    def drain_worker(self, name: str, exit: bool = True) -> dict[str, Any]:
+        """Have a worker finish its job and claim nothing more: then exit, or (``exit`` off) stay,
+        held until resumed (admin key)."""
+        return json.loads(self._send("POST", f"/v1/admin/workers/{quote(name)}/drain", _read_retryable,
+                                     {"exit": exit}))
 
     def wait(self, job_id: str, timeout: float = 600.0, interval: float = 0.25,
              on_update: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:

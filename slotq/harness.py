@@ -52,16 +52,24 @@ def slotq_env(settings: Settings, **extra: Any) -> dict[str, str]:
     """This environment, but with these settings and ``extra`` (more of their fields) for SLOTQ_*."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("SLOTQ_")}
     values = settings.model_dump(mode="json")
-    values |= {name: value for name, value in settings if isinstance(value, SecretStr)}  # not "*****"
+    values |= {name: value for name, value in settings if _secret(value)}  # not "*****"
     for name, value in (values | extra).items():
         if value is not None:
             env[f"SLOTQ_{name.upper()}"] = _env_value(value)
     return env
 
 
+def _secret(value: Any) -> bool:
+    """Whether a setting is a secret, or a list of them (SLOTQ_ADMIN_KEYS)."""
+    return isinstance(value, SecretStr) or (isinstance(value, list) and any(isinstance(each, SecretStr)
+                                                                             for each in value))
+
+
 def _env_value(value: Any) -> str:
     if isinstance(value, SecretStr):
         return value.get_secret_value()
+    if isinstance(value, list):
+        value = [each.get_secret_value() if isinstance(each, SecretStr) else each for each in value]
     return json.dumps(value) if isinstance(value, list | dict) else str(value)
 
 

@@ -57,6 +57,9 @@ def running_redis(data_dir: Path) -> Iterator[str]:
         process.wait(10)
 
 
+DATABASES = 32  # the test suite gives modules that run side by side databases of their own
+
+
 def start_redis(port: int, data_dir: Path, *, appendonly: bool = False, timeout: float = 10.0,
                 new_session: bool = False) -> subprocess.Popen[bytes]:
     """Start ``redis-server`` on loopback and wait until it answers; the caller stops it.
@@ -66,6 +69,7 @@ def start_redis(port: int, data_dir: Path, *, appendonly: bool = False, timeout:
         redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
         "--dir", str(data_dir), "--save", "", "--appendonly", "yes" if appendonly else "no",
         "--daemonize", "no", "--logfile", str(data_dir / "redis.log"),
+        "--databases", str(DATABASES),
     ]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                start_new_session=new_session)

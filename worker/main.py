@@ -38,11 +38,13 @@ from worker.models import Models
 from worker.outcomes import Member, Outcomes, ids_of
 from worker.pipeline import current_pipeline, load_pipeline, resolve_device, set_current_pipeline
 from worker.rq import check_rq
+from worker.sharing import DeviceSharing
 from worker.sweeper import Sweeper
 from worker.webhooks import Sender
 
 log = logging.getLogger(__name__)
 CLAIM_TIMEOUT_S = 1.0
+KEPT_FREE_WAIT_S = 0.5  # how often a worker keeping its device free asks again whether it may claim
 MAX_BACKOFF_S = 15.0
 EXIT_FATAL = 3
 ClaimAhead = Literal["thread", "sent", "off"]
@@ -71,7 +73,8 @@ class SlotWorker(Outcomes):
         super().__init__(queue, settings, settings.worker_name)
         self.claims = Claims(queue, settings, self.name)
         self.models = Models(settings, current_pipeline())
-        self.metrics = WorkerMetrics(current_pipeline, settings, self.name)
+        self.metrics = WorkerMetrics(self.models.device, self.models.device_time, settings, self.name)
+        self.sharing = DeviceSharing(settings, self.models.device)  # when it lets go of the device
         # The next execution's claim, started while the current one decodes (SLOTQ_CLAIM_AHEAD).
         self.claims_ahead = claims_ahead(settings, current_pipeline().device)
         self._claimed_ahead: ClaimedAhead | None = None  # that claim, once made (at the last step)
@@ -121,10 +124,15 @@ class SlotWorker(Outcomes):
         backoff = 0.5
         while not lifecycle.stopping.is_set():
             try:
+                if self._kept_free():
+                    lifecycle.stopping.wait(KEPT_FREE_WAIT_S)
+                    continue
                 taken = self._next(burst)
                 if taken is None:
                     if self.get_state() != WorkerStatus.IDLE:
                         self.set_state(WorkerStatus.IDLE)  # for `rq info` and dashboards: nothing runs
+                    if self.sharing.idle_due():
+                        self._release("idle")
                     if burst:
                         break
                     continue
@@ -133,6 +141,8 @@ class SlotWorker(Outcomes):
                 except BaseException:
                     self.desk.unhold(taken.claims)  # not handed over: leftovers for recovery now
                     raise
+                finally:
+                    self.sharing.busy()
                 backoff = 0.5
             except (RedisConnectionError, RedisTimeoutError) as exc:
                 log.warning("Redis unreachable (%s); retrying in %.1fs", exc, backoff)
@@ -140,20 +150,41 @@ class SlotWorker(Outcomes):
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
         return 0
 
+    def _kept_free(self) -> bool:
+        """Whether the device is to stay free now (an operator's hold, or another program's need):
+        then the worker lets go of it, claims nothing, and goes on recovering others' leftovers. Jobs
+        claimed ahead run first: they left the line."""
+        reason = self.sharing.keep_free() if self._claimed_ahead is None else None
+        if reason is None:
+            return False
+        self._release(reason)
+        self._recover_due()
+        return True
+
+    def _release(self, reason: str) -> None:
+        """Let go of the device (worker/models.py), and say so in the next heartbeat."""
+        if self.models.release():
+            log.info("device released (%s)", reason)
+            self.claims.describe_holding(self.models.holding.on_device, self.models.places)
+
     def _next(self, burst: bool) -> Taken | None:
         """The next execution's jobs: those claimed ahead, else a claim now (waiting a moment for one
         unless in burst mode), after the recovery and expiry that are due; None when none waits."""
         ahead = self._taken_ahead()  # first: recovery would take a claim in flight for a leftover
         try:
-            if self.claims.recover() is not None:  # at most once a second, like the expiry
-                for line in self.claims.lines:
-                    waiting.expire_due(self.queue, self.settings, line)
+            self._recover_due()
         except BaseException:
             # Not run: what was claimed ahead is a leftover now, which recovery puts back once Redis
             # answers (held, it would stay claimed, and queued, for as long as this worker lives).
             self.desk.unhold(ahead.claims if ahead else [])
             raise
         return ahead or self._take(None if burst else CLAIM_TIMEOUT_S)
+
+    def _recover_due(self) -> None:
+        """Recover dead workers' claims and expire jobs past their deadline, at most once a second."""
+        if self.claims.recover() is not None:
+            for line in self.claims.lines:
+                waiting.expire_due(self.queue, self.settings, line)
 
     def _take(self, timeout: float | None) -> Taken | None:
         """Claim the next execution's jobs (waiting up to ``timeout`` for one) and restore those
@@ -167,7 +198,8 @@ class SlotWorker(Outcomes):
             return None
         batch = [claimed]  # with claimed.at: batching's gather is part of the wait
         try:
-            capacity = current_pipeline().capacity.pixels  # none known: the settings' bound alone
+            loaded = self.models.current  # none known (nor any loaded): the settings' bound alone
+            capacity = loaded.capacity.pixels if loaded is not None else None
             by: Literal["batch", "join"] = "join" if self._joins(claimed) else "batch"
             batch += batching.gather(self.claims, self.settings, claimed, capacity, by)
             return Taken(batch, self.desk.fenced(batch), claimed.at, claimed_at)
@@ -180,7 +212,8 @@ class SlotWorker(Outcomes):
         while this one decodes (SLOTQ_CLAIM_AHEAD), so that its round trip is off the path between
         two GPU sections. Taken this late, a job leaves the line at most one decode before it would
         have."""
-        if self._claimed_ahead is not None or self.mode is Mode.PREEMPTING or lifecycle.stopping.is_set():
+        if self._claimed_ahead is not None or self.mode is Mode.PREEMPTING or lifecycle.stopping.is_set() \
+                or self.sharing.held.is_set():
             return
         if self.claims_ahead == "thread":  # the claim and the restore, on the claiming thread
             self._claimed_ahead = self._claimer.submit(self._take, None).result
@@ -339,7 +372,7 @@ class SlotWorker(Outcomes):
             raise JobFailedError("model_load_failed",
                                  f"the worker could not load model {model}: {exc}") from exc
         finally:
-            self.claims.describe_holding(self.models.holding.on_device)
+            self.claims.describe_holding(self.models.holding.on_device, self.models.places)
         for job in jobs:
             job.meta["model_load"] = {"source": switch.source, "seconds": round(switch.seconds, 3)}
         self.metrics.switched(switch)
@@ -360,7 +393,13 @@ class SlotWorker(Outcomes):
         interval = self.settings.heartbeat_ttl_s / 4
         while not done.wait(interval):
             try:
-                self.claims.beat()
+                beat = self.claims.beat()
+                if beat.drain and not lifecycle.stopping.is_set():
+                    log.info("drain requested by an operator: finishing the running job, taking no new one")
+                    lifecycle.stopping.set()  # as the first SIGTERM: the main loop exits once it is done
+                if beat.held != self.sharing.held.is_set():
+                    log.info("held by an operator" if beat.held else "an operator's hold ended")
+                    (self.sharing.held.set if beat.held else self.sharing.held.clear)()
                 self.heartbeat()  # RQ's own registration, so `rq info` keeps listing a busy worker
             except RedisError as exc:
                 log.debug("heartbeat failed: %s", exc)
@@ -386,6 +425,7 @@ class SlotWorker(Outcomes):
         loaded = current_pipeline()
         self.claims.describe(self.hostname, self.pid, str(loaded.device), loaded.info.family,
                              loaded.info.loras)
+        self.claims.describe_holding(self.models.holding.on_device, self.models.places)
         self._describe_capacity()
         self.claims.beat()
         log.info("worker %s ready on %s (models %s)", self.name, ", ".join(self.claims.lines),

@@ -17,8 +17,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from shared.contract.settings import Settings
+from worker.device_time import DeviceTime
 from worker.models import Switch
-from worker.pipeline import ImagePipeline
 
 log = logging.getLogger(__name__)
 DUTY_WINDOW_S = 60.0
@@ -29,9 +29,9 @@ WAIT_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 4 * 
 class WorkerMetrics:
     """What a worker counts while it runs jobs, in a registry of its own."""
 
-    def __init__(self, pipeline: Callable[[], ImagePipeline], settings: Settings, worker_name: str) -> None:
-        """``pipeline``: the current pipeline, read at each scrape (a worker serving several models
-        switches between them)."""
+    def __init__(self, device: torch.device, device_time: DeviceTime, settings: Settings, worker_name: str
+                 ) -> None:
+        """``device_time``: the device's GPU sections, whichever model ran them (worker/models.py)."""
         self.registry = CollectorRegistry()
         self.queue_wait = Histogram("slotq_job_queue_wait_seconds", "Time from a job's admission to its "
                                     "start.", buckets=WAIT_BUCKETS, registry=self.registry)
@@ -48,7 +48,7 @@ class WorkerMetrics:
                                         "from (host: host memory; disk: loaded); none when it was on the "
                                         "device.", ["model", "source"], buckets=SECONDS_BUCKETS,
                                         registry=self.registry)
-        self.registry.register(DeviceCollector(pipeline, settings, worker_name))
+        self.registry.register(DeviceCollector(device, device_time, settings, worker_name))
 
     def switched(self, switch: Switch) -> None:
         """Count a model made current for a job: from host memory or disk (from the device: nothing)."""
@@ -104,25 +104,21 @@ class _Quiet(WSGIRequestHandler):
 class DeviceCollector(Collector):
     """Read when scraped: the worker's device, its busy time and duty cycle, and CUDA memory."""
 
-    def __init__(self, pipeline: Callable[[], ImagePipeline], settings: Settings, worker_name: str) -> None:
-        self.current, self.worker_name = pipeline, worker_name
+    def __init__(self, device: torch.device, device_time: DeviceTime, settings: Settings, worker_name: str
+                 ) -> None:
+        self.device, self.time, self.worker_name = device, device_time, worker_name
         first = settings.served_models[0]
         self.model, self.checkpoint = first, settings.source_of(first)
         self.started = time.perf_counter()
 
-    @property
-    def pipeline(self) -> ImagePipeline:
-        """The pipeline now current: the device's time travels with it (worker/models.py)."""
-        return self.current()
-
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        device = self.pipeline.device
+        device = self.device
         info = GaugeMetricFamily("slotq_worker_info", "The worker's name, model (and what it loaded) "
                                  "and device.", labels=["worker", "model", "checkpoint", "device"])
         info.add_metric([self.worker_name, self.model, self.checkpoint, str(device)], 1)
         yield info
         yield CounterMetricFamily("slotq_gpu_busy_seconds", "Time the GPU section ran, in all.",
-                                  value=self.pipeline.busy_s)
+                                  value=self.time.busy_s)
         yield GaugeMetricFamily("slotq_worker_duty_cycle", f"Share of the last {DUTY_WINDOW_S:.0f} s the "
                                 "GPU section ran.", value=self.duty_cycle())
         if device.type == "cuda":
@@ -138,8 +134,8 @@ class DeviceCollector(Collector):
         """The share of the recent window (or of the time since start, when shorter) spent in GPU sections."""
         now = time.perf_counter()
         since = max(now - DUTY_WINDOW_S, self.started)
-        sections = list(self.pipeline.sections)
-        if (running := self.pipeline.running_since) is not None:  # a long job counts while it runs
+        sections = list(self.time.sections)
+        if (running := self.time.running_since) is not None:  # a long job counts while it runs
             sections.append((running, now))
         busy = sum(min(end, now) - max(began, since) for began, end in sections if end > since)
         return min(1.0, busy / (now - since)) if now > since else 0.0

@@ -5,14 +5,20 @@ kept in host memory (up to SLOTQ_HOST_MODEL_CACHE, while the host has room for i
 with ``.to()`` rather than read from disk again; on the CPU the device is host memory, so a pipeline
 pushed off is dropped. The least recently used goes first. The claim prefers jobs of the models
 held (shared/store/lua/lib/line.lua), so a mixed line does not switch on every job.
+
+A worker may let go of its device altogether (:meth:`Models.release`: idle, held by an operator, or
+yielding to another program): every pipeline goes the way of one pushed off, and the next job's
+model is brought back as after a switch.
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import logging
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
 
@@ -20,6 +26,7 @@ import torch
 
 from shared.contract.settings import Settings
 from shared.store.claims import Holding
+from shared.store.workers import ModelPlace, Place
 from worker import memory
 from worker.pipeline import ImagePipeline, load_pipeline, set_current_pipeline
 from worker.resident import Resident
@@ -46,20 +53,36 @@ class Models:
         self.settings = settings
         self.served = settings.served_models
         # The first served model's, as loaded at start (a benchmark's stand-in may name itself otherwise).
-        self.current_model, self.current = self.served[0], first
+        # None once the worker let go of its device (release()), until a job brings its model back.
+        self.current: ImagePipeline | None = first
+        self.current_model = self.served[0]
+        # What every pipeline of this worker shares: its device, its device's time, torch's threads.
+        self.device, self.device_time, self.threads = first.device, first.device_time, first.threads
         # By count: the settings size the caches; whether host memory has room is asked per pipeline.
         self.on_device: Resident[str, ImagePipeline] = Resident(settings.model_cache, self._off_device)
-        self.in_host: Resident[str, ImagePipeline] = Resident(settings.host_model_cache)  # evicted: dropped
+        self.in_host: Resident[str, ImagePipeline] = Resident(settings.host_model_cache, self._dropped)
+        started = datetime.now(UTC)
+        self._since: dict[str, tuple[Place, datetime]] = dict.fromkeys(self.served, ("released", started))
         self.on_device.put(self.current_model, first)
+        self._moved(self.current_model, "on_device")
         set_current_pipeline(first)
 
     @property
     def holding(self) -> Holding:
-        """What the next claim prefers: the current model and its adapters, and the models on the device."""
+        """What the next claim prefers: the current model and its adapters, and the models on the device
+        (nothing once released)."""
+        if self.current is None:
+            return Holding()
         adapters, resident = self.current.holding
         on_device = (self.current_model, *(name for name in reversed(self.on_device)
                                            if name != self.current_model))
         return Holding(self.current_model, adapters, resident, on_device)
+
+    @property
+    def places(self) -> list[ModelPlace]:
+        """Where each served model is, and since when."""
+        return [ModelPlace(model=model, place=place, since=since)
+                for model, (place, since) in self._since.items()]
 
     def use(self, model: str) -> Switch:
         """Make the model's pipeline the current one: it is on the device already, or it comes back
@@ -70,14 +93,25 @@ class Models:
         held = self.on_device.get(model)
         pipeline = held if held is not None else self._bring(model)
         if pipeline is not self.current:
-            # The device's time is one account whichever pipeline runs (the duty cycle, busy seconds).
-            pipeline.sections, pipeline.busy_s = self.current.sections, self.current.busy_s
             self.current_model, self.current = model, pipeline
             set_current_pipeline(pipeline)
         switch = Switch(model, source, 0.0 if source == "device" else time.perf_counter() - began)
         if source != "device":
+            self._moved(model, "on_device")
             log.info("model %s now on %s: from %s in %.2f s", model, pipeline.device, source, switch.seconds)
         return switch
+
+    def release(self) -> bool:
+        """Let go of the device: every pipeline on it goes to host memory where there is room (a GPU
+        worker's), else is dropped, and its memory is freed. False where nothing was on it."""
+        if self.current is None:
+            return False
+        released = self.on_device.evict_all()
+        self.current = None
+        set_current_pipeline(None)  # the last references: the pipelines dropped can be freed
+        self._free()
+        log.info("let go of the device: %s", ", ".join(f"{name} {self._since[name][0]}" for name in released))
+        return True
 
     def _source(self, model: str) -> Source:
         if model in self.on_device:
@@ -93,25 +127,41 @@ class Models:
             pipeline = self._load(model)
         else:
             memory.place(pipeline.pipe, pipeline.device, pipeline.memory)
+        pipeline.device_time = self.device_time  # one device, one account whichever model runs
         self.on_device.put(model, pipeline)
         return pipeline
 
     def _load(self, model: str) -> ImagePipeline:
-        return load_pipeline(self.settings, model, self.current.threads)
+        return load_pipeline(self.settings, model, self.threads)
 
     def _make_room(self) -> None:
         """Push the least recently used pipelines off the device until one more fits the cache."""
         if self.on_device.make_room():
-            # Only now is the pushed-off pipeline unreferenced: its device memory can be freed.
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            self._free()
+
+    def _free(self) -> None:
+        """Free the memory of the pipelines just pushed off the device: only now are they unreferenced."""
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        if self.device.type == "cpu":
+            trim_heap()
 
     def _off_device(self, name: str, pipeline: ImagePipeline) -> None:
         """Keep a pipeline pushed off the device in host memory where there is room (else it is dropped)."""
         if pipeline.device.type != "cpu" and self._host_has_room(pipeline):
             memory.unplace(pipeline.pipe, pipeline.memory)
             self.in_host.put(name, pipeline)
+            self._moved(name, "in_host")
+        else:
+            self._moved(name, "released")
+
+    def _dropped(self, name: str, pipeline: ImagePipeline) -> None:
+        self._moved(name, "released")
+
+    def _moved(self, name: str, place: Place) -> None:
+        if self._since[name][0] != place:
+            self._since[name] = place, datetime.now(UTC)
 
     def _host_has_room(self, pipeline: ImagePipeline) -> bool:
         """Whether host memory can keep this pipeline (SLOTQ_HOST_MODEL_CACHE, and the host's free memory)."""
@@ -148,3 +198,12 @@ def _meminfo_available() -> int:
     except OSError:
         pass
     return 0
+
+
+def trim_heap() -> None:
+    """Hand the heap's free pages back to the system (glibc's ``malloc_trim``), so that the memory
+    of dropped weights shows as the process's no longer; nothing where the C library is another."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):
+        pass

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import inspect
 import logging
-import time
-from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +35,7 @@ from worker.checkpoints import is_single_file, load_folder_model
 from worker.compile import AdapterSlots, inductor_cache, prepare
 from worker.compile import warm_up as compile_sizes
 from worker.controlnets import ControlNets, canny, control_arguments, controlled
+from worker.device_time import DeviceTime
 from worker.ip_adapters import IpAdapters, ip_adapter_arguments, share_image_encoder
 from worker.previews import Previewer, load_decoder
 from worker.prompts import weighted_arguments
@@ -88,11 +87,8 @@ class ImagePipeline:
     controlnets: ControlNets = field(default_factory=ControlNets)  # those loaded for this model
     ip_adapters: IpAdapters = field(default_factory=lambda: IpAdapters(None, "", 1))
     last_affinity: str = ""  # the affinity key of the last execution (JobRequest.affinity_key)
-    # When each recent GPU section (denoising and decoding) began and ended, by time.perf_counter():
-    # what the duty cycle is computed from.
-    sections: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=10_000))
-    busy_s: float = 0.0  # the sum of every section, the warm-up's included
-    running_since: float | None = None  # when the section in progress began
+    # When each GPU section (denoising and decoding) ran: what the duty cycle is computed from.
+    device_time: DeviceTime = field(default_factory=DeviceTime)
 
     def generate(self, request: JobRequest, on_step: StepCallback | None = None, inputs: Inputs | None = None
                  ) -> list[Image.Image]:
@@ -145,17 +141,9 @@ class ImagePipeline:
             made = [_kept_outside_mask(images, each) for images, each in zip(made, inputs, strict=True)]
         return made
 
-    @contextmanager
-    def section(self) -> Iterator[None]:
+    def section(self) -> AbstractContextManager[None]:
         """A GPU section: its time counts in the duty cycle, a canceled or failed one's too."""
-        began = self.running_since = time.perf_counter()
-        try:
-            yield
-        finally:
-            ended = time.perf_counter()
-            self.sections.append((began, ended))
-            self.busy_s += ended - began
-            self.running_since = None
+        return self.device_time.section()
 
     def for_stepping(self) -> DiffusionPipeline:
         """The text-to-image pipeline, bare (no LoRA, no IP-Adapter), for the step-level loop
@@ -410,8 +398,9 @@ def _parameters(kind: type) -> frozenset[str]:
 _current: ImagePipeline | None = None
 
 
-def set_current_pipeline(pipeline: ImagePipeline) -> None:
-    """Make the loaded pipeline the one every job of this process uses."""
+def set_current_pipeline(pipeline: ImagePipeline | None) -> None:
+    """Make the loaded pipeline the one every job of this process uses (None: the worker let go of
+    its device, worker/models.py; the next job's model is loaded first)."""
     global _current
     _current = pipeline
 

@@ -62,6 +62,10 @@ class Resident(Generic[K, V]):
         their memory first."""
         return self._evict(lambda: len(self._values) >= self.capacity, (), keep)
 
+    def evict_all(self) -> list[K]:
+        """Evict every value, the least recently used first; the keys evicted."""
+        return self._evict(lambda: bool(self._values), (), ())
+
     def pop(self, key: K, default: V | None = None) -> V | None:
         """Take the key's value out, as no eviction (nothing is called back); ``default`` where it is
         not held."""

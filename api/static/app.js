@@ -50,14 +50,15 @@ function apiKey() {
   return $("api_key").value.trim();
 }
 
-function headersFor(extra = {}) {
+// `key`: the tenant's API key unless the caller names another (the operator's view sends its admin key).
+function headersFor(extra = {}, key = apiKey()) {
   const headers = { ...extra };
-  if (apiKey()) headers.Authorization = `Bearer ${apiKey()}`;
+  if (key) headers.Authorization = `Bearer ${key}`;
   return headers;
 }
 
-async function call(method, path, { body, signal } = {}) {
-  const headers = headersFor(body === undefined ? {} : { "Content-Type": "application/json" });
+async function call(method, path, { body, signal, key = apiKey() } = {}) {
+  const headers = headersFor(body === undefined ? {} : { "Content-Type": "application/json" }, key);
   let response;
   try {
     response = await fetch(path, {
@@ -877,6 +878,235 @@ async function loadLimits() {
   boundHiresScale();
 }
 
+// --- The operator's view ----------------------------------------------------------------------------
+// For the service's operators, behind an admin key of its own (SLOTQ_ADMIN_KEYS), stored apart from
+// the tenant's key: every model's line with its first jobs, and the live workers, with the buttons of
+// /v1/admin. Lines and workers have no event stream, so the view reads them again on a timer, and only
+// while its section is open with a key.
+
+const ADMIN_KEY_STORAGE = "slotq.adminKey";
+const OPERATOR_REFRESH_S = 2;
+const OPERATOR_JOBS = 10; // the first waiting jobs shown a line
+const PLACES = { on_device: "on its device", in_host: "in host memory", released: "released" };
+// `read` counts the reads, so that one a later read overtook does not land; `actionFailed`: the error
+// shown is an action's, kept until the next action rather than cleared by the next read; `draining`:
+// the workers asked to drain, until they leave the list.
+const operator = { timer: null, read: 0, actionFailed: false, draining: new Set() };
+
+function adminKey() {
+  return $("admin_key").value.trim();
+}
+
+async function adminCall(method, path, body) {
+  return (await call(method, `/v1/admin${path}`, { body, key: adminKey() })).json();
+}
+
+function showOperatorError(error) {
+  const status = error.status ? `${error.status} ` : "";
+  $("operator-error-code").textContent = `${status}${error.code}:`;
+  const hint = error.status === 401 ? " Enter a valid admin key above." : "";
+  $("operator-error-message").textContent = `${error.message}${hint}`;
+  $("operator-error").hidden = false;
+}
+
+// Read the lines, their jobs and the workers and show them; again in OPERATOR_REFRESH_S.
+async function refreshOperator() {
+  clearTimeout(operator.timer);
+  operator.timer = null;
+  const read = ++operator.read;
+  if (!$("operator").open || !adminKey()) {
+    $("operator-view").hidden = true;
+    $("operator-error").hidden = true;
+    return;
+  }
+  try {
+    const [lines, listed, workers] = await Promise.all([adminCall("GET", "/lines"),
+      adminCall("GET", `/jobs?limit=${OPERATOR_JOBS}`), adminCall("GET", "/workers")]);
+    if (read !== operator.read) return;
+    showLines(lines.lines, listed.lines);
+    showWorkers(workers.workers);
+    $("op-updated").textContent = `Read at ${new Date().toLocaleTimeString()}.`;
+    $("operator-view").hidden = false;
+    if (!operator.actionFailed) $("operator-error").hidden = true;
+  } catch (error) {
+    if (read !== operator.read) return;
+    operator.actionFailed = false;
+    showOperatorError(error);
+    // A refused key sees nothing, and asking again will not help; a lost connection keeps the last
+    // view and tries again.
+    if (!TRANSIENT.has(error.status)) {
+      $("operator-view").hidden = true;
+      return;
+    }
+  }
+  operator.timer = setTimeout(refreshOperator, OPERATOR_REFRESH_S * 1000);
+}
+
+// One action from a button: the button waits for the answer, a refusal shows, and the view is read
+// again at once. `done` takes the answer.
+async function operate(control, path, body, done = () => {}) {
+  control.disabled = true;
+  operator.actionFailed = false;
+  $("operator-error").hidden = true;
+  try {
+    done(await adminCall("POST", path, body));
+  } catch (error) {
+    showOperatorError(error);
+    operator.actionFailed = true;
+  } finally {
+    control.disabled = false; // the read that follows sets what stays disabled
+  }
+  await refreshOperator();
+}
+
+// LIST's children one per item, keyed by data-ATTRIBUTE: a child is made once and updated in place
+// (so a half-typed hold time and the focus outlive a refresh), put in the items' order, and those no
+// longer listed go.
+function keyed(list, items, attribute, make, update) {
+  const old = new Map([...list.children].map((child) => [child.dataset[attribute], child]));
+  items.forEach((item, index) => {
+    const key = String(item[attribute]);
+    let child = old.get(key);
+    if (!child) {
+      child = make(item);
+      child.dataset[attribute] = key;
+    }
+    old.delete(key);
+    update(child, item);
+    if (list.children[index] !== child) list.insertBefore(child, list.children[index] ?? null);
+  });
+  for (const child of old.values()) child.remove();
+}
+
+function heading(name, ...rest) {
+  const head = element("div", "op-head");
+  head.append(element("strong", "op-name", name), element("span", "op-state"), ...rest);
+  return head;
+}
+
+const timeOf = (iso) => new Date(iso).toLocaleTimeString();
+
+// Each model's line: paused or not, its counts by class, its running and first waiting jobs.
+function showLines(lines, listed) {
+  const jobsOf = new Map(listed.map((line) => [line.model, line]));
+  keyed($("op-lines"), lines, "model", lineCard,
+    (card, line) => updateLine(card, line, jobsOf.get(line.model) ?? { running: [], waiting: [] }));
+}
+
+function lineCard(line) {
+  const card = element("li", "card op-line");
+  const path = `/lines/${encodeURIComponent(line.model)}`;
+  const toggle = button("Pause", "toggle",
+    () => operate(toggle, `${path}/${card.dataset.paused === "true" ? "resume" : "pause"}`));
+  card.append(heading(line.model, toggle), element("p", "op-counts"), element("ul", "op-jobs"),
+    element("p", "op-more"));
+  return card;
+}
+
+function updateLine(card, line, listed) {
+  card.dataset.paused = String(line.paused);
+  card.querySelector(".op-state").textContent = line.paused ? "paused: its workers start nothing" : "taking jobs";
+  card.querySelector("button.toggle").textContent = line.paused ? "Resume" : "Pause";
+  const counts = Object.entries(line.waiting).map(([name, count]) => `${name} ${count}`).join(", ");
+  card.querySelector(".op-counts").textContent = `Waiting: ${counts}. Running: ${listed.running.length}.`;
+  keyed(card.querySelector(".op-jobs"), [...listed.running, ...listed.waiting], "id", jobRow, updateJob);
+  const more = (listed.waiting_count ?? 0) - listed.waiting.length;
+  card.querySelector(".op-more").textContent = more > 0 ? `and ${more} more waiting` : "";
+}
+
+function jobRow(view) {
+  const row = element("li", "op-job");
+  row.title = `Job ${view.id}`;
+  const front = button("To front", "front",
+    () => operate(front, `/jobs/${encodeURIComponent(view.id)}/front`));
+  front.setAttribute("aria-label", `Move job ${view.id} to the front of its class`);
+  row.append(element("span", "op-what"), element("span", "prompt"), front);
+  return row;
+}
+
+function updateJob(row, view) {
+  const waiting = view.status === "queued";
+  row.dataset.status = view.status;
+  row.querySelector(".op-what").textContent = [waiting ? positionText(view) : view.status,
+    view.tenant ?? "no tenant", view.request.priority].join(" · ");
+  row.querySelector(".prompt").textContent = view.request.prompt;
+  const front = row.querySelector("button.front");
+  front.hidden = !waiting;
+  front.disabled = view.position === 0; // first already
+}
+
+// The live workers: state, device, where each of their models is, and the buttons.
+function showWorkers(workers) {
+  const live = new Set(workers.map((worker) => worker.name));
+  for (const name of operator.draining) if (!live.has(name)) operator.draining.delete(name);
+  $("op-workers-note").textContent = workers.length ? "" : "No worker is live.";
+  keyed($("op-workers"), workers, "name", workerCard, updateWorker);
+}
+
+function workerCard(worker) {
+  const card = element("li", "card op-worker");
+  const path = `/workers/${encodeURIComponent(worker.name)}`;
+  const hold = element("input", "hold");
+  Object.assign(hold, { type: "number", min: "1", step: "1", placeholder: "no limit" });
+  const holdLabel = element("label", "op-hold", "Hold for (s)");
+  holdLabel.append(hold);
+  // Released: it claims nothing and lets go of its device memory, for HOLD seconds or until resumed.
+  const release = button("Release", "release", () => {
+    const seconds = hold.value.trim();
+    return operate(release, `${path}/release`, seconds === "" ? {} : { hold_s: Number(seconds) });
+  });
+  const resume = button("Resume", "resume", () => operate(resume, `${path}/resume`));
+  const drain = button("Drain", "drain",
+    () => operate(drain, `${path}/drain`, undefined, () => operator.draining.add(worker.name)));
+  const actions = element("div", "actions");
+  actions.append(holdLabel, release, resume, drain);
+  card.append(heading(worker.name, element("span", "op-device")), element("p", "op-places"),
+    element("p", "op-current"), actions);
+  return card;
+}
+
+function updateWorker(card, worker) {
+  const held = worker.state === "held";
+  const draining = operator.draining.has(worker.name);
+  card.dataset.state = worker.state;
+  let state = held ? heldText(worker.held_until) : worker.state;
+  if (draining) state += ", draining";
+  card.querySelector(".op-state").textContent = state;
+  card.querySelector(".op-device").textContent = worker.device;
+  card.querySelector(".op-places").textContent = placesText(worker);
+  const current = worker.current_jobs ?? [];
+  card.querySelector(".op-current").textContent = current.length ? `Holds ${current.join(", ")}.` : "";
+  card.querySelector("button.resume").disabled = !held;
+  card.querySelector("button.drain").disabled = draining;
+}
+
+function heldText(until) {
+  return until ? `held until ${timeOf(until)}` : "held until resumed";
+}
+
+function placesText(worker) {
+  const places = worker.model_places ?? [];
+  if (!places.length) return `Serves ${(worker.models?.length ? worker.models : [worker.model]).join(", ")}.`;
+  return places.map(({ model, place, since }) => `${model}: ${PLACES[place] ?? place} since ${timeOf(since)}`)
+    .join(" · ");
+}
+
+function initOperator() {
+  try {
+    $("admin_key").value = localStorage.getItem(ADMIN_KEY_STORAGE) || "";
+  } catch {
+    // No storage, no remembered key.
+  }
+  $("admin_key").addEventListener("change", () => {
+    remember(ADMIN_KEY_STORAGE, adminKey());
+    operator.draining.clear();
+    refreshOperator();
+  });
+  $("operator").addEventListener("toggle", refreshOperator); // opened: read now; closed: stop
+  // A remembered key opens the view as the operator left it (the toggle reads it).
+  $("operator").open = adminKey() !== "";
+}
+
 // --- Form and buttons -----------------------------------------------------------------------------
 
 function requestBody() {
@@ -981,10 +1211,10 @@ async function useAsStart(entry) {
   }
 }
 
-function rememberKey() {
+function remember(name, key) {
   try {
-    if (apiKey()) localStorage.setItem(KEY_STORAGE, apiKey());
-    else localStorage.removeItem(KEY_STORAGE);
+    if (key) localStorage.setItem(name, key);
+    else localStorage.removeItem(name);
   } catch {
     // Storage may be off (a private window): the key still works for this page's life.
   }
@@ -997,7 +1227,7 @@ function init() {
     // As above: no storage, no remembered key.
   }
   $("api_key").addEventListener("change", () => {
-    rememberKey();
+    remember(KEY_STORAGE, apiKey());
     load(); // another key may be another tenant: its own jobs
   });
   $("job-form").addEventListener("submit", submit);
@@ -1026,6 +1256,7 @@ function init() {
   showControlNets([]);
   loadLimits();
   load();
+  initOperator();
 }
 
 init();

@@ -35,6 +35,12 @@ def log_key(job_id: str) -> str:
     return f"{PREFIX}:log:{job_id}"
 
 
+def checkpoint_key(job_id: str) -> str:
+    """A running job's last step checkpoint: ``step``, ``attempt`` and its state's bytes (``data``) or
+    their name in the result store (``blob``); deleted when the job ends (worker/resuming.py)."""
+    return f"{PREFIX}:checkpoint:{job_id}"
+
+
 def preview_key(job_id: str) -> str:
     """A running job's latest preview, ``{"step", "image"}`` as JSON, for a while (worker/previews.py)."""
     return f"{PREFIX}:preview:{job_id}"
@@ -126,9 +132,28 @@ def running_key(line: str) -> str:
     return f"{PREFIX}:running:{line}"
 
 
+def pausing_key(line: str) -> str:
+    """Hash of worker name to "class seconds" for a line's workers whose running execution is a
+    step-level loop that pauses for a higher class's job after that many seconds (the Lua derives it
+    from :func:`running_key`)."""
+    return f"{running_key(line)}:pausing"
+
+
 def workers_key(line: str) -> str:
     """Set of the workers that hold (or held) claims on a line."""
     return f"{PREFIX}:workers:{line}"
+
+
+def drain_key(worker: str) -> str:
+    """Set by an operator (``POST /v1/admin/workers/<name>/drain``): the worker's next heartbeat takes
+    it and the worker stops as after SIGTERM."""
+    return f"{PREFIX}:drain:{worker}"
+
+
+def hold_key(worker: str) -> str:
+    """Set by an operator (``POST /v1/admin/workers/<name>/release``): while it lives (``hold_s``, or
+    until ``.../resume`` deletes it) the worker keeps its device free and claims nothing."""
+    return f"{PREFIX}:hold:{worker}"
 
 
 def claims_key(worker: str) -> str:

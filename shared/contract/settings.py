@@ -147,23 +147,32 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(12 * 2**20, ge=1024, le=64 * 2**20)
     max_image_bytes: int = Field(4 * 2**20, ge=1024, le=32 * 2**20)
     job_timeout_s: int = Field(900, ge=1)
-    max_batch: int = Field(1, ge=1, le=64)
+    # Batching and step-level scheduling on: bench.peers decided it (docs/settings.md, "Why these
+    # defaults"). Step-level scheduling (worker/joining.py): compatible jobs join a running batch at a
+    # step boundary, and a higher class preempts it there after SLOTQ_PREEMPT_AFTER_S (negative: never).
+    max_batch: int = Field(8, ge=1, le=64)
     batch_wait_ms: int = Field(0, ge=0, le=10_000)
-    # Step-level scheduling (worker/joining.py): compatible jobs join a running batch at a step
-    # boundary, and a higher class preempts it there after SLOTQ_PREEMPT_AFTER_S (negative: never).
-    step_scheduling: bool = False
-    preempt_after_s: float = Field(2.0, le=3600)
+    step_scheduling: bool = True
+    preempt_after_s: float = Field(0.0, le=3600)
     progress_interval_ms: int = Field(100, ge=0, le=60_000)
     # Claim the next execution's jobs while the current one decodes; auto: on a GPU, not on the CPU,
     # where the claiming thread's Python slows the decode more than the round trip it saves.
     claim_ahead: bool | Literal["auto"] = "auto"
     preview_interval_ms: int = Field(500, ge=50, le=60_000)
+    # A step-level job's denoising state saved this often (0: never), so that the attempt after a
+    # crash, a drain or a restart resumes where it stopped (worker/resuming.py).
+    checkpoint_every_s: float = Field(60.0, ge=0, le=86_400)
     preview_decoder: Path | None = None
     # zlib's level for the result PNGs: lossless at every level; at 1 zlib matches runs only, which
     # encodes a photograph much faster than Pillow's default 6, about as small (docs/settings.md).
     png_compress_level: int = Field(1, ge=0, le=9)
     max_attempts: int = Field(2, ge=1, le=10)
     heartbeat_ttl_s: float = Field(6.0, ge=1, le=300)
+    # Sharing the device (worker/sharing.py). Idle release is off by default: a job after a lull would
+    # wait for its model to come back, which is what a worker holding its model exists to spare; a
+    # card shared with another program turns it on (docs/gpus.md). Yielding reads a GPU's free memory.
+    idle_release_s: float = Field(0.0, ge=0, le=7 * 86_400)
+    yield_below_mb: int = Field(0, ge=0, le=2**20)
     stop_timeout_s: float | None = Field(None, gt=0)
     drain_s: float = Field(3.0, ge=0, le=300)
     worker_name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
@@ -183,6 +192,8 @@ class Settings(BaseSettings):
 
     api_keys: KeyTable | None = None
     api_keys_file: Path | None = None
+    # The operators' keys (/v1/admin/...), apart from the tenants': none set, the routes are off.
+    admin_keys: list[SecretStr] = []
     tenant_rate: float | None = Field(None, gt=0)
     tenant_burst: float | None = Field(None, gt=0)
     tenant_max_queued: int | None = Field(None, ge=1)
@@ -477,6 +488,10 @@ class Settings(BaseSettings):
             object.__setattr__(self, "api_keys", keys)  # frozen model: set once, while validating
         if self.tenant_rate is not None and self.tenant_burst is None:
             raise ValueError("SLOTQ_TENANT_BURST must be set with SLOTQ_TENANT_RATE")
+        if set(self.api_keys or {}) & {key.get_secret_value() for key in self.admin_keys}:
+            raise ValueError("SLOTQ_ADMIN_KEYS: an admin key must not also be a tenant's key")
+        if any(not key.get_secret_value() for key in self.admin_keys):
+            raise ValueError("SLOTQ_ADMIN_KEYS: an empty key")
         return self
 
     def waiting_limit(self, priority: Priority) -> int:

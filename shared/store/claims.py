@@ -78,16 +78,20 @@ class Claims:
                                              for name, value in facts.items()):
             self.identity = self.identity.model_copy(update=facts)
 
-    def describe_holding(self, on_device: tuple[str, ...]) -> None:
-        """Say which models are on this worker's device now (the next heartbeat carries it)."""
-        if self.identity is not None and list(on_device) != self.identity.on_device:
-            self.identity = self.identity.model_copy(update={"on_device": list(on_device)})
+    def describe_holding(self, on_device: tuple[str, ...], places: list[workers.ModelPlace]) -> None:
+        """Say which models are on this worker's device now, and where each of them is since when
+        (the next heartbeat carries it)."""
+        if self.identity is not None and (list(on_device), places) != (self.identity.on_device,
+                                                                        self.identity.model_places):
+            self.identity = self.identity.model_copy(update={"on_device": list(on_device),
+                                                             "model_places": places})
 
-    def beat(self) -> None:
-        """Tell the others this worker lives, where it runs and which jobs it holds."""
+    def beat(self) -> workers.Beat:
+        """Tell the others this worker lives, where it runs and which jobs it holds; whether an
+        operator asked it to drain, or holds it."""
         if self.identity is None:
             raise RuntimeError("describe() the worker before its first heartbeat")
-        workers.beat(self.connection, self.identity, self.settings.heartbeat_ttl_s)
+        return workers.beat(self.connection, self.identity, self.settings.heartbeat_ttl_s)
 
     def claim(self, timeout: float | None, holding: Holding = Holding()) -> waiting.Claimed | None:
         """Move the next waiting job id of this worker's lines into its claims and start an attempt

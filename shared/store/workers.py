@@ -9,7 +9,7 @@ so the worker adds no write between GPU jobs for them; they lag by at most one h
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from redis import Redis
@@ -18,6 +18,20 @@ from shared.contract import keys
 from shared.contract.models import Family, ModelInfo, model_info
 from shared.store import scripts
 from shared.store.connection import text
+
+Place = Literal["on_device", "in_host", "released"]
+
+
+class ModelPlace(BaseModel):
+    """Where one of a worker's models is, and since when."""
+
+    model_config = ConfigDict(frozen=True)
+
+    model: str
+    place: Place = Field(description="`on_device`: ready to run; `in_host`: moved to host memory, back on "
+                                     "the device in a moment; `released`: in neither (let go, or not "
+                                     "loaded yet): its next job loads it from disk.")
+    since: datetime
 
 
 class WorkerIdentity(BaseModel):
@@ -39,6 +53,8 @@ class WorkerIdentity(BaseModel):
                                                                 "several (SLOTQ_WORKER_MODELS); else empty.")
     on_device: list[str] = Field(default_factory=list, description="The models on its device now, the one "
                                                                    "it ran last first.")
+    model_places: list[ModelPlace] = Field(default_factory=list, description="Where each model it serves "
+                                                                             "is, and since when.")
     compile: str = Field("off", description="Its SLOTQ_COMPILE: `off`, `regional` or `full`.")
     capacity_pixels: int | None = Field(None, description="The most pixels x images one execution may make "
                                                           "on it (SLOTQ_CAPACITY_PIXELS, or fitted on a "
@@ -57,21 +73,92 @@ class WorkerIdentity(BaseModel):
 class WorkerView(WorkerIdentity):
     """A live worker as ``GET /v1/workers`` shows it: ids of the jobs it holds, never their contents."""
 
-    state: Literal["idle", "busy"] = Field(description="`busy` while the worker holds a job.")
+    state: Literal["idle", "busy", "held"] = Field(description="`busy` while the worker holds a job; "
+                                                           "`held` while an operator's hold keeps it "
+                                                           "from claiming, once its jobs are done.")
     current_jobs: list[str] = Field(default_factory=list,
                                     description="The jobs it runs or is storing the images of.")
+    held: bool = Field(False, description="Whether an operator's hold keeps it from claiming "
+                                          "(`POST /v1/admin/workers/{name}/release`).")
+    held_until: datetime | None = Field(None, description="When that hold lapses; null: until resumed.")
     last_beat_at: datetime
 
 
-def beat(connection: Redis, identity: WorkerIdentity, ttl_s: float) -> None:
-    """Refresh a worker's liveness and its record in one round trip."""
+class WorkerHold(BaseModel):
+    """What ``POST /v1/admin/workers/<name>/release`` asks: how long the worker keeps its device free."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    hold_s: float | None = Field(None, gt=0, le=7 * 86_400, description="Seconds the worker claims "
+                                 "nothing after letting go; absent: until `.../resume`.")
+
+
+class WorkerDrain(BaseModel):
+    """What ``POST /v1/admin/workers/<name>/drain`` asks: whether the drained worker exits."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    exit: bool = Field(True, description="Exit once the running execution is done; false: stay, claiming "
+                                         "nothing, until `.../resume` (a hold).")
+
+
+class Beat(NamedTuple):
+    """What a heartbeat learned: whether an operator asked the worker to drain, or holds it."""
+
+    drain: bool
+    held: bool
+
+
+def beat(connection: Redis, identity: WorkerIdentity, ttl_s: float) -> Beat:
+    """Refresh a worker's liveness and its record in one round trip; whether an operator asked it to
+    drain (:func:`drain`) since its last beat, and whether an operator holds it (:func:`hold`)."""
     name = identity.name
     # cjson would write an empty list back as {}: a worker with no adapters leaves them out.
-    empty = {field for field in ("loras", "models", "on_device") if not getattr(identity, field)}
+    empty = {field for field in ("loras", "models", "on_device", "model_places")
+             if not getattr(identity, field)}
     record = identity.model_dump_json(exclude=empty or None)
-    scripts.run(connection, "beat",
-                [keys.alive_key(name), keys.claims_key(name), *map(keys.workers_key, identity.lines)],
-                [int(ttl_s * 1000), record, name])
+    drain, held = scripts.run(connection, "beat", [keys.alive_key(name), keys.claims_key(name),
+                                                   *map(keys.workers_key, identity.lines)],
+                              [int(ttl_s * 1000), record, name])
+    return Beat(drain == 1, held == 1)
+
+
+def held_jobs(connection: Redis, line: str) -> list[str]:
+    """The ids the live workers of a line hold now (their claims lists: running, or being stored),
+    without waiting for a heartbeat to report them."""
+    names = [view.name for view in live_workers(connection, line)]
+    with connection.pipeline(transaction=False) as pipe:
+        for name in names:
+            pipe.lrange(keys.claims_key(name), 0, -1)
+        held = pipe.execute()
+    return sorted({text(raw) for ids in held for raw in ids})
+
+
+def drain(connection: Redis, name: str, within_s: float) -> bool:
+    """Ask a live worker to drain: finish its execution, claim nothing more and exit, as after
+    SIGTERM. False where no live worker has this name; a request its heartbeat does not take within
+    ``within_s`` lapses."""
+    if not connection.exists(keys.alive_key(name)):
+        return False
+    connection.set(keys.drain_key(name), 1, px=int(within_s * 1000))
+    return True
+
+
+def hold(connection: Redis, name: str, hold_s: float | None) -> bool:
+    """Hold a live worker: at its next job boundary it lets go of its device (worker/models.py's
+    release) and claims nothing until ``hold_s`` seconds have passed (None: until :func:`unhold`).
+    False where no live worker has this name."""
+    if not connection.exists(keys.alive_key(name)):
+        return False
+    connection.set(keys.hold_key(name), 1, px=int(hold_s * 1000) if hold_s else None)
+    return True
+
+
+def unhold(connection: Redis, name: str) -> bool:
+    """End an operator's hold on a live worker: it claims again (loading its models as jobs need
+    them). False where no live worker has this name."""
+    connection.delete(keys.hold_key(name))  # a dead worker's lapsed hold goes too
+    return bool(connection.exists(keys.alive_key(name)))
 
 
 def live_workers(connection: Redis, line: str) -> list[WorkerView]:
@@ -122,5 +209,7 @@ def capacity_of(views: list[WorkerView]) -> int | None:
 
 
 def held_by(views: list[WorkerView], name: str) -> list[str]:
-    """Which of these workers hold the model of this name on their device now."""
-    return [view.name for view in views if name in (view.on_device or [view.model])]
+    """Which of these workers hold the model of this name on their device now (one that lists no
+    places is of an older version, which held its first model for as long as it lived)."""
+    return [view.name for view in views
+            if name in (view.on_device if view.model_places else view.on_device or [view.model])]

@@ -671,6 +671,29 @@ def test_cpu_override_reserves_no_gpu() -> None:
         assert services[name]["environment"]["SLOTQ_DEVICE"] == "cpu", name
 
 
+def test_the_ollama_override_shares_the_card_with_settings_the_worker_knows() -> None:
+    """docker-compose.ollama.yml: Ollama beside the worker on one GPU, the worker letting go of it when
+    idle and when Ollama takes its memory, with settings the worker reads (not typos it would ignore)."""
+    override = yaml.safe_load((ROOT / "docker-compose.ollama.yml").read_text())
+    environment = override["services"]["worker"]["environment"]
+    worker = Settings(**{name.removeprefix("SLOTQ_").lower(): value for name, value in environment.items()})
+    assert worker.idle_release_s > 0 and worker.yield_below_mb > 0 and worker.host_model_cache > 0
+    ollama = override["services"]["ollama"]
+    assert re.search(r":\d+\.\d+\.\d+$", ollama["image"]), ollama["image"]  # pinned
+    assert ollama["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    assert set(_host_ips(ollama)) == {"127.0.0.1"}
+    command = _docker_compose()
+    if command is None:
+        return  # checked as YAML only, as the other files are where Compose v2 is missing
+    result = subprocess.run([*command, "-f", "docker-compose.yml", "-f", "docker-compose.ollama.yml", "config",
+                             "--format", "json"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                            env=_without_env_file())
+    assert result.returncode == 0, result.stderr
+    merged = json.loads(result.stdout)["services"]
+    assert merged["worker"]["environment"]["SLOTQ_IDLE_RELEASE_S"] == "300"
+    assert merged["worker"]["environment"]["SLOTQ_DEVICE"] == "cuda"  # the base's, kept
+
+
 def _without_env_file() -> dict[str, str]:
     """The environment with no SLOTQ_ or COMPOSE_ variable, which compose would read."""
     return {key: value for key, value in os.environ.items() if not key.startswith(("SLOTQ_", "COMPOSE_"))}

@@ -122,7 +122,8 @@ def test_state_and_jobs_come_from_the_claims_at_each_beat(client: FlaskClient, r
     (entry,) = listed(client)
     assert entry["state"] == "busy" and entry["current_jobs"] == ["job-a", "job-b"]
     assert entry | {"last_beat_at": None} == gpu1.model_dump() | {
-        "state": "busy", "current_jobs": ["job-a", "job-b"], "last_beat_at": None}
+        "state": "busy", "current_jobs": ["job-a", "job-b"], "held": False, "held_until": None,
+        "last_beat_at": None}
     redis.delete(keys.claims_key("gpu1"))
     workers.beat(redis, gpu1, ttl_s=60)
     assert listed(client)[0]["state"] == "idle" and listed(client)[0]["current_jobs"] == []

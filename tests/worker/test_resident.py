@@ -3,12 +3,15 @@ evicted called back; and Models' two caches on it (worker/models.py), with stand
 
 from __future__ import annotations
 
+import weakref
 from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
 import torch
 
+from shared.store.claims import Holding
+from worker.device_time import DeviceTime
 from worker.resident import Resident
 
 
@@ -66,7 +69,7 @@ class Pipeline:
 
     def __init__(self, name: str) -> None:
         self.name, self.device, self.place = name, torch.device("cuda"), "device"
-        self.pipe, self.memory, self.threads, self.sections, self.busy_s = self, None, 1, [], 0.0
+        self.pipe, self.memory, self.threads, self.device_time = self, None, 1, DeviceTime()
         self.holding = ("", ())
 
 
@@ -111,3 +114,35 @@ def test_the_model_coming_back_from_a_full_host_cache_is_not_the_one_dropped(mod
     assert (switch.source, models.current.name, models.current.place) == ("host", "a", "device")
     assert list(models.on_device) == ["a"] and list(models.in_host) == ["b", "c"]
     assert models.loaded == ["b", "c"]  # a came back from host memory, not from disk
+
+
+def test_letting_go_of_the_device_moves_its_pipelines_to_host_memory_until_a_job_brings_one_back(
+        models: Any) -> None:
+    models.use("b")
+    assert models.release() and models.current is None
+    assert models.holding == Holding()  # the next claim prefers nothing
+    assert list(models.on_device) == [] and list(models.in_host) == ["a", "b"]
+    assert {place.model: place.place for place in models.places} == {
+        "a": "in_host", "b": "in_host", "c": "released"}
+    assert not models.release()  # nothing is on the device
+    switch = models.use("b")
+    assert (switch.source, models.current.name, models.current.place) == ("host", "b", "device")
+    assert {place.model: place.place for place in models.places}["b"] == "on_device"
+    assert models.loaded == ["b"]
+
+
+def test_a_cpu_worker_letting_go_drops_its_pipelines_and_frees_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker import models as module
+
+    monkeypatch.setattr(module, "set_current_pipeline", lambda pipeline: None)
+    monkeypatch.setattr(module, "load_pipeline", lambda settings, model, threads: Pipeline(model))
+    first = Pipeline("a")
+    first.device = torch.device("cpu")
+    settings = SimpleNamespace(served_models=["a", "b"], model_cache=1, host_model_cache=2)
+    held = module.Models(cast(Any, settings), cast(Any, first))
+    gone = weakref.ref(first)
+    del first
+    held.release()
+    assert gone() is None  # nothing holds it: its memory is the system's again
+    assert [place.place for place in held.places] == ["released", "released"]
+    assert held.use("a").source == "disk"

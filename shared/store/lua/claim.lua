@@ -9,10 +9,21 @@
 -- affinity); the lines channel (told that a line moved up); the adapters key the worker ran last;
 -- the attempt's fence token ('' for none) and the fence's TTL in seconds; the indexes (1-based,
 -- comma-separated) of the lines whose models are on the worker's device; then its resident adapters.
-local resident, lines, on_device = {}, {}, {}
+-- A paused line is passed over, its doorbell silenced (pause.lua); a held worker claims nothing.
+if worker_held(KEYS[1]) then return false end
+local resident, named, held, lines, on_device = {}, {}, {}, {}, {}
 for i = 9, #ARGV do resident[ARGV[i]] = true end
-for name in string.gmatch(ARGV[1], '[^,]+') do lines[#lines + 1] = line_of(name) end
-for index in string.gmatch(ARGV[8], '[^,]+') do on_device[tonumber(index)] = true end
+for name in string.gmatch(ARGV[1], '[^,]+') do named[#named + 1] = line_of(name) end
+for index in string.gmatch(ARGV[8], '[^,]+') do held[tonumber(index)] = true end
+for i, line in ipairs(named) do
+  if line_paused(line) then
+    redis.call('DEL', line.key .. ':doorbell')
+  else
+    lines[#lines + 1] = line
+    on_device[#lines] = held[i]
+  end
+end
+if #lines == 0 then return false end
 local id, index
 if #lines == 1 then
   id, index = line_pop_affine(lines[1], ARGV[2], tonumber(ARGV[3]), ARGV[5], resident), 1

@@ -9,6 +9,8 @@
 -- behind it are taken, and once passed over that often nothing behind it is taken: it goes next.
 local line, prefix, class = line_of(ARGV[1]), ARGV[2], ARGV[3]
 local wanted, taken, max_skip, passed = tonumber(ARGV[5]), {}, tonumber(ARGV[9]), {}
+-- Nothing joins from a paused line (pause.lua), nor the execution of a held worker (workers.hold).
+if line_paused(line) or worker_held(KEYS[1]) then return taken end
 local window = redis.call('ZRANGE', order_key(line, class), 0, tonumber(ARGV[6]) - 1, 'WITHSCORES')
 for i = 1, #window, 2 do
   if #taken >= wanted then break end

@@ -12,6 +12,12 @@ local function rq_list(line, class, tenant)
   return '@RQ_QUEUE_PREFIX@' .. name
 end
 local function order_key(line, class) return line.key .. ':' .. class end
+-- An operator paused the line (shared/store/waiting.py's pause): it admits, no worker takes from it.
+local function line_paused(line) return redis.call('EXISTS', line.key .. ':paused') == 1 end
+-- Whether an operator holds the worker of this claims list (workers.hold): it claims nothing then.
+local function worker_held(claims_key)
+  return redis.call('EXISTS', '@HOLD_PREFIX@' .. string.sub(claims_key, #'@CLAIMS_PREFIX@' + 1)) == 1
+end
 local function costs_key(line) return line.key .. ':costs' end
 -- How many wait in each class, and in all.
 local function line_counts(line)
@@ -61,14 +67,26 @@ local function line_insert(line, id, class, tenant, tag, cost, front)
     redis.call('LTRIM', line.key .. ':doorbell', -@DOORBELL_TOKENS@, -1)
   end
 end
--- A new job's start tag: the later of the class's virtual time and its tenant's last finish; the
--- tenant's finish moves on by the job's cost.
-local function line_tag(line, class, tenant, cost)
-  local field = class .. ' ' .. tenant
+-- The start tag a new job of this class and tenant would get: the later of the class's virtual
+-- time and the tenant's last finish.
+local function line_next_tag(line, class, tenant)
   local vtime = tonumber(redis.call('HGET', line.key .. ':vtime', class)) or 0
-  local tag = math.max(vtime, tonumber(redis.call('HGET', line.key .. ':finish', field)) or 0)
-  redis.call('HSET', line.key .. ':finish', field, num(tag + cost))
+  return math.max(vtime, tonumber(redis.call('HGET', line.key .. ':finish', class .. ' ' .. tenant)) or 0)
+end
+-- A new job's start tag (line_next_tag); the tenant's finish moves on by the job's cost.
+local function line_tag(line, class, tenant, cost)
+  local tag = line_next_tag(line, class, tenant)
+  redis.call('HSET', line.key .. ':finish', class .. ' ' .. tenant, num(tag + cost))
   return tag
+end
+-- How many jobs a worker would take before a new job of `class` with start `tag`: every job of
+-- the classes above, and those of its own with a tag as early (ties counted ahead).
+local function line_place(line, class, tag, counts)
+  local ahead = redis.call('ZCOUNT', order_key(line, class), '-inf', num(tag))
+  for _, other in ipairs(CLASSES) do
+    if other == class then return ahead end
+    ahead = ahead + counts[other]
+  end
 end
 -- Out of its RQ list; whether its tenant has nothing left waiting in that class.
 local function line_unlist(line, class, tenant, id)
