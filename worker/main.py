@@ -378,8 +378,11 @@ class SlotWorker(Outcomes):
         self.metrics.switched(switch)
 
     def _describe_capacity(self) -> None:
-        """Say how large a job this worker can run now (its current model's fit)."""
-        capacity = current_pipeline().capacity
+        """Say how large a job this worker can run now (its current model's fit; unchanged while none is
+        loaded, as after a load that failed on a worker that had let go of its device)."""
+        if self.models.current is None:
+            return
+        capacity = self.models.current.capacity
         self.claims.describe_capacity(capacity.pixels, capacity.total, capacity.free_after_load)
 
     def _render(self, jobs: list[Job]) -> list[tasks.RenderResult]:

@@ -27,7 +27,7 @@ from shared.store.fencing import Fence, StaleAttemptError, holding
 from worker.failures import classify, is_device_fatal
 from worker.messages import Ended
 from worker.metrics import WorkerMetrics
-from worker.pipeline import current_pipeline
+from worker.pipeline import loaded_pipeline
 from worker.rq import RQWorker, run_seconds
 
 log = logging.getLogger(__name__)
@@ -128,8 +128,8 @@ class Outcomes(RQWorker):
             # Leave the claim in place: the next worker retries the job as after a crash.
             raise WorkerFatalError(str(error))
         code, message = classify(error, self.settings.weight_folders)
-        if code == "out_of_memory":
-            current_pipeline().release_memory()
+        if code == "out_of_memory" and (loaded := loaded_pipeline()) is not None:
+            loaded.release_memory()
         job.meta["error"] = {"code": code, "message": message}
         records.save_meta(job)
         super().handle_exception(job, *exc_info)

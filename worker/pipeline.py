@@ -405,6 +405,11 @@ def set_current_pipeline(pipeline: ImagePipeline | None) -> None:
     _current = pipeline
 
 
+def loaded_pipeline() -> ImagePipeline | None:
+    """The current pipeline; None while the worker has let go of its device."""
+    return _current
+
+
 def current_pipeline() -> ImagePipeline:
     """The pipeline the worker loaded before its loop started."""
     if _current is None:
