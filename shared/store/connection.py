@@ -43,7 +43,9 @@ def connect(settings: Settings, *, blocking: bool = False, redis_class: type[Red
         # fail: under gevent hundreds of requests and event streams may each want one at once.
         pool = BlockingConnectionPool.from_url(
             settings.redis_url, max_connections=settings.redis_max_connections, timeout=timeout, **options)
-        return redis_class(connection_pool=pool)
+        # The client owns its pool, as master_for's below does: closing it closes the pool's sockets
+        # (a client made on a pool it was given leaves them open until the collector finds them).
+        return redis_class.from_pool(pool)
     # The URL's db, user, password and TLS options apply to the master; its host and port do not.
     url = {key: value for key, value in parse_url(settings.redis_url).items()
            if key not in ("host", "port", "connection_class")}

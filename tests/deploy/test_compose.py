@@ -685,9 +685,9 @@ def test_the_ollama_override_shares_the_card_with_settings_the_worker_knows() ->
     command = _docker_compose()
     if command is None:
         return  # checked as YAML only, as the other files are where Compose v2 is missing
-    result = subprocess.run([*command, "-f", "docker-compose.yml", "-f", "docker-compose.ollama.yml", "config",
-                             "--format", "json"], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                            env=_without_env_file())
+    files = ["-f", "docker-compose.yml", "-f", "docker-compose.ollama.yml"]
+    result = subprocess.run([*command, *files, "config", "--format", "json"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60, env=_without_env_file())
     assert result.returncode == 0, result.stderr
     merged = json.loads(result.stdout)["services"]
     assert merged["worker"]["environment"]["SLOTQ_IDLE_RELEASE_S"] == "300"
