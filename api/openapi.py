@@ -27,7 +27,7 @@ from shared.contract.jobs import (
 from shared.contract.models import ModelInfo, model_info
 from shared.contract.settings import Settings
 from shared.store.listing import CURSOR
-from shared.store.workers import WorkerView
+from shared.store.workers import WorkerDrain, WorkerHold, WorkerView
 
 REF = "#/components/schemas/{model}"
 JSON = "application/json"
@@ -379,12 +379,32 @@ def _admin_paths(codes: dict[int, list[str]]) -> dict[str, Any]:
             "pauseLine", "Stop workers taking this model's jobs: admission goes on, a running job finishes."),
         "/v1/admin/lines/{model}/resume": line_action(
             "resumeLine", "Let workers take this model's jobs again, in their order."),
-        "/v1/admin/workers/{name}/drain": {"parameters": [worker], "post": _operation(
-            codes, "drainWorker", "Have a live worker finish its execution, claim nothing more and exit.",
-            {"200": _json("Asked: its next heartbeat takes it.", {
-                "type": "object", "required": ["worker", "draining"],
-                "properties": {"worker": _STRING, "draining": {"const": True}}})},
+        "/v1/admin/workers": {"get": _operation(
+            codes, "adminWorkers", "Every live worker: its state, jobs and hold, and where its models are.",
+            {"200": _json("The workers.", WORKERS_SCHEMA)}, admin, tags=["Operations"])},
+        "/v1/admin/workers/{name}/release": {"parameters": [worker], "post": _operation(
+            codes, "releaseWorker", "Have a live worker let go of its device and claim nothing for `hold_s` "
+                                    "seconds, or until resumed.",
+            {"200": _json("Held: it lets go at its next job boundary.", {
+                "type": "object", "required": ["worker", "held", "held_until"],
+                "properties": {"worker": _STRING, "held": {"const": True},
+                               "held_until": {"anyOf": [{"type": "string", "format": "date-time"},
+                                                        {"type": "null"}]}}})},
+            (400, *admin, 404, 415, 422), tags=["Operations"], requestBody=_optional_body("WorkerHold"))},
+        "/v1/admin/workers/{name}/resume": {"parameters": [worker], "post": _operation(
+            codes, "resumeWorker", "End a worker's hold: it claims again.",
+            {"200": _json("It claims again.", {
+                "type": "object", "required": ["worker", "held"],
+                "properties": {"worker": _STRING, "held": {"const": False}}})},
             (*admin, 404), tags=["Operations"])},
+        "/v1/admin/workers/{name}/drain": {"parameters": [worker], "post": _operation(
+            codes, "drainWorker", "Have a live worker finish its execution and claim nothing more: then "
+                                  "exit, or stay, held until resumed.",
+            {"200": _json("Asked: its next heartbeat takes it.", {
+                "type": "object", "required": ["worker", "draining", "exit"],
+                "properties": {"worker": _STRING, "draining": {"const": True},
+                               "exit": {"type": "boolean"}}})},
+            (400, *admin, 404, 415, 422), tags=["Operations"], requestBody=_optional_body("WorkerDrain"))},
         "/v1/admin/jobs/{id}": {"parameters": [JOB_ID], "patch": _operation(
             codes, "adminChangeJob", "Move any tenant's waiting job to another class its tenant may use.",
             {"200": _json("The job, at its place now.", "JobView")}, (400, *admin, 404, 409, 410, 415, 422),
@@ -396,13 +416,18 @@ def _admin_paths(codes: dict[int, list[str]]) -> dict[str, Any]:
     }
 
 
+def _optional_body(model: str) -> dict[str, Any]:
+    """A JSON body that may be left out (an empty request takes the model's defaults)."""
+    return {"required": False, "content": {JSON: {"schema": {"$ref": REF.format(model=model)}}}}
+
+
 def _model_schemas(max_side: int, max_steps: int, webhooks: bool, model: ModelInfo, names: tuple[str, ...]
                    ) -> dict[str, Any]:
     """The models' JSON schemas, plus the limits their validators take from the settings and the
     model (its family's sampler names and side multiple; the defaults are the family's too), and the
     names a job's ``model`` may give."""
     schemas: dict[str, Any] = {}
-    for kind in (JobRequest, JobView, JobChange, WorkerView, ModelInfo):
+    for kind in (JobRequest, JobView, JobChange, WorkerView, WorkerHold, WorkerDrain, ModelInfo):
         # What a client sends, as it may send it; what it reads, as the service writes it.
         schema = kind.model_json_schema(ref_template=REF,
                                         mode="validation" if kind is JobRequest else "serialization")
