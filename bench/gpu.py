@@ -51,6 +51,7 @@ from worker.adapters import Adapters
 from worker.capacity import Capacity
 from worker.device_time import DeviceTime
 from worker.previews import Previewer
+from worker.threads import ThreadChoice
 
 Sections = list[tuple[float, float]]
 LOOP = "in-process loop (ceiling)"
@@ -65,6 +66,7 @@ class NullPipeline:
 
     device_time: DeviceTime = field(default_factory=lambda: DeviceTime(deque(maxlen=100_000)))
     device: str = "null"  # not a torch device: the worker's metrics name it and ask nothing more
+    threads: ThreadChoice = field(default_factory=lambda: ThreadChoice(0, 0))  # torch's: left as they are
     info: ModelInfo = field(default_factory=lambda: model_info("tiny", "sd"))  # what the jobs are checked for
     adapters: Adapters = field(default_factory=lambda: Adapters(None, 1))  # none: every job is bare
     previewer: Previewer = field(default_factory=lambda: Previewer("sd", 8))  # no job here asks for one

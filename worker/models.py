@@ -144,7 +144,7 @@ class Models:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        if self.device.type == "cpu":
+        if str(self.device) == "cpu":
             trim_heap()
 
     def _off_device(self, name: str, pipeline: ImagePipeline) -> None:
