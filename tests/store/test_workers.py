@@ -16,7 +16,7 @@ from redis import Redis
 
 from shared.contract import keys
 from shared.contract.settings import Settings
-from shared.store import workers
+from shared.store import waiting, workers
 from shared.store.workers import WorkerIdentity
 from tests.conftest import Process, app_client, post_job, start_worker, wait_for, wait_for_status
 
@@ -214,3 +214,24 @@ def test_one_worker_per_gpu_carries_the_base_worker_whole() -> None:
     assert len({tuple(ids) for ids in device_ids}) == len(gpus) and all(len(ids) == 1 for ids in device_ids)
     assert len(set(names)) == len(gpus)
     assert "docker compose -f docker-compose.yml -f docker-compose.gpus.yml up -d" in GPUS_FILE.read_text()
+
+
+def test_a_held_worker_claims_and_joins_nothing_from_the_moment_its_hold_is_set(
+        client: FlaskClient, redis: Redis, settings: Settings) -> None:
+    """The hold is read by the claim scripts themselves: no claim in flight between the request and
+    the worker's next heartbeat takes a job, and the other workers' claims are untouched."""
+    ids = [post_job(client, seed=seed).get_json()["id"] for seed in range(4)]
+    held, other = keys.claims_key("held-worker"), keys.claims_key("other-worker")
+    first = waiting.claim(redis, settings.line, held)
+    assert first is not None and first.job_id == ids[0]
+    workers.beat(redis, identity(settings, "held-worker"), ttl_s=60)
+    assert workers.hold(redis, "held-worker", hold_s=None)
+    assert waiting.claim(redis, settings.line, held) is None
+    assert waiting.claim_compatible(redis, settings.line, held, first, 3, 8) == []  # nothing joins
+    taken = waiting.claim(redis, settings.line, other)
+    assert taken is not None and taken.job_id == ids[1]
+    assert workers.beat(redis, identity(settings, "held-worker"), ttl_s=60) == workers.Beat(False, True)
+    assert workers.unhold(redis, "held-worker")
+    joined = waiting.claim_compatible(redis, settings.line, held, first, 3, 8)
+    assert [each.job_id for each in joined] == ids[2:]
+    assert workers.beat(redis, identity(settings, "held-worker"), ttl_s=60) == workers.Beat(False, False)
