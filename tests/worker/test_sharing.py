@@ -170,6 +170,11 @@ def test_release_and_resume_answer_404_for_no_live_worker_and_422_for_a_bad_hold
     bad = api.post("/v1/admin/workers/keeper/release", json={"hold_s": -1}, headers=ADMIN)
     assert bad.status_code == 422 and bad.get_json()["error"]["code"] == "invalid_request"
     assert not workers(api)["keeper"]["held"]  # the refused request held nothing
+    for action in ("release", "resume"):  # logged and counted as the line's actions are
+        assert api.post(f"/v1/admin/workers/keeper/{action}", headers=ADMIN).status_code == 200
+    metrics = api.get("/metrics").get_data(as_text=True)
+    assert 'slotq_admin_actions_total{action="release",model=""} 1.0' in metrics
+    assert 'slotq_admin_actions_total{action="resume_worker",model=""} 1.0' in metrics
 
 
 # --- the decisions alone, with the device's memory read as given ------------------------------------
