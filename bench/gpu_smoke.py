@@ -18,10 +18,15 @@ What a GPU host should check once, since CI has no GPU. It starts its own ``redi
 - **a real out-of-memory**: the device memory that a small and a large job (``--big-side``, four
   images) take is read from the worker's metrics; a worker whose allocator is capped between the
   two (``torch.cuda.set_per_process_memory_fraction``) fails the large job with ``out_of_memory``
-  and, the same process, then runs a small one.
+  and, the same process, then runs a small one;
+- **sharing the device** (worker/sharing.py): a worker with ``SLOTQ_YIELD_BELOW_MB`` set yields when
+  this process takes the device's memory (its model goes to host memory, a job waits), and comes
+  back once it is freed, the waiting job's model brought back from host memory; then, idle for
+  ``SLOTQ_IDLE_RELEASE_S``, it lets go again.
 
 Each check prints one line, ``ok`` or ``FAILED``; the exit code is 1 if any failed. Figures (load
-time, seconds a job, memory) are printed beside them. On the CPU the out-of-memory check is skipped.
+time, seconds a job, memory) are printed beside them. On the CPU the out-of-memory and sharing checks
+are skipped.
 """
 
 from __future__ import annotations
@@ -268,6 +273,59 @@ def oom_check(checks: Checks, port: int, settings: Settings, scratch: Path) -> N
                      f"pid {running.process.pid}, worker {after.get('worker')}")
 
 
+YIELD_BELOW_MB = 1024  # the sharing check's threshold: this process leaves half of it free
+IDLE_RELEASE_S = 5.0
+
+
+def sharing_check(checks: Checks, port: int, settings: Settings, scratch: Path) -> None:
+    """A worker yields the device while this process holds its memory and comes back once it is freed;
+    idle, it lets go again (figures: how long each took)."""
+    import torch
+
+    case = next(case for case in CASES if case.name == MAIN)
+    sharing = settings.model_copy(update={"yield_below_mb": YIELD_BELOW_MB, "idle_release_s": IDLE_RELEASE_S})
+    with worker(sharing, case, scratch):
+        view, images = run_job(port, job(case.name, 64))
+        image_check(checks, f"{case.name}, yielding below {YIELD_BELOW_MB} MB: a job", view, images, 64)
+        free, _ = torch.cuda.mem_get_info(settings.device)
+        taken_at = time.monotonic()
+        hog = torch.empty(free - YIELD_BELOW_MB * 2**20 // 2, dtype=torch.uint8, device=settings.device)
+        try:
+            place = wait_place(port, case.name, "in_host")
+            checks.check("another process takes the device's memory: the worker yields, its model to host "
+                         "memory", place == "in_host", f"{place} after {time.monotonic() - taken_at:.1f} s")
+            waiting = submit(port, job(case.name, 64, seed=3))
+            time.sleep(3)
+            status = json.loads(call(port, "GET", f"/v1/jobs/{waiting['id']}")[1])["status"]
+            checks.check("while it yields, a job waits", status == JobStatus.QUEUED, status)
+        finally:
+            del hog
+            torch.cuda.empty_cache()
+        back = ended(port, waiting, time.monotonic() + JOB_TIMEOUT_S)
+        load = back.get("model_load") or {}
+        checks.check("the memory freed, it comes back and runs the waiting job, its model from host memory",
+                     back["status"] == JobStatus.SUCCEEDED and load.get("source") == "host",
+                     f"{back['status']}, model_load {load}")
+        wait_place(port, case.name, "on_device")  # a heartbeat after the job, not the one before it
+        idle_at = time.monotonic()
+        place = wait_place(port, case.name, "in_host")
+        checks.check(f"idle for {IDLE_RELEASE_S:g} s, it lets go of the device again", place == "in_host",
+                     f"{place} after {time.monotonic() - idle_at:.1f} s")
+
+
+def wait_place(port: int, model: str, place: str, timeout: float = 60.0) -> str | None:
+    """Where the worker's heartbeat says its model is, once it says ``place`` or at the timeout."""
+    deadline, seen = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        for view in json.loads(call(port, "GET", "/v1/workers")[1])["workers"]:
+            places = view.get("model_places", [])
+            seen = next((each["place"] for each in places if each["model"] == model), seen)
+        if seen == place:
+            return seen
+        time.sleep(0.25)
+    return seen
+
+
 def lora_folder(cache_dir: Path, into: Path, cases: tuple[Case, ...]) -> Path:
     """Each case's adapters in a subfolder named after it, as SLOTQ_LORA_DIR serves them."""
     from worker.tiny.loras import ensure_tiny_loras
@@ -317,11 +375,16 @@ def run_checks(checks: Checks, service: harness.Service, cases: tuple[Case, ...]
             checks.check(f"{case.name}", False, str(error)[-1500:])
     if not checks.figures["cuda"]:
         checks.say("-- out-of-memory: skipped on the CPU")
+        checks.say("-- sharing the device: skipped on the CPU")
         return
     try:
         oom_check(checks, service.port, service.settings, scratch)
     except (RuntimeError, TimeoutError, OSError) as error:
         checks.check("a real out-of-memory", False, str(error)[-1500:])
+    try:
+        sharing_check(checks, service.port, service.settings, scratch)
+    except (RuntimeError, TimeoutError, OSError) as error:
+        checks.check("sharing the device", False, str(error)[-1500:])
 
 
 def capped_worker(cap: int) -> int:

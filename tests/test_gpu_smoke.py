@@ -31,3 +31,4 @@ def test_the_gpu_smoke_passes_on_the_cpu_but_for_its_out_of_memory_check() -> No
     assert any(line.startswith("ok     sd-fp16: a 1000-step 128x128 job of 4 images canceled mid-run")
                for line in lines), done.stdout
     assert "-- out-of-memory: skipped on the CPU" in lines
+    assert "-- sharing the device: skipped on the CPU" in lines
