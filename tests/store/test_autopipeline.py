@@ -24,6 +24,21 @@ CALLERS = 10
 EMPTY = [0, 0, 0, 0]  # counts.lua on an empty line: each class's count, then 0: not paused
 
 
+@pytest.fixture
+def clients() -> Iterator[Callable[..., Redis]]:
+    """``clients(url, **options)``: clients of the test's own, closed afterwards (one left to the
+    collector may leave its socket open, which the suite counts as an error)."""
+    made: list[Redis] = []
+
+    def client(url: str, **options: Any) -> Redis:
+        made.append(Redis.from_url(url, **options))
+        return made[-1]
+
+    yield client
+    for each in made:
+        each.close()
+
+
 def evalsha_calls(redis: Redis) -> int:
     return int(redis.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
 
@@ -58,11 +73,12 @@ def gathered(pipeline: AutoPipeline, count: int) -> Callable[[], bool]:
     return lambda: len(pipeline._gathered) == count
 
 
-def test_calls_made_while_a_round_trip_is_out_go_together_in_the_next(private_redis: RedisServer) -> None:
+def test_calls_made_while_a_round_trip_is_out_go_together_in_the_next(private_redis: RedisServer,
+                                                                      clients: Callable[..., Redis]) -> None:
     # A Redis of this test's own: its script calls are counted server-wide, and the session's Redis
     # also serves the workers other tests leave running (a heartbeat's script once spoiled the count).
-    redis = Redis.from_url(private_redis.url)
-    pipeline, line = AutoPipeline(Redis.from_url(private_redis.url)), "autopipe"
+    redis = clients(private_redis.url)
+    pipeline, line = AutoPipeline(clients(private_redis.url)), "autopipe"
     assert pipeline.run("counts", [], [line]) == EMPTY  # alone; and the script is loaded
     before = evalsha_calls(redis)
     with redis_paused(redis):
@@ -98,8 +114,8 @@ def test_admissions_made_at_once_share_round_trips_and_keep_the_cap_exact(
     assert len(waiting_ids(redis, settings)) == settings.queue_capacity == 5
 
 
-def test_a_call_s_error_is_its_own(redis: Redis) -> None:
-    pipeline = AutoPipeline(Redis.from_url(_url(redis)))
+def test_a_call_s_error_is_its_own(redis: Redis, clients: Callable[..., Redis]) -> None:
+    pipeline = AutoPipeline(clients(_url(redis)))
     with redis_paused(redis):
         threads, first = in_threads([lambda: pipeline.run("counts", [], ["autopipe"])])
         wait_for(lambda: pipeline.round_trips == 1, what="the first call's round trip")
@@ -117,8 +133,9 @@ def test_a_call_s_error_is_its_own(redis: Redis) -> None:
 
 
 @pytest.mark.parametrize("callers", [1, 4])
-def test_scripts_flushed_from_redis_are_loaded_again(redis: Redis, callers: int) -> None:
-    pipeline = AutoPipeline(Redis.from_url(_url(redis)))
+def test_scripts_flushed_from_redis_are_loaded_again(redis: Redis, callers: int,
+                                                     clients: Callable[..., Redis]) -> None:
+    pipeline = AutoPipeline(clients(_url(redis)))
     assert pipeline.run("counts", [], ["autopipe"]) == EMPTY
     redis.script_flush()
     threads, answers = in_threads([lambda: pipeline.run("counts", [], ["autopipe"])] * callers)
@@ -140,12 +157,13 @@ def test_a_connection_error_reaches_every_call_of_its_round_trip() -> None:
 
 
 @pytest.mark.parametrize("retries", [0, 1])
-def test_a_round_trip_cut_off_is_sent_again_as_the_client_s_retry_says(redis: Redis, retries: int) -> None:
+def test_a_round_trip_cut_off_is_sent_again_as_the_client_s_retry_says(
+        redis: Redis, retries: int, clients: Callable[..., Redis]) -> None:
     # The connection dies while the call is out (a Redis restart, a failover): with a retry the call
     # reconnects and goes again, as redis-py's own commands do; without one the caller hears of it.
     from redis.exceptions import ConnectionError as RedisConnectionError
 
-    client = Redis.from_url(_url(redis), retry=Retry(NoBackoff(), retries))
+    client = clients(_url(redis), retry=Retry(NoBackoff(), retries))
     pipeline = AutoPipeline(client)
     assert pipeline.run("counts", [], ["autopipe"]) == EMPTY
     first = client.client_id()  # the pool's one connection: the next call's
@@ -162,21 +180,23 @@ def test_a_round_trip_cut_off_is_sent_again_as_the_client_s_retry_says(redis: Re
     assert pipeline.run("counts", [], ["autopipe"]) == EMPTY  # and the next call goes as usual
 
 
-def test_an_argument_redis_cannot_take_is_refused_as_redis_py_refuses_it(redis: Redis) -> None:
+def test_an_argument_redis_cannot_take_is_refused_as_redis_py_refuses_it(
+        redis: Redis, clients: Callable[..., Redis]) -> None:
     from redis.exceptions import DataError
 
-    pipeline = AutoPipeline(Redis.from_url(_url(redis)))
+    pipeline = AutoPipeline(clients(_url(redis)))
     with pytest.raises(DataError, match="bool"):
         pipeline.run("counts", [], [True])
     assert pipeline.run("counts", [], ["autopipe"]) == EMPTY
 
 
-def test_a_caller_gone_before_its_call_was_sent_passes_its_lead_on(redis: Redis) -> None:
+def test_a_caller_gone_before_its_call_was_sent_passes_its_lead_on(redis: Redis,
+                                                                    clients: Callable[..., Redis]) -> None:
     # A waiting greenlet can be killed (gunicorn's graceful timeout): its call must not be sent,
     # and a lead handed to it must pass on, or every later call of the process would wait forever.
     from shared.store.autopipeline import _Call
 
-    pipeline = AutoPipeline(Redis.from_url(_url(redis)))
+    pipeline = AutoPipeline(clients(_url(redis)))
     gone, waiting = _Call("counts", [], ["autopipe"]), _Call("counts", [], ["autopipe"])
     pipeline._out, pipeline._gathered = True, [gone, waiting]  # a round trip out, two gathered
     pipeline._hand_on()  # it came back: the lead goes to the first gathered, which is gone
@@ -188,8 +208,8 @@ def test_a_caller_gone_before_its_call_was_sent_passes_its_lead_on(redis: Redis)
     assert pipeline.run("counts", [], ["autopipe"]) == EMPTY  # the next call leads at once
 
 
-def test_one_auto_pipeline_a_client(redis: Redis) -> None:
-    other = Redis.from_url(_url(redis))
+def test_one_auto_pipeline_a_client(redis: Redis, clients: Callable[..., Redis]) -> None:
+    other = clients(_url(redis))
     assert autopipeline.of(redis) is autopipeline.of(redis)
     assert autopipeline.of(other) is not autopipeline.of(redis)
 
