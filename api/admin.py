@@ -13,11 +13,11 @@ from __future__ import annotations
 import hmac
 import logging
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from flask import Blueprint, jsonify, request
 from flask.typing import ResponseReturnValue
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from rq.job import Job
 
 from api import bodies, state
@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 bp = Blueprint("admin", __name__, url_prefix="/v1/admin")
 NEEDS_KEY = "Send an admin key (SLOTQ_ADMIN_KEYS) as `Authorization: Bearer <key>`."
 DEFAULT_JOBS, MAX_JOBS = 100, 1000  # waiting jobs listed a line
+Body = TypeVar("Body", bound=BaseModel)
 
 
 @bp.before_request
@@ -123,10 +124,7 @@ def live_workers() -> ResponseReturnValue:
 def release(name: str) -> ResponseReturnValue:
     """Have a live worker let go of its device at its next job boundary and claim nothing for
     ``hold_s`` seconds (absent: until resumed): its line's jobs wait, or go to other workers."""
-    try:
-        hold = workers.WorkerHold.model_validate(bodies.json_body() if request.content_length else {})
-    except ValidationError as exc:
-        raise InvalidRequestError.of(exc) from None
+    hold = _optional_body(workers.WorkerHold)
     if not workers.hold(state.queue().connection, name, hold.hold_s):
         raise NotFoundError("No live worker of this name.")
     _done("release", "", f"worker {name} for {f'{hold.hold_s:g} s' if hold.hold_s else 'until resumed'}")
@@ -148,10 +146,7 @@ def drain(name: str) -> ResponseReturnValue:
     """Have a live worker finish its execution and claim nothing more: then exit, as after SIGTERM
     (its next heartbeat takes the request), or with ``{"exit": false}`` stay, held until resumed. The
     jobs it has not started stay in the line for the others."""
-    try:
-        asked = workers.WorkerDrain.model_validate(bodies.json_body() if request.content_length else {})
-    except ValidationError as exc:
-        raise InvalidRequestError.of(exc) from None
+    asked = _optional_body(workers.WorkerDrain)
     connection, settings = state.queue().connection, state.settings()
     found = workers.drain(connection, name, within_s=2 * settings.heartbeat_ttl_s) if asked.exit \
         else workers.hold(connection, name, None)
@@ -169,6 +164,14 @@ def change(job_id: str) -> ResponseReturnValue:
     view = state.jobs().change(job_id, bodies.json_body(), None, allowed)
     _done("priority", view.model, f"job {job_id} now {view.request.priority}")
     return jsonify(view.model_dump(mode="json"))
+
+
+def _optional_body(kind: type[Body]) -> Body:
+    """The request's JSON body as ``kind``; an empty request takes its defaults."""
+    try:
+        return kind.model_validate(bodies.json_body() if request.content_length else {})
+    except ValidationError as exc:
+        raise InvalidRequestError.of(exc) from None
 
 
 def _limit(raw: str) -> int:

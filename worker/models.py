@@ -63,6 +63,7 @@ class Models:
         self.in_host: Resident[str, ImagePipeline] = Resident(settings.host_model_cache, self._dropped)
         started = datetime.now(UTC)
         self._since: dict[str, tuple[Place, datetime]] = dict.fromkeys(self.served, ("released", started))
+        self._places: list[ModelPlace] | None = None  # built again after a move only (hot path)
         self.on_device.put(self.current_model, first)
         self._moved(self.current_model, "on_device")
         set_current_pipeline(first)
@@ -80,9 +81,11 @@ class Models:
 
     @property
     def places(self) -> list[ModelPlace]:
-        """Where each served model is, and since when."""
-        return [ModelPlace(model=model, place=place, since=since)
-                for model, (place, since) in self._since.items()]
+        """Where each served model is, and since when (the same list until a model moves)."""
+        if self._places is None:
+            self._places = [ModelPlace(model=model, place=place, since=since)
+                            for model, (place, since) in self._since.items()]
+        return self._places
 
     def use(self, model: str) -> Switch:
         """Make the model's pipeline the current one: it is on the device already, or it comes back
@@ -161,7 +164,7 @@ class Models:
 
     def _moved(self, name: str, place: Place) -> None:
         if self._since[name][0] != place:
-            self._since[name] = place, datetime.now(UTC)
+            self._since[name], self._places = (place, datetime.now(UTC)), None
 
     def _host_has_room(self, pipeline: ImagePipeline) -> bool:
         """Whether host memory can keep this pipeline (SLOTQ_HOST_MODEL_CACHE, and the host's free memory)."""

@@ -127,7 +127,6 @@ def test_an_idle_worker_lets_go_of_its_model_and_the_next_job_loads_it_again(api
     assert loaded - rss(keeper) >= 2**20
     second = wait_for_status(api, job(api), "succeeded")
     assert second["worker"] == "keeper" and second["model_load"]["source"] == "disk"
-    assert (place(api, "keeper") or ("",))[0] in ("on_device", "released")  # released again after IDLE_S
 
 
 def test_a_held_worker_lets_go_claims_nothing_while_another_takes_the_jobs_and_resume_brings_it_back(
