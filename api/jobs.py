@@ -75,6 +75,7 @@ class Jobs:
         try:
             return validate_submission(body, max_side=settings.max_side, max_steps=settings.max_steps,
                                        max_image_bytes=settings.max_image_bytes, model=self.model(name),
+                                       max_frames=settings.max_frames,
                                        adapters=available_adapters(settings.lora_dir_of(name)),
                                        controlnets=available_controlnets(settings.controlnet_dir, name),
                                        ip_adapters=available_ip_adapters(settings.ip_adapter_dir, name))
@@ -117,6 +118,11 @@ class Jobs:
         """One finished image of a job, as PNG, or a short-lived URL of it in the store."""
         job, store = records.fetch_job(self.queue, job_id, tenant), results.of(self.settings)
         return store.image_url(job, index) or store.image(job, index)
+
+    def video(self, job_id: str, tenant: Tenant | None = None) -> bytes:
+        """A finished video job's MP4."""
+        job = records.fetch_job(self.queue, job_id, tenant)
+        return results.of(self.settings).video(job)
 
     def pngs(self, job_id: str, tenant: Tenant | None = None) -> list[bytes]:
         """Every finished image of a job, as PNG bytes (from the store, wherever it keeps them)."""

@@ -297,6 +297,22 @@ def _job_paths(codes: dict[int, list[str]]) -> dict[str, Any]:
             "get": _operation(codes, "getImageFile", "The same image, at a URL that ends as its file does.",
                               {"200": {"description": "The image.", "content": png}}, (404, 409, 410, 503)),
         },
+        "/v1/jobs/{id}/video.mp4": {
+            "parameters": [JOB_ID],
+            "get": _operation(codes, "getVideo", "A finished video job's clip, as H.264 MP4.",
+                              {"200": {"description": "The clip (yuv420p, its index first, so playback "
+                                                      "starts before the end arrives).",
+                                       "headers": {"Accept-Ranges": {"schema": {"type": "string"}}},
+                                       "content": {"video/mp4": {"schema": {
+                                           "type": "string", "contentMediaType": "video/mp4"}}}},
+                               "206": {"description": "The bytes a `Range: bytes=...` header asked for.",
+                                       "headers": {"Content-Range": {"schema": {"type": "string"}}},
+                                       "content": {"video/mp4": {"schema": {
+                                           "type": "string", "contentMediaType": "video/mp4"}}}}},
+                              (404, 409, 410, 416, 503),
+                              description="For a job on a video model (`media: video` in GET /v1/models); "
+                                          "its first frame is `images[0]`, the poster."),
+        },
         "/v1/jobs/{id}/preview": {
             "parameters": [JOB_ID],
             "get": _operation(codes, "getPreview", "A running job's latest preview, as JPEG.",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from flask import Blueprint, Response, g, jsonify, request
 from pydantic import BaseModel
+from werkzeug.exceptions import RequestedRangeNotSatisfiable
 
 from api import bodies, longpoll, state
 from api.compat.openai_images import model_list
@@ -17,6 +18,7 @@ from shared.contract.errors import (
     DrainingError,
     InvalidRequestError,
     NotFoundError,
+    RangeNotSatisfiableError,
 )
 from shared.contract.images import INPUT_NAMES
 from shared.contract.jobs import DEFAULT_LIMIT, MAX_IDEMPOTENCY_KEY, MAX_LIMIT, JobStatus, Submission
@@ -84,6 +86,18 @@ def get_image(job_id: str, index: int) -> Response:
     if isinstance(found, str):
         return Response(status=307, headers={"Location": found, "Cache-Control": "no-store"})
     return Response(found, mimetype="image/png", headers={"Cache-Control": "private, max-age=3600"})
+
+
+@bp.get("/v1/jobs/<job_id>/video.mp4")
+def get_video(job_id: str) -> Response:
+    """A finished video job's clip as H.264 MP4; ranged reads (``Range: bytes=...``) answer 206."""
+    data = state.jobs().video(job_id, state.tenant())
+    response = Response(data, mimetype="video/mp4", headers={"Cache-Control": "private, max-age=3600"})
+    try:  # a satisfiable Range: 206 with Content-Range
+        response.make_conditional(request, accept_ranges=True, complete_length=len(data))
+    except RequestedRangeNotSatisfiable:
+        raise RangeNotSatisfiableError(f"The clip is {len(data)} bytes.") from None
+    return response
 
 
 @bp.get("/v1/jobs/<job_id>/preview")

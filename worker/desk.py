@@ -146,6 +146,8 @@ class JobDesk:
         """The tier a job runs in: the speed it asked, and for ``auto`` the fast tier while its line is
         deeper than SLOTQ_DEGRADE_AT (degrade before shedding)."""
         speed = job.kwargs["request"].get("speed", "normal")
+        if job.kwargs["request"].get("frames") is not None:
+            return "normal"  # a clip's families have no fast tier (admission refuses `fast` for them)
         if speed != "auto":
             return "fast" if speed == "fast" else "normal"
         at = self.settings.degrade_at

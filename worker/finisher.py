@@ -29,6 +29,7 @@ from multiprocessing.connection import Connection
 from types import FrameType
 from typing import Any, Generic, TypeVar
 
+from PIL import Image
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -44,6 +45,7 @@ from shared.store.connection import job_queue
 from shared.store.fencing import StaleAttemptError, connect_worker, holding
 from worker.messages import (
     Batch,
+    Clip,
     Ended,
     Finished,
     FromFinisher,
@@ -55,10 +57,12 @@ from worker.messages import (
     encode_png,
 )
 from worker.rq import RQWorker, run_seconds
+from worker.video import encode_mp4
 
 log = logging.getLogger(__name__)
 Handoff = TypeVar("Handoff")
-Made = tuple[Job, Execution, list[bytes], dict[str, Any]]  # a job finished together: its PNGs, its result
+# A job finished together: its PNGs, its MP4 (a video job's), its result.
+Made = tuple[Job, Execution, list[bytes], bytes | None, dict[str, Any]]
 START_TIMEOUT_S = 60.0
 CONNECT_FOR_S = START_TIMEOUT_S / 2  # how long a starting finisher waits for Redis (a failover, a restart)
 STOP_TIMEOUT_S = 30.0
@@ -191,16 +195,21 @@ class Finisher(Generic[Handoff]):
 # --- the finishing process itself ------------------------------------------------------------------
 
 def store_result(job: Job, settings: Settings, rendered: Rendered) -> dict[str, Any]:
-    """Encode the images as PNG and store them for the result TTL; the job's result."""
-    pngs = encoded(settings, rendered)
-    results.of(settings).save_images(job, pngs, fault_hook(settings, job, rendered))
+    """Encode the images as PNG (a clip as MP4 and its poster) and store them for the result TTL;
+    the job's result."""
+    pngs, video = encoded(settings, rendered)
+    results.of(settings).save_images(job, pngs, fault_hook(settings, job, rendered), video=video)
     return finished(job, rendered, pngs)
 
 
-def encoded(settings: Settings, rendered: Rendered) -> list[bytes]:
-    """A job's images as PNG bytes, at SLOTQ_PNG_COMPRESS_LEVEL."""
-    request, images = rendered
-    return [encode_png(image, request, settings.png_compress_level) for image in images]
+def encoded(settings: Settings, rendered: Rendered) -> tuple[list[bytes], bytes | None]:
+    """A job's images as PNG bytes, at SLOTQ_PNG_COMPRESS_LEVEL; a clip's first frame so (its
+    poster), and the clip as an MP4."""
+    request, made = rendered
+    if isinstance(made, Clip):
+        poster = Image.fromarray(made.frames[0])
+        return [encode_png(poster, request, settings.png_compress_level)], encode_mp4(made.frames, made.fps)
+    return [encode_png(image, request, settings.png_compress_level) for image in made], None
 
 
 def finished(job: Job, rendered: Rendered, pngs: list[bytes]) -> dict[str, Any]:
@@ -251,8 +260,8 @@ class Finishing(RQWorker):
             made = [self._stored(work, store) for work in works]
             with holding(*(work.fence for work in works)), self.connection.pipeline() as pipe:
                 statuses = []
-                for (job, execution, pngs, result), work in zip(made, works, strict=True):
-                    store.record_images(job, pngs, pipe)
+                for (job, execution, pngs, video, result), work in zip(made, works, strict=True):
+                    store.record_images(job, pngs, pipe, video=video)
                     self.succeed(job, execution, result, pipe)
                     statuses.append(endings.settle_in(pipe, self.queue.name, keys.claims_key(self.name), job,
                                                       work.fence.key, self.settings.result_ttl_s))
@@ -261,7 +270,7 @@ class Finishing(RQWorker):
             log.info("the batch's ends are recorded one by one (%r)", exc)
             return None
         ended = []
-        for (job, _, _, _), status in zip(made, statuses, strict=True):
+        for (job, *_), status in zip(made, statuses, strict=True):
             with logs.about_job(job.id, job.meta.get("request_id")):
                 self.succeeded(job)
             ended.append(Ended(job.id, Outcome.of(status), run_seconds(job)))
@@ -270,9 +279,9 @@ class Finishing(RQWorker):
     def _stored(self, work: Work, store: results.Results) -> Made:
         """A job of a batch finished together: restored, its images encoded and (outside Redis) stored."""
         job, execution = self._restored(work)
-        pngs = encoded(self.settings, work.rendered)
-        store.put_images(job, pngs, fault_hook(self.settings, job, work.rendered))
-        return job, execution, pngs, finished(job, work.rendered, pngs)
+        pngs, video = encoded(self.settings, work.rendered)
+        store.put_images(job, pngs, fault_hook(self.settings, job, work.rendered), video=video)
+        return job, execution, pngs, video, finished(job, work.rendered, pngs)
 
     def _restored(self, work: Work) -> tuple[Job, Execution]:
         job = Job(work.job_id, connection=self.connection, serializer=self.serializer)

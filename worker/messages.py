@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal
 
+import numpy as np
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 from redis.connection import Encoder
@@ -18,7 +19,16 @@ from rq.job import Job
 from shared.contract.jobs import JobRequest, Outcome
 from shared.store.fencing import Fence
 
-Rendered = tuple[JobRequest, list[Image.Image]]
+
+@dataclass(frozen=True)
+class Clip:
+    """A video job's frames, (count, height, width, 3) uint8 RGB, and their rate."""
+
+    frames: np.ndarray
+    fps: int
+
+
+Rendered = tuple[JobRequest, list[Image.Image] | Clip]
 REDIS_ENCODING = Encoder("utf-8", "strict", decode_responses=False)  # values as HSET would store them
 
 

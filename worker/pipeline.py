@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import diffusers
 import numpy as np
 import torch
 from diffusers import AutoPipelineForImage2Image, AutoPipelineForInpainting, DiffusionPipeline
@@ -25,7 +26,14 @@ from shared.contract.adapters import available_adapters
 from shared.contract.errors import JobFailedError
 from shared.contract.jobs import ControlRequest, JobKind, JobRequest
 from shared.contract.memory import MemoryOptions
-from shared.contract.models import PIPELINE_CLASSES, TINY_MODELS, Family, ModelInfo, model_info
+from shared.contract.models import (
+    PIPELINE_CLASSES,
+    TINY_MODELS,
+    TINY_VIDEO_MODELS,
+    Family,
+    ModelInfo,
+    model_info,
+)
 from shared.contract.settings import Settings
 from worker import memory
 from worker.adapters import Adapters
@@ -37,12 +45,15 @@ from worker.compile import warm_up as compile_sizes
 from worker.controlnets import ControlNets, canny, control_arguments, controlled
 from worker.device_time import DeviceTime
 from worker.ip_adapters import IpAdapters, ip_adapter_arguments, share_image_encoder
+from worker.messages import Clip
 from worker.previews import Previewer, load_decoder
 from worker.prompts import weighted_arguments
 from worker.samplers import Samplers
 from worker.threads import CALIBRATION_STEPS, ThreadChoice, work_of
 from worker.threads import TORCH_DEFAULT_THREADS as TORCH_DEFAULT_THREADS  # re-exported: bench reads it here
 from worker.tiny.model import ensure_tiny_model
+from worker.tiny.video import ensure_tiny_video_model
+from worker.video import to_uint8
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +61,7 @@ log = logging.getLogger(__name__)
 # before the first step).
 StepCallback = Callable[[int, int, "torch.Tensor | None"], None]
 Inputs = Mapping[str, Image.Image]  # a request's decoded input images: "image" (RGB), "mask" (L)
+Made = list[Image.Image] | Clip  # what one request makes: its images, or its clip
 VARIANTS = {"image": AutoPipelineForImage2Image, "inpaint": AutoPipelineForInpainting}
 # What the first pass of a hires job returns: latents to upscale, or images (tensors in [0, 1]).
 _FIRST_PASS = {"latent": "latent", "lanczos": "pil"}
@@ -91,7 +103,7 @@ class ImagePipeline:
     device_time: DeviceTime = field(default_factory=DeviceTime)
 
     def generate(self, request: JobRequest, on_step: StepCallback | None = None, inputs: Inputs | None = None
-                 ) -> list[Image.Image]:
+                 ) -> Made:
         """Run one request; ``on_step(step, total, latents)`` runs after each denoising step and may raise.
         Raises ``JobFailedError`` (``nan_output``) where the model's output is not a number."""
         (made,) = self.generate_batch([request], on_step, [inputs or {}])
@@ -100,12 +112,13 @@ class ImagePipeline:
         return made
 
     def generate_batch(self, requests: list[JobRequest], on_step: StepCallback | None = None,
-                       inputs: Sequence[Inputs] = ()) -> list[list[Image.Image] | JobFailedError]:
+                       inputs: Sequence[Inputs] = ()) -> list[Made | JobFailedError]:
         """Run requests of one batch key (kind, size, steps, strength, guidance, sampler, adapters,
         controls, hires pass, images) as one execution; the images of each, or for a request whose
         images hold NaN the failure that ends it (``nan_output``). Each image keeps its own generator, so
         it is the one it would be alone. ``inputs`` holds each request's input images, in order: its
-        start image and mask, its controls' images (``control0``...)."""
+        start image and mask, its controls' images (``control0``...). A video model's request makes a
+        clip (its frames, as diffusers returns them, and its rate)."""
         first = requests[0]
         assert all(r.batch_key == first.batch_key and r.seed is not None for r in requests), requests
         inputs = list(inputs) or [{} for _ in requests]
@@ -133,10 +146,13 @@ class ImagePipeline:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the section ends when the device is done
                 width, height = first.output_size(self.info.side_multiple)
-                self.capacity.observe(width * height * first.num_images * len(requests),
+                self.capacity.observe(width * height * first.pictures * len(requests),
                                       torch.cuda.max_memory_allocated(self.device))
+        if first.is_video:  # (videos, frames, height, width, 3): one clip a request
+            return [clip_of(frames, first.fps or 1) for frames in output.frames]
         pixels, per_job = output.images, first.num_images
-        made = [images_of(pixels[index * per_job:(index + 1) * per_job]) for index in range(len(requests))]
+        made: list[Made | JobFailedError] = [images_of(pixels[index * per_job:(index + 1) * per_job])
+                                             for index in range(len(requests))]
         if first.kind == "inpaint":  # every pixel was decoded from latents: the kept ones too, altered
             made = [_kept_outside_mask(images, each) for images, each in zip(made, inputs, strict=True)]
         return made
@@ -197,7 +213,9 @@ class ImagePipeline:
         if kind == "text":
             return self.pipe
         if kind not in self.variants:
-            variant = VARIANTS[kind].from_pipe(self.pipe)
+            twin = self.info.spec.image_to_video_class  # a video family's start-image pipeline
+            maker = getattr(diffusers, twin) if twin is not None else VARIANTS[kind]
+            variant = maker.from_pipe(self.pipe)
             variant.set_progress_bar_config(disable=True)
             self.variants[kind] = variant
         # from_pipe copied the components of its moment: an IP-Adapter's image encoder may be newer.
@@ -219,10 +237,12 @@ class ImagePipeline:
             "num_inference_steps": first.steps,
             "guidance_scale": first.guidance_scale,
             "num_images_per_prompt": first.num_images,
+            "num_frames": first.frames,  # a clip's: a video pipeline takes these two
+            "frame_rate": first.fps,
         }
         if kind != "text":
             arguments["image"] = [each.get("image") for each in inputs]
-            arguments["strength"] = first.strength
+            arguments["strength"] = first.strength  # an image-to-video pipeline takes none
         if kind == "inpaint":
             arguments["mask_image"] = [each["mask"] for each in inputs]
         if first.controlnets:
@@ -269,10 +289,16 @@ def images_of(pixels: np.ndarray) -> list[Image.Image] | JobFailedError:
     return VaeImageProcessor.numpy_to_pil(pixels)
 
 
-def _kept_outside_mask(made: list[Image.Image] | JobFailedError, inputs: Inputs
-                       ) -> list[Image.Image] | JobFailedError:
+def clip_of(frames: np.ndarray, fps: int) -> Clip | JobFailedError:
+    """One request's clip from the pipeline's floats in [0, 1], or its failure where any is NaN."""
+    if np.isnan(frames).any():
+        return JobFailedError("nan_output", NAN_OUTPUT)
+    return Clip(to_uint8(frames), fps)
+
+
+def _kept_outside_mask(made: Made | JobFailedError, inputs: Inputs) -> Made | JobFailedError:
     """Inpainted images with the input's own pixels where the mask is black, blended where it is grey."""
-    if isinstance(made, JobFailedError):
+    if isinstance(made, (JobFailedError, Clip)):
         return made
     return [Image.composite(image, inputs["image"], inputs["mask"]) for image in made]
 
@@ -333,7 +359,7 @@ def load_pipeline(settings: Settings, model: str | None = None, threads: ThreadC
     loaded = ImagePipeline(pipe=pipe, device=device, samplers=Samplers(pipe.scheduler), info=info,
                            adapters=adapters, controlnets=controlnets,
                            ip_adapters=IpAdapters(settings.ip_adapter_dir, model, settings.ip_adapter_cache),
-                           previewer=Previewer(info.family, pipe.vae_scale_factor, decoder), memory=options)
+                           previewer=Previewer(info.family, _scale_factor(pipe), decoder), memory=options)
     loaded.capacity = Capacity.of(device, settings.capacity_pixels)  # the weights loaded, no job yet
     loaded.threads = _warm_up(loaded, threads, settings)
     log.info("loaded %s on %s as %s: %s", model, device, dtype, loaded.threads)
@@ -346,7 +372,9 @@ def _from_disk(settings: Settings, model: str, source: str, dtype: torch.dtype) 
     if settings.folder_model(model) is not None or is_single_file(source):
         return load_folder_model(Path(source), settings.checkpoint_configs, dtype)
     where: str | Path = source
-    if source in TINY_MODELS:
+    if source in TINY_VIDEO_MODELS:
+        where = ensure_tiny_video_model(settings.cache_dir, source)
+    elif source in TINY_MODELS:
         where = ensure_tiny_model(settings.cache_dir, source)
     return DiffusionPipeline.from_pretrained(where, dtype=dtype)
 
@@ -357,7 +385,10 @@ def _warm_up(loaded: ImagePipeline, threads: ThreadChoice, settings: Settings) -
     SLOTQ_COMPILE_SIZES instead, which compiles it; with none, nothing runs before the first job (which
     compiles it)."""
     side = max(64, loaded.info.side_multiple * 4)
-    warm_up = JobRequest(prompt="warm-up", width=side, height=side, steps=1, seed=0)
+    info = loaded.info
+    frames = info.frame_multiple + 1 if info.frame_multiple else None  # a clip's fewest
+    warm_up = JobRequest(prompt="warm-up", width=side, height=side, steps=info.spec.min_steps, seed=0,
+                         frames=frames, fps=info.defaults.fps)
     if settings.compile != "off":
         if settings.warm_sizes:
             compile_sizes(lambda width, height, images: loaded.generate(warm_up.model_copy(
@@ -373,6 +404,12 @@ def _warm_up(loaded: ImagePipeline, threads: ThreadChoice, settings: Settings) -
                                                    "steps": CALIBRATION_STEPS}))
 
     return threads.calibrated(run, side, 4 * side)
+
+
+def _scale_factor(pipe: DiffusionPipeline) -> int:
+    """How many pixels a latent is across: an image pipeline's VAE factor (a video pipeline names
+    its own differently and has no previews to scale)."""
+    return getattr(pipe, "vae_scale_factor", 8)
 
 
 def family_of(pipe: DiffusionPipeline) -> Family:

@@ -165,7 +165,9 @@ class Previewer:
 def to_rgb(latents: np.ndarray, family: Family) -> np.ndarray:
     """(rows, channels, h, w) latents as (rows, 3, h, w) RGB in about [-1, 1], by the family's
     linear map; latents of another channel count (a custom VAE) by a plain projection."""
-    factors, bias = LATENT_RGB[family_spec(family).latent_format]
+    latent_format = family_spec(family).latent_format
+    assert latent_format is not None, f"a {family} model has no previews (admission refuses them)"
+    factors, bias = LATENT_RGB[latent_format]
     if latents.shape[1] == len(factors):
         weights = np.asarray(factors, dtype=np.float32)
         offsets = np.asarray(bias, dtype=np.float32)[:, None, None]

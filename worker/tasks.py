@@ -150,7 +150,8 @@ def _validated(job: Job) -> JobRequest | Exception:
     try:
         # The queue is a trust boundary too: re-validate what came out of Redis, for this model.
         request = validate_request(job.kwargs["request"], max_side=settings.max_side,
-                                   max_steps=settings.max_steps, side_multiple=info.side_multiple)
+                                   max_steps=settings.max_steps, side_multiple=info.side_multiple,
+                                   frame_multiple=info.frame_multiple or 0, max_frames=settings.max_frames)
     except (ValidationError, KeyError) as exc:
         return JobFailedError("invalid_request", f"the stored request is invalid: {exc}")
     # The tier the worker chose as it started the job ("auto" resolved); a plain RQ worker chooses none.

@@ -21,8 +21,8 @@ MARGIN = 0.05  # more threads count as the faster where they take under 95 % of 
 
 
 def work_of(requests: Sequence[JobRequest]) -> int:
-    """An execution's work: pixels x denoising steps x images, over its requests."""
-    return sum(r.width * r.height * r.steps_run * r.num_images for r in requests)
+    """An execution's work: pixels x denoising steps x images (or a clip's frames), over its requests."""
+    return sum(r.width * r.height * r.steps_run * r.pictures for r in requests)
 
 
 @dataclass(frozen=True)

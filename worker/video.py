@@ -81,6 +81,8 @@ def to_uint8(frames: np.ndarray) -> np.ndarray:
     """A clip's float frames as uint8 pixels, rounded as diffusers' ``numpy_to_pil`` rounds them."""
     if frames.ndim != 4 or frames.shape[-1] != 3 or not len(frames):
         raise ValueError(f"frames must be (count, height, width, 3) with count > 0, not {frames.shape}")
+    if frames.dtype == np.uint8:
+        return np.ascontiguousarray(frames)  # pixels already
     # Clipped first: a float just outside [0, 1] would wrap around in uint8 (diffusers' own
     # postprocess clamps, so for its output this changes nothing). Contiguous for PyAV's frames.
     return np.ascontiguousarray((np.clip(frames, 0, 1) * 255).round().astype(np.uint8))

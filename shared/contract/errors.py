@@ -105,6 +105,10 @@ class StorageUnavailableError(ServiceError):
     status, code, message = 503, "storage_unavailable", "The result store cannot be reached."
 
 
+class RangeNotSatisfiableError(ServiceError):
+    status, code, message = 416, "range_not_satisfiable", "The range asked for is not within the file."
+
+
 class ResultExpiredError(ServiceError):
     status, code, message = 410, "expired", "The job's images have expired."
 

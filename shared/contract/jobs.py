@@ -33,13 +33,14 @@ from shared.contract.errors import (
     UnknownModelError,
 )
 from shared.contract.images import INPUT_NAMES, ImageRef, InputName, read_data_url
-from shared.contract.models import MODEL_NAME_PATTERN, ModelInfo, Scheduler, check_takes, model_info
+from shared.contract.models import MODEL_NAME_PATTERN, Ability, ModelInfo, Scheduler, check_takes, model_info
 
 MAX_SEED = 2**32 - 1
 MAX_IMAGES = 4  # per job
 MAX_IDEMPOTENCY_KEY = 255  # characters of an Idempotency-Key
 DEFAULT_LIMIT, MAX_LIMIT = 20, 100  # jobs a page of GET /v1/jobs lists
 MAX_CONTROLNETS = 2  # per job
+MAX_FPS = 60
 
 Priority = Literal["high", "normal", "low"]
 Speed = Literal["normal", "fast", "auto"]  # as a job asks
@@ -189,6 +190,10 @@ class JobRequest(BaseModel):
     guidance_scale: float = Field(7.5, ge=0, le=30, allow_inf_nan=False)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     num_images: int = Field(1, ge=1, le=MAX_IMAGES)
+    frames: int | None = Field(None, ge=1, description="a video model's: the clip's frames, a multiple of "
+                               "the model's `frame_multiple` plus one (GET /v1/models); absent: its default")
+    fps: int | None = Field(None, ge=1, le=MAX_FPS, description="a video model's: the clip's frames a "
+                            "second; absent: its default")
     scheduler: Scheduler | None = Field(None, description="the sampler; absent: the model's own")
     image: InputField = Field(None, description="the start image, a base64 data: URL of a PNG, JPEG or "
                               "WebP; its size is the job's. In a job's view: its size and sha256")
@@ -220,7 +225,7 @@ class JobRequest(BaseModel):
                                                min_length=1, max_length=2,
                                                json_schema_extra={"uniqueItems": True})
 
-    @field_validator("width", "height", "steps", "seed", "num_images", mode="before")
+    @field_validator("width", "height", "steps", "seed", "num_images", "frames", "fps", mode="before")
     @classmethod
     def _integral(cls, value: Any) -> Any:
         # JSON Schema's "integer" admits any integral number, 496.0 too, and so does the document;
@@ -244,6 +249,41 @@ class JobRequest(BaseModel):
         if value > max_steps:
             raise ValueError(f"must be at most {max_steps}")
         return value
+
+    # The model's frame multiple where the caller knows it (0: an image model); absent, the request is
+    # a stored one read back for its view, checked at its admission.
+    @field_validator("frames")
+    @classmethod
+    def _frames_fit(cls, value: int | None, info: ValidationInfo) -> int | None:
+        multiple, max_frames = _frame_limits(info)
+        if value is None or multiple is None:
+            return value
+        if not multiple:
+            raise ValueError("a video model's: this model makes images")
+        if (value - 1) % multiple or not multiple < value <= max_frames:
+            raise ValueError(f"must be a multiple of {multiple} plus one, from {multiple + 1} to "
+                             f"{max_frames}")
+        return value
+
+    @field_validator("fps")
+    @classmethod
+    def _fps_for_video(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and _frame_limits(info)[0] == 0:
+            raise ValueError("a video model's: this model makes images")
+        return value
+
+    @field_validator("num_images")
+    @classmethod
+    def _one_clip(cls, value: int, info: ValidationInfo) -> int:
+        if value != 1 and _frame_limits(info)[0]:
+            raise ValueError("a video job makes one clip: must be 1")
+        return value
+
+    @model_validator(mode="after")
+    def _clip_complete(self, info: ValidationInfo) -> JobRequest:
+        if _frame_limits(info)[0] and (self.frames is None or self.fps is None):
+            raise ValueError("a video model's job needs `frames` and `fps`")
+        return self
 
     @field_validator("webhook")
     @classmethod
@@ -312,6 +352,11 @@ class JobRequest(BaseModel):
         return "image" if self.mask is None else "inpaint"
 
     @property
+    def is_video(self) -> bool:
+        """Whether it makes a clip (a video model's job) rather than images."""
+        return self.frames is not None
+
+    @property
     def steps_run(self) -> int:
         """The denoising steps that run, the hires pass's included (see :func:`steps_run`): its
         progress's total."""
@@ -320,7 +365,8 @@ class JobRequest(BaseModel):
     @property
     def first_steps_run(self) -> int:
         """The denoising steps of the pass at the job's size."""
-        return steps_run(self.steps, self.strength if self.image is not None else None)
+        # A clip's start image conditions every step: all of them run.
+        return steps_run(self.steps, self.strength if self.image is not None and not self.is_video else None)
 
     @property
     def hires_steps_run(self) -> int:
@@ -337,8 +383,13 @@ class JobRequest(BaseModel):
     def cost(self) -> float:
         """Its GPU work in cost units, both passes counted."""
         width, height = self.output_size()
-        return (job_cost(self.width, self.height, self.first_steps_run, self.num_images)
-                + job_cost(width, height, self.hires_steps_run, self.num_images))
+        return (job_cost(self.width, self.height, self.first_steps_run, self.pictures)
+                + job_cost(width, height, self.hires_steps_run, self.pictures))
+
+    @property
+    def pictures(self) -> int:
+        """The pictures it makes: its images, or its clip's frames."""
+        return self.num_images * (self.frames or 1)
 
     @property
     def batch_key(self) -> str:
@@ -356,8 +407,9 @@ class JobRequest(BaseModel):
             controls += f";ip:{self.ip_adapter.name}:{self.ip_adapter.scale!r}"
         # With and without a negative prompt apart: SDXL encodes a batch-mate's "" where it zeroes None.
         negative = "-" if self.negative_prompt else ""
+        clip = f"/{self.fps}fps" if self.is_video else ""  # its last part is then the clip's frames
         return (f"{size}/{self.steps}/{self.guidance_scale!r}/{self.scheduler or ''}/{self.kind}{strength}"
-                f"/{self.speed}{self._syntax_key}{negative}/{self.adapters_key}/{controls}/{self.num_images}")
+                f"/{self.speed}{self._syntax_key}{negative}/{self.adapters_key}/{controls}{clip}/{self.pictures}")
 
     @property
     def join_key(self) -> str:
@@ -373,7 +425,8 @@ class JobRequest(BaseModel):
         features = {"an input image": self.image is not None, "a hires pass": self.hires is not None,
                     "ControlNets": bool(self.controlnets), "an IP-Adapter": self.ip_adapter is not None,
                     "LoRAs": bool(self.loras), "weighted prompts": self.prompt_syntax == "weighted",
-                    "the fast tier": self.speed == "fast", "the auto tier": self.speed == "auto"}
+                    "the fast tier": self.speed == "fast", "the auto tier": self.speed == "auto",
+                    "a clip": self.is_video}
         return [name for name, asked in features.items() if asked]
 
     @property
@@ -401,7 +454,7 @@ class JobRequest(BaseModel):
 
     @staticmethod
     def pixels_of_batch_key(key: str) -> int:
-        """The pixels one job with this batch key makes at its largest (all its images)."""
+        """The pixels one job with this batch key makes at its largest (all its images or frames)."""
         size, *_, images = key.split("/")
         width, height = size.rpartition(">")[2].partition(":")[0].split("x")
         return int(width) * int(height) * int(images)
@@ -433,15 +486,24 @@ def output_size(width: int, height: int, scale: float | None, multiple: int = 8)
             max(multiple, round(height * scale / multiple) * multiple))
 
 
+def _frame_limits(info: ValidationInfo) -> tuple[int | None, int]:
+    """The model's frame multiple (0: an image model; None: unknown) and the most frames a clip has."""
+    context = info.context or {}
+    return context.get("frame_multiple"), context.get("max_frames", 257)
+
+
 def _side_limits(info: ValidationInfo) -> tuple[int, int]:
     context = info.context or {}
     return context.get("max_side", 1024), context.get("side_multiple", 8)
 
 
-def validate_request(data: Any, *, max_side: int, max_steps: int, side_multiple: int = 8) -> JobRequest:
-    """Parse a stored request (its inputs already references), with the service's limits."""
+def validate_request(data: Any, *, max_side: int, max_steps: int, side_multiple: int = 8,
+                     frame_multiple: int | None = None, max_frames: int = 257) -> JobRequest:
+    """Parse a stored request (its inputs already references), with the service's limits; with
+    ``frame_multiple``, for a model of that multiple (0: an image model)."""
     return JobRequest.model_validate(data, context={"max_side": max_side, "max_steps": max_steps,
-                                                    "side_multiple": side_multiple})
+                                                    "side_multiple": side_multiple, "max_frames": max_frames,
+                                                    "frame_multiple": frame_multiple})
 
 
 @dataclass(frozen=True)
@@ -454,7 +516,8 @@ class Submission:
 
 def validate_submission(data: Any, *, max_side: int, max_steps: int, max_image_bytes: int,
                         model: ModelInfo | None = None, adapters: Sequence[str] = (),
-                        controlnets: Sequence[str] = (), ip_adapters: Sequence[str] = ()) -> Submission:
+                        controlnets: Sequence[str] = (), ip_adapters: Sequence[str] = (),
+                        max_frames: int = 257) -> Submission:
     """Parse a client's JSON body into a request for ``model`` (default: a tiny SD), decoding and
     checking its input images first (``InvalidImageError``). An image's size is the job's; what the
     body leaves out comes from the model's defaults; a sampler the model cannot use, or an adapter
@@ -471,7 +534,9 @@ def validate_submission(data: Any, *, max_side: int, max_steps: int, max_image_b
         data = model.within(max_side).defaults.fields | data  # a new dict: the body's keys win
         if data.get("model") is None:
             data["model"] = model.name
-    request = validate_request(data, max_side=max_side, max_steps=max_steps, side_multiple=side_multiple)
+    request = validate_request(data, max_side=max_side, max_steps=max_steps, side_multiple=side_multiple,
+                               frame_multiple=model.frame_multiple or 0, max_frames=max_frames)
+    _check_media(request, model)
     if request.scheduler is not None and request.scheduler not in model.schedulers:
         message = f"a {model.family} model cannot use it; it takes {', '.join(model.schedulers)}"
         raise InvalidRequestError(details=[{"loc": ["scheduler"], "msg": message}])
@@ -513,6 +578,24 @@ def _read_inputs(data: dict[str, Any], inputs: dict[InputName, bytes], *, max_by
     return refs
 
 
+def _check_media(request: JobRequest, model: ModelInfo) -> None:
+    """Refuse what the model's family cannot do with a job: a video family's LoRAs, previews, masks,
+    hires pass, start image (where it has no image-to-video twin) or fast tier."""
+    asked: list[tuple[bool, Ability]] = [
+        (bool(request.loras), "takes_loras"), (request.previews, "takes_previews"),
+        (request.mask is not None, "takes_inpainting"), (request.image is not None, "takes_image"),
+        (request.hires is not None, "takes_hires")]
+    for wanted, ability in asked:
+        if wanted:
+            check_takes(model.family, ability)
+    if request.steps < model.spec.min_steps:
+        message = f"a {model.family} model runs at least {model.spec.min_steps} steps"
+        raise InvalidRequestError(details=[{"loc": ["steps"], "msg": message}])
+    if request.speed == "fast" and not model.spec.takes_fast_tier:
+        message = f"a {model.family} model has no fast tier here: send `normal` or `auto`"
+        raise InvalidRequestError(details=[{"loc": ["speed"], "msg": message}])
+
+
 def _check_controls(request: JobRequest, model: ModelInfo, controlnets: Sequence[str],
                     ip_adapters: Sequence[str]) -> None:
     """Refuse ControlNets and IP-Adapters the model does not have, and a hires pass a family cannot run."""
@@ -537,9 +620,14 @@ def _check_fits(request: JobRequest, model: ModelInfo, max_side: int) -> None:
     """Refuse a job larger than every live worker of its model said it can run: rather than wait in
     line and fail ``out_of_memory``; the message names the largest square that fits."""
     width, height = request.output_size(model.side_multiple)
-    capacity, pixels = model.capacity_pixels, width * height * request.num_images
+    capacity, pixels = model.capacity_pixels, width * height * request.pictures
     if capacity is None or pixels <= capacity:
         return
+    if request.is_video:
+        most = capacity // (width * height)
+        raise TooLargeForWorkersError(f"A {width}x{height} clip of {request.frames} frames is {pixels} "
+                                      f"pixels; the live workers of {model.name} run at most {capacity} "
+                                      f"pixels a job: {most} frames at this size, or a smaller size.")
     images = request.num_images
     side = min(math.isqrt(capacity // images), max_side)
     side -= side % model.side_multiple
@@ -631,7 +719,9 @@ class JobView(BaseModel):
     started_at: datetime | None = None
     finished_at: datetime | None = None
     error: JobError | None = None
-    images: list[str] = []
+    images: list[str] = Field([], description="its images' URLs; a video job's poster (its first frame)")
+    video: str | None = Field(None, description="a finished video job's MP4 (H.264), which serves ranged "
+                                                "reads; null otherwise")
     preview: str | None = Field(None, description="while it runs with previews: its latest preview, a JPEG")
     model_load: ModelLoad | None = Field(None, description="how its worker made its model current before "
                                                            "it ran; null until then")

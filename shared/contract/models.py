@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shared.contract.errors import InvalidRequestError
 
-Family = Literal["sd", "sdxl", "flux"]
+Family = Literal["sd", "sdxl", "flux", "wan", "ltx"]
 FAMILIES: tuple[Family, ...] = get_args(Family)
 
 # The samplers a job may name (``scheduler``), as A1111 and ComfyUI name them, each written once. The
@@ -34,12 +34,17 @@ Denoiser = Literal["unet", "transformer"]
 # alone, the other components coming from its configuration source (BFL's layout).
 SingleFile = Literal["pipeline", "transformer"]
 # Its text encoders, which decide how a prompt becomes conditioning: one CLIP (SD), two CLIPs with
-# the second's pooled output and size conditioning (SDXL), T5 with CLIP's pooled output (Flux).
-TextEncoders = Literal["clip", "clip_pair", "t5_clip"]
-# The latent space of its VAE, as ComfyUI's latent_formats name them (a preview's colours).
+# the second's pooled output and size conditioning (SDXL), T5 with CLIP's pooled output (Flux), T5
+# alone (Wan's UMT5, LTX-Video's T5).
+TextEncoders = Literal["clip", "clip_pair", "t5_clip", "t5"]
+# The latent space of its VAE, as ComfyUI's latent_formats name them (a preview's colours); None for
+# a family without previews.
 LatentFormat = Literal["sd15", "sdxl", "flux"]
+# What it makes: images, or a clip of frames (an MP4).
+Media = Literal["image", "video"]
 # What a family may be unable to take, as FamilySpec's fields name it.
-Ability = Literal["takes_controlnet", "takes_ip_adapter", "takes_latent_upscale"]
+Ability = Literal["takes_controlnet", "takes_ip_adapter", "takes_latent_upscale", "takes_loras",
+                  "takes_previews", "takes_inpainting", "takes_image", "takes_hires"]
 
 # A model's name, as SLOTQ_MODEL_NAME and SLOTQ_MODEL_NAMES give it and a job's `model` names it.
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
@@ -55,11 +60,13 @@ class ModelDefaults(BaseModel):
     guidance_scale: float
     width: int
     height: int
+    frames: int | None = Field(None, description="a video family's: the clip's frames")
+    fps: int | None = Field(None, description="a video family's: its frames a second")
 
     @cached_property
     def fields(self) -> dict[str, int | float]:
         """The defaults as a request's fields (dumped once: admission merges them into each body)."""
-        return self.model_dump()
+        return self.model_dump(exclude_none=True)
 
 
 class FamilySpec(BaseModel):
@@ -79,10 +86,21 @@ class FamilySpec(BaseModel):
     denoiser: Denoiser
     single_file: SingleFile
     text_encoders: TextEncoders
-    latent_format: LatentFormat
+    latent_format: LatentFormat | None
     takes_controlnet: bool  # slotq's ControlNets and IP-Adapters go into a UNet
     takes_ip_adapter: bool
     takes_latent_upscale: bool  # a hires pass may upscale its latents rather than the image
+    media: Media = "image"
+    # A clip's frames are a multiple of this plus one: its VAE compresses time by this factor and
+    # keeps the first frame apart (Wan 4, LTX-Video 8). 0 for an image family.
+    frame_multiple: int = 0
+    # The pipeline class that starts a clip from an image over the same modules (diffusers'
+    # ``from_pipe``); None where the family's text-to-video checkpoints cannot (Wan's image-to-video
+    # is a checkpoint of its own, with an image encoder).
+    image_to_video_class: str | None = None
+    # The fewest steps it runs: LTX-Video's scheduler stretches its schedule to a terminal shift,
+    # which divides by zero over one step (diffusers' FlowMatchEulerDiscreteScheduler).
+    min_steps: int = 1
     # The fast tier's step caching: DeepCache's interval on a UNet (a full call every this many), or
     # First Block Cache's threshold on a transformer (worker/caching.py).
     cache_interval: int | None = None
@@ -94,9 +112,49 @@ class FamilySpec(BaseModel):
             raise ValueError("a steppable sampler must be one the family takes")
         if (self.cache_interval is None) != (self.denoiser != "unet"):
             raise ValueError("a UNet has a cache_interval, and only a UNet")
-        if (self.cache_threshold is None) != (self.denoiser != "transformer"):
-            raise ValueError("a transformer has a cache_threshold, and only a transformer")
+        if self.cache_threshold is not None and self.denoiser != "transformer":
+            raise ValueError("only a transformer has a cache_threshold")
+        if (self.media == "video") != (self.frame_multiple > 0) or (self.media == "video") != (
+                self.defaults.frames is not None and self.defaults.fps is not None):
+            raise ValueError("a video family, and only one, has a frame_multiple and default frames and fps")
+        if self.defaults.frames is not None and (self.defaults.frames - 1) % self.frame_multiple:
+            raise ValueError("the default frames must be a multiple of frame_multiple plus one")
         return self
+
+    @property
+    def is_video(self) -> bool:
+        """Whether it makes clips."""
+        return self.media == "video"
+
+    @property
+    def takes_loras(self) -> bool:
+        """slotq's LoRA adapters are the image families'."""
+        return not self.is_video
+
+    @property
+    def takes_previews(self) -> bool:
+        """Previews paint a latent format's colours: a family needs one."""
+        return self.latent_format is not None
+
+    @property
+    def takes_inpainting(self) -> bool:
+        """A mask repaints an image: the image families'."""
+        return not self.is_video
+
+    @property
+    def takes_hires(self) -> bool:
+        """A second, larger pass: the image families'."""
+        return not self.is_video
+
+    @property
+    def takes_image(self) -> bool:
+        """A start image: every image family's, and a video family's with an image-to-video twin."""
+        return not self.is_video or self.image_to_video_class is not None
+
+    @property
+    def takes_fast_tier(self) -> bool:
+        """The fast tier's step caching needs its denoiser's setting."""
+        return self.cache_interval is not None or self.cache_threshold is not None
 
 
 class ModelInfo(BaseModel):
@@ -106,6 +164,10 @@ class ModelInfo(BaseModel):
 
     name: str = Field(description="the name a job's `model` gives (SLOTQ_MODEL_NAMES)")
     family: Family
+    media: Media = Field("image", description="what its jobs make: `image`s, or a `video` (an MP4 with "
+                                              "a poster image)")
+    frame_multiple: int | None = Field(None, description="a video model's: a clip's `frames` are a "
+                                                         "multiple of this plus one")
     checkpoint: str | None = Field(None, description="SLOTQ_MODEL of the live workers that serve it")
     size: int | None = Field(None, description="the bytes of its file or diffusers folder in "
                                                "SLOTQ_MODELS_DIR; null for a model from elsewhere")
@@ -174,11 +236,35 @@ FAMILY_SPECS: dict[Family, FamilySpec] = {
         defaults=ModelDefaults(steps=28, guidance_scale=3.5, width=1024, height=1024), side_multiple=16,
         denoiser="transformer", single_file="transformer", text_encoders="t5_clip", latent_format="flux",
         takes_controlnet=False, takes_ip_adapter=False, takes_latent_upscale=False, cache_threshold=0.08),
+    # Wan 2.1 text-to-video (the 1.3B model's 480p: 832x480, 81 frames at 16 fps, 50 steps at CFG 5).
+    # Its VAE compresses 8x in space and 4x in time, its transformer patches 2x2: sides of 16.
+    "wan": FamilySpec(
+        pipeline_class="WanPipeline", tiny_model="tiny-wan",
+        checkpoint_config="Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+        samplers=FLOW_SCHEDULERS, steppable=(),
+        defaults=ModelDefaults(steps=50, guidance_scale=5.0, width=832, height=480, frames=81, fps=16),
+        side_multiple=16, denoiser="transformer", single_file="transformer", text_encoders="t5",
+        latent_format=None, takes_controlnet=False, takes_ip_adapter=False, takes_latent_upscale=False,
+        media="video", frame_multiple=4),
+    # LTX-Video (0.9: 704x480, 161 frames at 25 fps, 50 steps at CFG 3); its VAE compresses 32x in
+    # space and 8x in time. Its image-to-video pipeline runs over the text-to-video one's modules.
+    "ltx": FamilySpec(
+        pipeline_class="LTXPipeline", tiny_model="tiny-ltx", checkpoint_config="Lightricks/LTX-Video",
+        samplers=FLOW_SCHEDULERS, steppable=(),
+        defaults=ModelDefaults(steps=50, guidance_scale=3.0, width=704, height=480, frames=161, fps=25),
+        side_multiple=32, denoiser="transformer", single_file="transformer", text_encoders="t5",
+        latent_format=None, takes_controlnet=False, takes_ip_adapter=False, takes_latent_upscale=False,
+        media="video", frame_multiple=8, image_to_video_class="LTXImageToVideoPipeline", min_steps=2),
 }
 # The diffusers pipeline class of each family's text-to-image checkpoints.
 PIPELINE_CLASSES: dict[str, Family] = {spec.pipeline_class: family for family, spec in FAMILY_SPECS.items()}
-# The tiny random pipelines built locally (worker/tiny/model.py), by SLOTQ_MODEL.
+# The tiny random pipelines built locally (worker/tiny/model.py, worker/tiny/video.py), by SLOTQ_MODEL.
 TINY_MODELS: dict[str, Family] = {spec.tiny_model: family for family, spec in FAMILY_SPECS.items()}
+# Those of them that make images, and those that make clips.
+TINY_IMAGE_MODELS: dict[str, Family] = {name: family for name, family in TINY_MODELS.items()
+                                        if not FAMILY_SPECS[family].is_video}
+TINY_VIDEO_MODELS: dict[str, Family] = {name: family for name, family in TINY_MODELS.items()
+                                        if FAMILY_SPECS[family].is_video}
 
 # A request for what its model's family cannot take: the field refused and why, ``{family}`` the
 # model's and ``{able}`` those that can.
@@ -189,6 +275,13 @@ _REFUSALS: dict[Ability, tuple[list[str | int], str]] = {
                                          "families'"),
     "takes_latent_upscale": (["hires", "upscaler"], "a {family} model's hires pass upscales the image: "
                                                     "send `lanczos`"),
+    "takes_loras": (["loras"], "a {family} model takes no LoRA adapter here: slotq's are the {able} "
+                               "families'"),
+    "takes_previews": (["previews"], "a {family} model has no previews here: the {able} families have"),
+    "takes_inpainting": (["mask"], "a {family} model does not inpaint: the {able} families do"),
+    "takes_image": (["image"], "this {family} model makes clips from text only (image-to-video is a "
+                               "checkpoint of its own there); the {able} families start from an image"),
+    "takes_hires": (["hires"], "a {family} model has no hires pass: the {able} families have"),
 }
 
 
@@ -211,7 +304,8 @@ def model_info(name: str, family: Family, loras: list[str] | None = None, checkp
                capacity_pixels: int | None = None) -> ModelInfo:
     """What the service publishes of a model of this family, served by these live workers."""
     spec = FAMILY_SPECS[family]
-    return ModelInfo(name=name, family=family, checkpoint=checkpoint, schedulers=list(spec.samplers),
+    return ModelInfo(name=name, family=family, media=spec.media, frame_multiple=spec.frame_multiple or None,
+                     checkpoint=checkpoint, schedulers=list(spec.samplers),
                      defaults=spec.defaults, side_multiple=spec.side_multiple,
                      workers=len(worker_names or []), worker_names=worker_names or [], loras=loras or [],
                      held_by=held_by or [], capacity_pixels=capacity_pixels)

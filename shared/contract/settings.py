@@ -143,6 +143,7 @@ class Settings(BaseSettings):
 
     max_side: int = Field(1024, ge=64, le=4096)
     max_steps: int = Field(100, ge=1, le=1000)
+    max_frames: int = Field(257, ge=2, le=1025)  # a clip's, at most (LTX-Video's longest is 257)
     # Room for a start image and a mask of SLOTQ_MAX_IMAGE_BYTES each, base64-encoded (4/3).
     max_body_bytes: int = Field(12 * 2**20, ge=1024, le=64 * 2**20)
     max_image_bytes: int = Field(4 * 2**20, ge=1024, le=32 * 2**20)

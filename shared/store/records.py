@@ -114,6 +114,7 @@ def job_view(job: Job, position: int | None = None) -> JobView:
         finished_at=_aware(job.ended_at),
         error=JobError(**error) if error else _default_error(status),
         images=[f"/v1/jobs/{job.id}/images/{index}" for index in range(images)],
+        video=f"/v1/jobs/{job.id}/video.mp4" if images and request.is_video else None,
         preview=f"/v1/jobs/{job.id}/preview" if request.previews and status is JobStatus.RUNNING else None,
         model_load=ModelLoad(**meta["model_load"]) if meta.get("model_load") else None,
         tier=meta.get("tier"),
@@ -149,7 +150,8 @@ def cost_of(job: Job) -> float:
     """The job's cost in units, from its stored request (both passes of a hires job)."""
     request = job.kwargs.get("request", {})
     try:
-        width, height, images = request["width"], request["height"], request["num_images"]
+        width, height = request["width"], request["height"]
+        images = request["num_images"] * (request.get("frames") or 1)  # a clip's frames count each
         cost = job_cost(width, height, _first_steps_of(request) or request["steps"], images)
         hires = request.get("hires")
         if hires:

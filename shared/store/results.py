@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 Hook = Callable[[], None]
 TERMINAL_RQ = {"finished", "failed", "stopped", "canceled"}  # RQ's names of a job's final statuses
 SWEEP_BATCH = 500  # records read per round trip
+VIDEO = "video.mp4"  # a video job's MP4 beside its poster: its field in Redis, its name in a store
 
 
 class Results:
@@ -83,24 +84,28 @@ class Results:
         data = job.connection.hget(keys.inputs_key(job.id), name)
         return None if data is None else _bytes(data)
 
-    def save_images(self, job: Job, pngs: list[bytes], before_record: Hook | None = None) -> None:
-        """Keep a finished job's images for the result TTL, and record how many (under the fence).
-        ``before_record`` runs between the two writes where there are two (a test's fault hook)."""
-        self.put_images(job, pngs, before_record)
+    def save_images(self, job: Job, pngs: list[bytes], before_record: Hook | None = None,
+                    video: bytes | None = None) -> None:
+        """Keep a finished job's images (a video job's poster, with its MP4) for the result TTL, and
+        record how many (under the fence). ``before_record`` runs between the two writes where there
+        are two (a test's fault hook)."""
+        self.put_images(job, pngs, before_record, video)
         with job.connection.pipeline() as pipe:
-            self.record_images(job, pngs, pipe)
+            self.record_images(job, pngs, pipe, video)
             pipe.execute()
 
-    def put_images(self, job: Job, pngs: list[bytes], before_record: Hook | None = None) -> None:
+    def put_images(self, job: Job, pngs: list[bytes], before_record: Hook | None = None,
+                   video: bytes | None = None) -> None:
         """The first of the two writes of a job's images, where there are two (then ``before_record``
         runs): nothing in Redis, whose one write is the record's."""
 
-    def record_images(self, job: Job, pngs: list[bytes], pipe: Pipeline) -> None:
+    def record_images(self, job: Job, pngs: list[bytes], pipe: Pipeline, video: bytes | None = None) -> None:
         """Queue the record of a finished job's images (in Redis, with the bytes) on a fenced pipeline."""
-        job.meta["images"] = len(pngs)
+        _count(job, pngs, video)
         key = keys.images_key(job.id)
+        files = {str(index): png for index, png in enumerate(pngs)} | ({VIDEO: video} if video else {})
         pipe.delete(key)
-        pipe.hset(key, mapping={str(index): png for index, png in enumerate(pngs)})
+        pipe.hset(key, mapping=files)  # type: ignore[arg-type]
         pipe.expire(key, self.settings.result_ttl_s)
         save_meta(job, pipe)
 
@@ -116,12 +121,27 @@ class Results:
         """A short-lived URL of the image in the store itself, where it has one and it is wanted."""
         return None
 
+    def video(self, job: Job) -> bytes:
+        """A video job's MP4, or the error that explains why there is none."""
+        self._check_video(job)
+        data = job.connection.hget(keys.images_key(job.id), VIDEO)
+        if data is None:
+            raise ResultExpiredError()
+        return _bytes(data)
+
     def _check_image(self, job: Job, index: int) -> None:
         status = job_status(job)
         if status is not JobStatus.SUCCEEDED:
             raise NotReadyError(f"The job is {status.value}; it has no images.")
         if not 0 <= index < job.meta.get("images", 0):
             raise JobNotFoundError("No image with this index.")
+
+    def _check_video(self, job: Job) -> None:
+        if job.kwargs.get("request", {}).get("frames") is None:
+            raise JobNotFoundError("The job makes images, not a video.")
+        status = job_status(job)
+        if status is not JobStatus.SUCCEEDED:
+            raise NotReadyError(f"The job is {status.value}; it has no video yet.")
 
     def save_checkpoint(self, job: Job, step: int, data: bytes) -> None:
         """Keep a running job's step checkpoint in place of the one before: on the worker's fenced
@@ -183,19 +203,22 @@ class ExternalResults(Results):
             return None
         return self.blobs.get(_input_name(job.id, name))
 
-    def put_images(self, job: Job, pngs: list[bytes], before_record: Hook | None = None) -> None:
+    def put_images(self, job: Job, pngs: list[bytes], before_record: Hook | None = None,
+                   video: bytes | None = None) -> None:
         # Each write of a job's images has a folder of its own, named in the record only once they
         # are all in place: an attempt that dies between the two, or a stale one whose record
         # write the fence refuses, leaves images that nothing names (the sweep removes them).
         attempt = secrets.token_hex(8)
         for index, png in enumerate(pngs):
             self.blobs.put(_image_name(job.id, attempt, index), png)
+        if video is not None:
+            self.blobs.put(_video_name(job.id, attempt), video)
         job.meta["images_at"] = attempt  # written with the record
         if before_record is not None:
             before_record()
 
-    def record_images(self, job: Job, pngs: list[bytes], pipe: Pipeline) -> None:
-        job.meta["images"] = len(pngs)
+    def record_images(self, job: Job, pngs: list[bytes], pipe: Pipeline, video: bytes | None = None) -> None:
+        _count(job, pngs, video)
         save_meta(job, pipe)
 
     def save_checkpoint(self, job: Job, step: int, data: bytes) -> None:
@@ -228,6 +251,14 @@ class ExternalResults(Results):
 
     def _image_of(self, job: Job, index: int) -> str:
         return _image_name(job.id, str(job.meta.get("images_at", "")), index)
+
+    def video(self, job: Job) -> bytes:
+        self._check_video(job)
+        name = _video_name(job.id, str(job.meta.get("images_at", "")))
+        data = None if self._expired(job) else self.blobs.get(name)
+        if data is None:
+            raise ResultExpiredError()
+        return data
 
     def _expired(self, job: Job) -> bool:
         """Whether the job ended longer than the result TTL ago (its bytes are then as good as gone)."""
@@ -320,6 +351,17 @@ def _checkpoint_name(job_id: str, write: str) -> str:
 
 def _image_name(job_id: str, attempt: str, index: int) -> str:
     return f"images/{job_id}/{attempt}/{index}.png"
+
+
+def _video_name(job_id: str, attempt: str) -> str:
+    return f"images/{job_id}/{attempt}/{VIDEO}"
+
+
+def _count(job: Job, pngs: list[bytes], video: bytes | None) -> None:
+    """Record what a job made: its images, and a video job's MP4's bytes."""
+    job.meta["images"] = len(pngs)
+    if video is not None:
+        job.meta["video_bytes"] = len(video)
 
 
 def _epoch(moment: datetime) -> float:

@@ -30,12 +30,14 @@ def test_submit_answers_202_with_the_queued_view(client: FlaskClient, settings: 
     assert view["model"] == "default" and view["worker"] is None  # the first model; no worker yet
     assert view["request"] == {"prompt": "a red fox", "model": "default", "negative_prompt": None,
                                "width": 256, "height": 128, "steps": 4, "guidance_scale": 7.5, "seed": 7,
-                               "num_images": 1, "scheduler": None, "image": None, "mask": None,
+                               "num_images": 1, "frames": None, "fps": None, "scheduler": None,
+                               "image": None, "mask": None,
                                "strength": 0.8, "loras": [], "controlnets": [], "ip_adapter": None,
                                "hires": None, "previews": False, "prompt_syntax": "plain", "speed": "normal",
                                "deadline_s": None, "priority": "normal", "webhook": None,
                                "webhook_events": ["completed"]}
     assert view["progress"] is None and view["error"] is None and view["images"] == []
+    assert view["video"] is None
     assert view["created_at"].endswith("Z") or view["created_at"].endswith("+00:00")
 
 

@@ -76,16 +76,37 @@ EXPECTED: dict[str, dict[str, object]] = {
              "takes_latent_upscale": False, "cache_interval": None, "cache_threshold": 0.08,
              "defaults": {"steps": 28, "guidance_scale": 3.5, "width": 1024, "height": 1024}},
 }
+IMAGE = {"media": "image", "frame_multiple": 0, "image_to_video_class": None, "min_steps": 1}
+# The video families, as their published defaults have them (Wan 2.1 1.3B's 480p, LTX-Video 0.9's).
+VIDEO = {"samplers": ("flow_euler",), "steppable": (), "denoiser": "transformer",
+         "single_file": "transformer",
+         "takes_controlnet": False, "takes_ip_adapter": False, "takes_latent_upscale": False,
+         "cache_interval": None, "cache_threshold": None, "media": "video"}
+EXPECTED |= {
+    "wan": VIDEO | {"pipeline_class": "WanPipeline", "tiny_model": "tiny-wan",
+                    "checkpoint_config": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "side_multiple": 16,
+                    "frame_multiple": 4, "image_to_video_class": None, "min_steps": 1,
+                    "defaults": {"steps": 50, "guidance_scale": 5.0, "width": 832, "height": 480,
+                                 "frames": 81, "fps": 16}},
+    "ltx": VIDEO | {"pipeline_class": "LTXPipeline", "tiny_model": "tiny-ltx",
+                    "checkpoint_config": "Lightricks/LTX-Video", "side_multiple": 32, "frame_multiple": 8,
+                    "image_to_video_class": "LTXImageToVideoPipeline", "min_steps": 2,
+                    "defaults": {"steps": 50, "guidance_scale": 3.0, "width": 704, "height": 480,
+                                 "frames": 161, "fps": 25}},
+}
 
 
 def test_every_family_has_one_complete_record_that_says_what_the_old_tables_said() -> None:
     assert tuple(FAMILY_SPECS) == FAMILIES
     for family in FAMILIES:
         spec = family_spec(family)
-        # Every field given, but the step-cache setting its denoiser does not use.
-        assert set(FamilySpec.model_fields) - spec.model_fields_set <= {"cache_interval", "cache_threshold"}
+        # Every field given, but the step-cache setting its denoiser does not use and, for an image
+        # family, those of clips.
+        assert set(FamilySpec.model_fields) - spec.model_fields_set <= {"cache_interval", "cache_threshold",
+                                                                        *IMAGE}
         record = spec.model_dump(exclude={"text_encoders", "latent_format"})
-        assert record == EXPECTED[family], family
+        record["defaults"] = spec.defaults.fields
+        assert record == ((IMAGE | EXPECTED[family]) if spec.media == "image" else EXPECTED[family]), family
         assert (PIPELINE_CLASSES[spec.pipeline_class], TINY_MODELS[spec.tiny_model]) == (family, family)
         assert CHECKPOINT_CONFIGS[family] == spec.checkpoint_config
         info = model_info("m", family)
@@ -93,7 +114,7 @@ def test_every_family_has_one_complete_record_that_says_what_the_old_tables_said
             list(spec.samplers), spec.defaults, spec.side_multiple, spec)
     # Each family its own text encoders and latent space.
     assert [(spec.text_encoders, spec.latent_format) for spec in FAMILY_SPECS.values()] == [
-        ("clip", "sd15"), ("clip_pair", "sdxl"), ("t5_clip", "flux")]
+        ("clip", "sd15"), ("clip_pair", "sdxl"), ("t5_clip", "flux"), ("t5", None), ("t5", None)]
 
 
 def test_a_record_that_contradicts_itself_is_refused() -> None:

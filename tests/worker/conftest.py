@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.contract.models import TINY_MODELS, Family
+from shared.contract.models import TINY_IMAGE_MODELS, Family
 
 
 @pytest.fixture(scope="module")
@@ -16,12 +16,12 @@ def cache(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     return tmp_path_factory.mktemp(f"{request.path.stem}-models")
 
 
-@pytest.fixture(scope="module", params=list(TINY_MODELS))
+@pytest.fixture(scope="module", params=list(TINY_IMAGE_MODELS))
 def model(request: pytest.FixtureRequest) -> str:
-    """Each tiny model in turn (a module may narrow the list with a ``model`` of its own)."""
+    """Each tiny image model in turn (a module may narrow the list with a ``model`` of its own)."""
     return request.param
 
 
 @pytest.fixture(scope="module")
 def family(model: str) -> Family:
-    return TINY_MODELS[model]
+    return TINY_IMAGE_MODELS[model]

@@ -19,7 +19,7 @@ import torch
 from diffusers import DiffusionPipeline
 
 from shared.contract.memory import MemoryOptions
-from shared.contract.models import TINY_MODELS
+from shared.contract.models import TINY_IMAGE_MODELS as TINY_MODELS
 from worker.memory import MemorySettingError, check, place, unplace
 from worker.tiny.model import ensure_tiny_model
 

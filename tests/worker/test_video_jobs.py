@@ -1,0 +1,200 @@
+"""Video jobs end to end: a real worker per tiny video model (Wan, LTX-Video) makes clips through the
+same line as images, served as MP4 (ranged reads) with a poster, equal to the pipeline's own frames."""
+
+from __future__ import annotations
+
+import inspect
+import io
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from diffusers import DiffusionPipeline, LTXImageToVideoPipeline
+from flask.testing import FlaskClient
+from PIL import Image
+
+from shared.contract.models import TINY_VIDEO_MODELS, family_spec
+from shared.contract.settings import Settings
+from tests.conftest import (
+    Process,
+    app_client,
+    data_url,
+    own_database,
+    post_job,
+    running_worker,
+    start_image,
+    wait_for,
+    wait_for_status,
+)
+from worker.tiny.video import ensure_tiny_video_model
+from worker.video import encode_mp4, read_mp4, to_uint8
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
+DATABASE = 18  # apart from the others' (0 per test, 1 the worker, 2-17 other modules)
+SIDE, FPS = 64, 8
+
+
+@pytest.fixture(scope="module", params=list(TINY_VIDEO_MODELS))
+def video_model(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def video_settings(video_model: str, redis_url: str, model_cache: Path) -> Settings:
+    """A queue of its own for one tiny video model, every step reported (a cancel is seen at the next)."""
+    return Settings(redis_url=own_database(redis_url, DATABASE), queue_name=f"video-{video_model}",
+                    cache_dir=model_cache, model=video_model, drain_s=0, torch_threads=1,
+                    progress_interval_ms=0)
+
+
+@pytest.fixture(scope="module")
+def video_worker(video_settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Process]:
+    yield from running_worker(video_settings, tmp_path_factory, video_settings.model)
+
+
+@pytest.fixture
+def client(video_worker: Process, video_settings: Settings) -> Iterator[FlaskClient]:
+    yield from app_client(video_settings)
+
+
+@pytest.fixture(scope="module")
+def pipe(video_model: str, model_cache: Path) -> Any:
+    """The same tiny pipeline, loaded in the test's process as the worker loads it."""
+    loaded = DiffusionPipeline.from_pretrained(ensure_tiny_video_model(model_cache, video_model),
+                                               dtype=torch.float32)
+    loaded.set_progress_bar_config(disable=True)
+    return loaded
+
+
+def frames_of(model: str) -> int:
+    """The shortest clip but one of the model's: two steps of its frame multiple, plus one."""
+    return 2 * family_spec(TINY_VIDEO_MODELS[model]).frame_multiple + 1
+
+
+def run(client: FlaskClient, **body: Any) -> dict:
+    response = post_job(client, **body)
+    assert response.status_code == 202, response.get_json()
+    return wait_for_status(client, response.get_json()["id"], "succeeded", "failed", "canceled")
+
+
+def own_frames(pipe: Any, body: dict[str, Any], image: Image.Image | None = None) -> np.ndarray:
+    """The pipeline's own clip for a job's body, as uint8 pixels: what an uninterrupted call makes."""
+    arguments = {"prompt": body["prompt"], "negative_prompt": body["negative_prompt"],
+                 "num_frames": body["frames"], "width": body["width"], "height": body["height"],
+                 "num_inference_steps": body["steps"], "guidance_scale": body["guidance_scale"],
+                 "generator": torch.Generator("cpu").manual_seed(body["seed"]), "output_type": "np"}
+    if "frame_rate" in inspect.signature(type(pipe).__call__).parameters:  # LTX-Video conditions on it
+        arguments["frame_rate"] = body["fps"]
+    if image is not None:
+        pipe, arguments["image"] = LTXImageToVideoPipeline.from_pipe(pipe), image
+    with torch.inference_mode():
+        return to_uint8(pipe(**arguments).frames[0])
+
+
+def clip_body(model: str, **fields: Any) -> dict[str, Any]:
+    return {"prompt": "a red fox running", "negative_prompt": "", "width": SIDE, "height": SIDE,
+            "frames": frames_of(model), "fps": FPS, "steps": 3, "guidance_scale": 4.0, "seed": 11} | fields
+
+
+def test_the_models_list_says_video_with_its_frame_multiple_and_defaults(client: FlaskClient,
+                                                                        video_model: str) -> None:
+    spec = family_spec(TINY_VIDEO_MODELS[video_model])
+    (model,) = client.get("/v1/models").get_json()["models"]
+    assert (model["media"], model["frame_multiple"]) == ("video", spec.frame_multiple)
+    defaults = model["defaults"]
+    assert (defaults["frames"], defaults["fps"]) == (spec.defaults.frames, spec.defaults.fps)
+
+
+@pytest.mark.parametrize("negative", ["", "blurry, still"])
+def test_a_clip_is_the_pipelines_own_frames_as_an_mp4_with_its_first_frame_as_poster(
+        client: FlaskClient, video_model: str, pipe: Any, negative: str) -> None:
+    body = clip_body(video_model, negative_prompt=negative)
+    view = run(client, **body)
+    assert view["status"] == "succeeded", view
+    assert view["progress"] == {"step": 3, "total": 3} and view["request"]["frames"] == body["frames"]
+    served = client.get(view["video"])
+    assert served.status_code == 200 and served.mimetype == "video/mp4"
+    assert served.headers["Accept-Ranges"] == "bytes"
+    frames, fps = read_mp4(served.data)
+    assert frames.shape == (body["frames"], SIDE, SIDE, 3) and fps == FPS
+    expected = own_frames(pipe, body)
+    # The same frames through the same encoder make the same bytes (x264 is deterministic): the
+    # pipeline's frames, not merely frames of the right shape.
+    assert served.data == encode_mp4(expected, FPS)
+    poster = Image.open(io.BytesIO(client.get(view["images"][0]).data))
+    assert np.array_equal(np.asarray(poster), expected[0])
+
+
+def test_an_empty_and_a_given_negative_prompt_make_different_clips(client: FlaskClient,
+                                                                   video_model: str) -> None:
+    clips = [client.get(run(client, **clip_body(video_model, negative_prompt=negative))["video"]).data
+             for negative in ("", "blurry, still")]
+    assert clips[0] != clips[1]
+
+
+def test_a_ranged_read_answers_206_with_the_bytes_asked_and_a_range_past_the_end_416(
+        client: FlaskClient, video_model: str) -> None:
+    view = run(client, **clip_body(video_model, seed=3))
+    whole = client.get(view["video"]).data
+    part = client.get(view["video"], headers={"Range": "bytes=0-99"})
+    assert part.status_code == 206 and part.data == whole[:100]
+    assert part.headers["Content-Range"] == f"bytes 0-99/{len(whole)}"
+    tail = client.get(view["video"], headers={"Range": f"bytes={len(whole) - 10}-"})
+    assert tail.status_code == 206 and tail.data == whole[-10:]
+    past = client.get(view["video"], headers={"Range": f"bytes={len(whole)}-"})
+    assert past.status_code == 416 and past.get_json()["error"]["code"] == "range_not_satisfiable"
+
+
+def test_a_canceled_clip_stops_within_a_step_and_an_unfinished_ones_video_is_409(
+        client: FlaskClient, video_model: str) -> None:
+    body = clip_body(video_model, steps=100, width=256, height=256, frames=4 * frames_of(video_model) - 3)
+    job_id = post_job(client, **body).get_json()["id"]
+    unfinished = client.get(f"/v1/jobs/{job_id}/video.mp4")
+    assert unfinished.status_code == 409 and unfinished.get_json()["error"]["code"] == "not_ready"
+    running = wait_for(lambda: (view := client.get(f"/v1/jobs/{job_id}").get_json())["progress"]
+                       and view["progress"]["step"] >= 2 and view, timeout=120, what="the clip to run")
+    asked = client.delete(f"/v1/jobs/{job_id}")
+    assert asked.status_code in (200, 202), asked.get_json()
+    seen = asked.get_json()["progress"]["step"]
+    view = wait_for_status(client, job_id, "canceled")
+    # Every step is reported, and each report reads the cancel: the worker stops at the report after
+    # the DELETE (the view it answered may be one report behind the step the worker is on).
+    assert running["progress"]["step"] <= view["progress"]["step"] <= seen + 2 < 100, view
+    assert view["video"] is None
+    missing = client.get("/v1/jobs/no-such-job/video.mp4")
+    assert missing.status_code == 404 and missing.get_json()["error"]["code"] == "not_found"
+
+
+def test_an_image_to_video_clip_starts_from_its_image(client: FlaskClient, video_model: str,
+                                                      pipe: Any) -> None:
+    image = start_image(SIDE, SIDE, seed=5)
+    body = clip_body(video_model, seed=21)
+    response = post_job(client, **body, image=data_url(image))
+    if family_spec(TINY_VIDEO_MODELS[video_model]).image_to_video_class is None:  # Wan's is a model apart
+        assert response.status_code == 422, response.get_json()
+        assert response.get_json()["error"]["details"][0]["loc"] == ["image"]
+        return
+    view = wait_for_status(client, response.get_json()["id"], "succeeded", "failed")
+    assert view["status"] == "succeeded", view
+    served = client.get(view["video"]).data
+    assert served == encode_mp4(own_frames(pipe, body, image), FPS)
+    assert served != encode_mp4(own_frames(pipe, body), FPS)  # the image changed the clip
+
+
+@pytest.mark.parametrize(("fields", "loc"), [
+    ({"frames": 10}, "frames"), ({"num_images": 2}, "num_images"), ({"previews": True}, "previews"),
+    ({"speed": "fast"}, "speed"), ({"loras": [{"name": "any", "scale": 1.0}]}, "loras"),
+    ({"hires": {"scale": 2.0}}, "hires"), ({"fps": 0}, "fps")])
+def test_what_a_video_model_cannot_do_is_refused_and_admits_nothing(
+        client: FlaskClient, video_model: str, fields: dict[str, Any], loc: str | None) -> None:
+    before = client.get("/v1/queue").get_json()
+    response = post_job(client, **clip_body(video_model, **fields))
+    assert response.status_code == 422, response.get_json()
+    error = response.get_json()["error"]
+    assert error["code"] == "invalid_request"
+    if loc is not None:
+        assert loc in [part for detail in error["details"] for part in detail["loc"]], error
+    assert client.get("/v1/queue").get_json() == before
