@@ -217,7 +217,7 @@ class Jobs:
             # request of this process reads the heartbeats, not every one in flight.
             if held:
                 self._models = time.monotonic(), held
-            held = [self._model(name, family).within(self.settings.max_side)
+            held = [self._model(name, family).within(self.settings.max_side, self.settings.max_frames)
                     for name, family in self.settings.offered_models.items()]
             self._models = time.monotonic(), held
         return list(held)

@@ -15,6 +15,7 @@ from shared.contract.adapters import available_adapters
 from shared.contract.images import FORMATS, INPUT_NAMES
 from shared.contract.jobs import (
     DEFAULT_LIMIT,
+    MAX_FPS,
     MAX_IDEMPOTENCY_KEY,
     MAX_LIMIT,
     MIN_SIDE,
@@ -129,6 +130,25 @@ MODELS_SCHEMA: dict[str, Any] = {
 STORED_REQUEST = "StoredRequest"
 
 
+def _media(fields: dict[str, Any], model: ModelInfo, max_frames: int) -> None:
+    """What a job of the model's media may send: an image model's no clip; a video model's a clip of
+    frames on its multiple, and none of what its families refuse (the contract's FamilySpec)."""
+    if model.frame_multiple is None:
+        for name in ("frames", "fps"):
+            fields[name] = {"type": "null", "default": None, "description": "Always null: these models make "
+                            "images (a video model's job sends its clip's frames and rate)."}
+        return
+    multiple = model.frame_multiple
+    frames = list(range(multiple + 1, max_frames + 1, multiple))
+    fields["frames"] = {**fields["frames"], "anyOf": [{"type": "integer", "enum": frames}]}
+    fields["fps"] = {**fields["fps"], "anyOf": [{"type": "integer", "minimum": 1, "maximum": MAX_FPS}]}
+    fields["num_images"] = {**fields["num_images"], "const": 1}
+    fields["previews"] = {**fields["previews"], "const": False}
+    fields["speed"] = {**fields["speed"], "enum": ["normal", "auto"]}
+    for name in ("hires", "mask", "image"):
+        fields[name] = {"type": "null", "default": None, "description": "Always null: not for these models."}
+
+
 def openapi_document(settings: Settings) -> dict[str, Any]:
     """The OpenAPI 3.1 document with these settings' limits and features (a copy the caller may change).
 
@@ -138,7 +158,10 @@ def openapi_document(settings: Settings) -> dict[str, Any]:
     webhooks = settings.webhook_secret is not None
     offered = [model_info(name, family, available_adapters(settings.lora_dir_of(name))).model_copy(
         update=settings.controls_of(name, family)) for name, family in settings.offered_models.items()]
+    videos = all(info.media == "video" for info in offered)  # with an image model among them, no clip
     common = offered[0].model_copy(update={
+        "media": "video" if videos else "image",
+        "frame_multiple": max(info.frame_multiple or 0 for info in offered) if videos else None,
         "side_multiple": max(info.side_multiple for info in offered),
         "schedulers": [s for s in offered[0].schedulers if all(s in info.schedulers for info in offered)],
         "loras": [lora for lora in offered[0].loras if all(lora in info.loras for info in offered)],
@@ -146,7 +169,7 @@ def openapi_document(settings: Settings) -> dict[str, Any]:
                         if all(name in info.controlnets for info in offered)],
         "ip_adapters": [name for name in offered[0].ip_adapters
                         if all(name in info.ip_adapters for info in offered)]})
-    return copy.deepcopy(_document(settings.max_side, settings.max_steps, webhooks,
+    return copy.deepcopy(_document(settings.max_side, settings.max_steps, settings.max_frames, webhooks,
                                    tuple(info.name for info in offered), common.model_dump_json()))
 
 
@@ -221,8 +244,8 @@ SERVER_REFUSALS = (414, 431)
 
 
 @lru_cache(maxsize=8)
-def _document(max_side: int, max_steps: int, webhooks: bool, names: tuple[str, ...], common: str
-              ) -> dict[str, Any]:
+def _document(max_side: int, max_steps: int, max_frames: int, webhooks: bool, names: tuple[str, ...],
+              common: str) -> dict[str, Any]:
     """Build the document once per distinct set of limits, features, models and what they all take."""
     codes, model = _served_codes(webhooks), ModelInfo.model_validate_json(common)
     return {
@@ -233,7 +256,7 @@ def _document(max_side: int, max_steps: int, webhooks: bool, names: tuple[str, .
                  "an admin key (SLOTQ_ADMIN_KEYS): pause and resume a line, move a job to the front."}],
         "paths": {**_job_paths(codes), **_service_paths(codes), **_admin_paths(codes),
                   **compat_document.paths()},
-        "components": {"schemas": {**_model_schemas(max_side, max_steps, webhooks, model, names),
+        "components": {"schemas": {**_model_schemas(max_side, max_steps, webhooks, model, names, max_frames),
                                    "Error": ERROR_SCHEMA},
                        # No operation answers 405 itself; any other method on a documented path does.
                        "responses": {"MethodNotAllowed": _not_allowed(codes[405])}},
@@ -437,8 +460,8 @@ def _optional_body(model: str) -> dict[str, Any]:
     return {"required": False, "content": {JSON: {"schema": {"$ref": REF.format(model=model)}}}}
 
 
-def _model_schemas(max_side: int, max_steps: int, webhooks: bool, model: ModelInfo, names: tuple[str, ...]
-                   ) -> dict[str, Any]:
+def _model_schemas(max_side: int, max_steps: int, webhooks: bool, model: ModelInfo, names: tuple[str, ...],
+                   max_frames: int = 257) -> dict[str, Any]:
     """The models' JSON schemas, plus the limits their validators take from the settings and the
     model (its family's sampler names and side multiple; the defaults are the family's too), and the
     names a job's ``model`` may give."""
@@ -463,7 +486,7 @@ def _model_schemas(max_side: int, max_steps: int, webhooks: bool, model: ModelIn
     fields["scheduler"] = {**fields["scheduler"], "anyOf": [*samplers, {"type": "null"}]}
     fields["model"] = {**fields["model"], "anyOf": [{"enum": list(names), "type": "string"},
                                                     {"type": "null"}]}
-    for name, value in model.within(max_side).defaults.model_dump().items():
+    for name, value in model.within(max_side, max_frames).defaults.model_dump().items():
         fields[name] = {**fields[name], "default": value}
     # The adapters a job may name are the files of SLOTQ_LORA_DIR now; with none, a job names none.
     if model.loras:
@@ -487,6 +510,7 @@ def _model_schemas(max_side: int, max_steps: int, webhooks: bool, model: ModelIn
     else:
         fields["ip_adapter"] = {"type": "null", "default": None, "description": "Always null: this service "
                                 "has no IP-Adapters for these models (SLOTQ_IP_ADAPTER_DIR)."}
+    _media(fields, model, max_frames)
     # A mask repaints an image: sent without one, it is refused.
     schemas["JobRequest"]["dependentSchemas"] = {"mask": {"anyOf": [
         {"properties": {"mask": {"type": "null"}}},

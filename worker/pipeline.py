@@ -48,6 +48,7 @@ from worker.ip_adapters import IpAdapters, ip_adapter_arguments, share_image_enc
 from worker.messages import Clip
 from worker.previews import Previewer, load_decoder
 from worker.prompts import weighted_arguments
+from worker.resuming import Resumption, starting_at
 from worker.samplers import Samplers
 from worker.threads import CALIBRATION_STEPS, ThreadChoice, work_of
 from worker.threads import TORCH_DEFAULT_THREADS as TORCH_DEFAULT_THREADS  # re-exported: bench reads it here
@@ -60,6 +61,8 @@ log = logging.getLogger(__name__)
 # After each denoising step: (step, total, latents), the latents as the sampler holds them (None
 # before the first step).
 StepCallback = Callable[[int, int, "torch.Tensor | None"], None]
+# After each step, to save a step checkpoint: (step, latents, the call's generators).
+Keep = Callable[[int, torch.Tensor, list[torch.Generator]], None]
 Inputs = Mapping[str, Image.Image]  # a request's decoded input images: "image" (RGB), "mask" (L)
 Made = list[Image.Image] | Clip  # what one request makes: its images, or its clip
 VARIANTS = {"image": AutoPipelineForImage2Image, "inpaint": AutoPipelineForInpainting}
@@ -112,13 +115,16 @@ class ImagePipeline:
         return made
 
     def generate_batch(self, requests: list[JobRequest], on_step: StepCallback | None = None,
-                       inputs: Sequence[Inputs] = ()) -> list[Made | JobFailedError]:
+                       inputs: Sequence[Inputs] = (), resume: Resumption | None = None,
+                       checkpoint: Keep | None = None) -> list[Made | JobFailedError]:
         """Run requests of one batch key (kind, size, steps, strength, guidance, sampler, adapters,
         controls, hires pass, images) as one execution; the images of each, or for a request whose
         images hold NaN the failure that ends it (``nan_output``). Each image keeps its own generator, so
         it is the one it would be alone. ``inputs`` holds each request's input images, in order: its
         start image and mask, its controls' images (``control0``...). A video model's request makes a
-        clip (its frames, as diffusers returns them, and its rate)."""
+        clip (its frames, as diffusers returns them, and its rate). A one-pass call may ``resume`` from
+        a step checkpoint; ``checkpoint(step, latents, generators)`` runs after ``on_step`` at each step
+        (worker/resuming.py)."""
         first = requests[0]
         assert all(r.batch_key == first.batch_key and r.seed is not None for r in requests), requests
         inputs = list(inputs) or [{} for _ in requests]
@@ -126,6 +132,8 @@ class ImagePipeline:
         # of a job is reproducible from its seed + i, on any device and in any batch.
         generators = [torch.Generator("cpu").manual_seed(r.seed + index)  # type: ignore[operator]
                       for r in requests for index in range(r.num_images)]
+        if checkpoint is not None:
+            on_step = _keeping(on_step, checkpoint, generators)
         self.adapters.use(self.pipe, first.loras)  # into the modules its twins share
         if first.ip_adapter is None:
             self.ip_adapters.use(self.pipe, None, 0.0)
@@ -137,9 +145,10 @@ class ImagePipeline:
         arguments = self._arguments(pipe, requests, inputs, first.kind, (first.width, first.height))
         if self.device.type == "cuda":  # this execution's peak, for the capacity admission reads
             torch.cuda.reset_peak_memory_stats(self.device)
+        done, begun = self._resumed(requests, arguments, generators, resume)
         with self.section():
-            with torch.inference_mode(), self._tier(pipe, first):
-                output = self._denoise(pipe, first, arguments, generators, on_step, 0,
+            with torch.inference_mode(), self._tier(pipe, first), begun:
+                output = self._denoise(pipe, first, arguments, generators, on_step, done,
                                        "np" if first.hires is None else _FIRST_PASS[first.hires.upscaler])
             if first.hires is not None:
                 output = self._hires_pass(requests, inputs, output, generators, on_step)
@@ -156,6 +165,19 @@ class ImagePipeline:
         if first.kind == "inpaint":  # every pixel was decoded from latents: the kept ones too, altered
             made = [_kept_outside_mask(images, each) for images, each in zip(made, inputs, strict=True)]
         return made
+
+    def _resumed(self, requests: list[JobRequest], arguments: dict[str, object],
+                 generators: list[torch.Generator], resume: Resumption | None
+                 ) -> tuple[int, AbstractContextManager[None]]:
+        """The steps done already and the schedule's context: for a resumed call, the loop's latents
+        after ``resume.step`` steps and its generators' states put in, the rest of the schedule."""
+        if resume is None:
+            return 0, nullcontext()
+        assert requests[0].hires is None and len(requests) == 1, "only a one-pass call of one job resumes"
+        for generator, state in zip(generators, resume.generators, strict=True):
+            generator.set_state(state)
+        arguments["latents"] = resume.latents.to(self.device)
+        return resume.step, starting_at(self.samplers.get(requests[0].scheduler), resume.step)
 
     def section(self) -> AbstractContextManager[None]:
         """A GPU section: its time counts in the duty cycle, a canceled or failed one's too."""
@@ -287,6 +309,17 @@ def images_of(pixels: np.ndarray) -> list[Image.Image] | JobFailedError:
     if np.isnan(pixels).any():
         return JobFailedError("nan_output", NAN_OUTPUT)
     return VaeImageProcessor.numpy_to_pil(pixels)
+
+
+def _keeping(on_step: StepCallback | None, keep: Keep, generators: list[torch.Generator]) -> StepCallback:
+    """``on_step``, then ``keep`` with the step's latents and the call's generators."""
+    def step_done(step: int, total: int, latents: torch.Tensor | None) -> None:
+        if on_step is not None:
+            on_step(step, total, latents)
+        if latents is not None:
+            keep(step, latents, generators)
+
+    return step_done
 
 
 def clip_of(frames: np.ndarray, fps: int) -> Clip | JobFailedError:

@@ -1,5 +1,10 @@
-"""Step checkpoints: a step-level job's denoising state, saved while it runs, so that the attempt after
-a crash, a drain or a restart resumes at the step it had reached rather than at step 0.
+"""Step checkpoints: a job's denoising state, saved while it runs, so that the attempt after a crash, a
+drain or a restart resumes at the step it had reached rather than at step 0.
+
+A step-level job's (worker/joining.py) and a video job's, which runs as a whole-pipeline call
+(worker/tasks.py): the latter's state is the call's latents after a step and its generators' states,
+and its next attempt calls the pipeline with those latents, its schedule begun at that step
+(:func:`starting_at`). A flow-matching Euler step draws no noise, so this makes the same bytes.
 
 Every SLOTQ_CHECKPOINT_EVERY_S at most, and only once a step has passed since the last save, the
 worker reads each running job's flights out of the loop (their step, latents, sampler state and
@@ -15,11 +20,14 @@ Checkpoints load with ``torch.load(weights_only=True)``: tensors, numbers and co
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +40,7 @@ from worker.stepping import Flight, SteppingLoop
 
 log = logging.getLogger(__name__)
 FORMAT = 1  # of the saved dict; a checkpoint of another format is ignored
+PIPELINE_FORMAT = 101  # of a whole-pipeline call's: the two never resume each other
 
 
 class CheckpointError(ValueError):
@@ -88,6 +97,67 @@ def resume(loop: SteppingLoop, job: Job, request: JobRequest, flights: list[Flig
     return flights
 
 
+@dataclass(frozen=True)
+class Resumption:
+    """Where a whole-pipeline call resumes: after ``step`` steps, from these latents (as the pipeline's
+    loop holds them), its generators in these states."""
+
+    step: int
+    latents: torch.Tensor
+    generators: list[torch.Tensor]
+
+
+def dump_call(print_of: str, step: int, latents: torch.Tensor, generators: list[torch.Generator]) -> bytes:
+    """A whole-pipeline call's checkpoint after ``step`` steps."""
+    buffer = io.BytesIO()
+    torch.save({"format": PIPELINE_FORMAT, "fingerprint": print_of, "step": step,
+                "latents": latents.detach().to("cpu", copy=True),
+                "generators": [generator.get_state() for generator in generators]}, buffer)
+    return buffer.getvalue()
+
+
+def load_call(data: bytes, print_of: str, generators: int) -> Resumption:
+    """A whole-pipeline call's checkpoint, or ``CheckpointError`` where it is not this job's."""
+    try:
+        saved = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # what a corrupt file raises varies: pickle, zip, torch errors
+        raise CheckpointError(f"it does not load ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(saved, dict) or saved.get("format") != PIPELINE_FORMAT:
+        raise CheckpointError("it is not a checkpoint of a whole-pipeline call")
+    if saved.get("fingerprint") != print_of:
+        raise CheckpointError("it was saved for another request or model")
+    step, latents, states = saved.get("step"), saved.get("latents"), saved.get("generators")
+    if not (isinstance(step, int) and step >= 1 and isinstance(latents, torch.Tensor)
+            and isinstance(states, list) and len(states) == generators
+            and all(isinstance(state, torch.Tensor) for state in states)):
+        raise CheckpointError("its step, latents or generator states are missing or malformed")
+    return Resumption(step, latents, states)
+
+
+@contextmanager
+def starting_at(scheduler: Any, step: int) -> Iterator[None]:
+    """Inside the block, the scheduler's schedule begins at ``step``: a pipeline that sets its timesteps
+    runs only the rest, the scheduler stepping from that step's sigma."""
+    own_timesteps, own_begin = scheduler.set_timesteps, scheduler.set_begin_index
+
+    @functools.wraps(own_timesteps)  # its signature: diffusers' retrieve_timesteps reads its parameters
+    def set_timesteps(*args: Any, **kwargs: Any) -> None:
+        own_timesteps(*args, **kwargs)
+        if step >= len(scheduler.timesteps):
+            raise CheckpointError(f"step {step} is past the schedule's {len(scheduler.timesteps)}")
+        scheduler.timesteps = scheduler.timesteps[step:]
+        own_begin(step)  # set_timesteps cleared it
+
+    def set_begin_index(begin_index: int = 0) -> None:
+        own_begin(step + begin_index)  # a pipeline's index counts in the timesteps it was given (Wan's 0)
+
+    scheduler.set_timesteps, scheduler.set_begin_index = set_timesteps, set_begin_index
+    try:
+        yield
+    finally:
+        del scheduler.set_timesteps, scheduler.set_begin_index  # the class's own again
+
+
 @dataclass
 class Cadence:
     """When a job's next checkpoint is due: ``every_s`` after its start or its last save, once a step has
@@ -106,4 +176,5 @@ class Cadence:
         self.saved_at, self.saved_step = time.monotonic() if now is None else now, step
 
 
-__all__ = ["FORMAT", "Cadence", "CheckpointError", "dump", "fingerprint", "load", "resume"]
+__all__ = ["FORMAT", "PIPELINE_FORMAT", "Cadence", "CheckpointError", "Resumption", "dump", "dump_call",
+           "fingerprint", "load", "load_call", "resume", "starting_at"]

@@ -531,7 +531,7 @@ def validate_submission(data: Any, *, max_side: int, max_steps: int, max_image_b
         refs = _read_inputs(data, inputs, max_bytes=max_image_bytes, max_pixels=max_side * max_side)
         if "image" in refs:
             _fit_size(data, refs, max_side, side_multiple)
-        data = model.within(max_side).defaults.fields | data  # a new dict: the body's keys win
+        data = model.within(max_side, max_frames).defaults.fields | data  # a new dict: the body's keys win
         if data.get("model") is None:
             data["model"] = model.name
     request = validate_request(data, max_side=max_side, max_steps=max_steps, side_multiple=side_multiple,

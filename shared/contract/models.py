@@ -194,12 +194,18 @@ class ModelInfo(BaseModel):
         """Its family's record."""
         return FAMILY_SPECS[self.family]
 
-    def within(self, max_side: int) -> ModelInfo:
-        """The model as this service runs it: default sides no larger than SLOTQ_MAX_SIDE."""
+    def within(self, max_side: int, max_frames: int | None = None) -> ModelInfo:
+        """The model as this service runs it: default sides no larger than SLOTQ_MAX_SIDE, a default clip
+        no longer than SLOTQ_MAX_FRAMES."""
         largest = max_side - max_side % self.side_multiple
-        if max(self.defaults.width, self.defaults.height) <= largest:
+        frames, multiple = self.defaults.frames, self.frame_multiple
+        longest = frames if frames is None or multiple is None or max_frames is None else min(
+            frames, (max_frames - 1) // multiple * multiple + 1)
+        if max(self.defaults.width, self.defaults.height) <= largest and longest == frames:
             return self  # as it is (admission asks for each job)
-        sides = {side: min(getattr(self.defaults, side), largest) for side in ("width", "height")}
+        sides: dict[str, int | None] = {side: min(getattr(self.defaults, side), largest)
+                                        for side in ("width", "height")}
+        sides["frames"] = longest
         # A new instance, not model_copy: a copy would carry the cached ``fields`` of the family's shared
         # defaults, dumped before the sides changed.
         defaults = ModelDefaults(**(self.defaults.model_dump() | sides))

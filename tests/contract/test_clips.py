@@ -66,3 +66,15 @@ def test_a_clip_larger_than_the_workers_run_is_refused_with_the_frames_that_fit(
     with pytest.raises(TooLargeForWorkersError, match="at most 40960 pixels a job: 10 frames at this size"):
         submit({"width": 64, "height": 64, "frames": 13}, capacity=64 * 64 * 10)
     assert submit({"width": 64, "height": 64, "frames": 9}, capacity=64 * 64 * 10).request.frames == 9
+
+
+def test_the_document_offers_clips_on_the_models_multiple_and_an_image_service_none() -> None:
+    from api.openapi import openapi_document
+    from shared.contract.settings import Settings
+
+    video = openapi_document(Settings(model="tiny-wan", max_frames=17))["components"]["schemas"]["JobRequest"]
+    assert video["properties"]["frames"]["anyOf"] == [{"type": "integer", "enum": [5, 9, 13, 17]}]
+    assert video["properties"]["frames"]["default"] == 17  # the family's 81, within SLOTQ_MAX_FRAMES
+    assert video["properties"]["previews"]["const"] is False
+    image = openapi_document(Settings(model="tiny"))["components"]["schemas"]["JobRequest"]
+    assert image["properties"]["frames"]["type"] == "null" and image["properties"]["fps"]["type"] == "null"

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import inspect
 import io
+import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,9 @@ import torch
 from diffusers import DiffusionPipeline, LTXImageToVideoPipeline
 from flask.testing import FlaskClient
 from PIL import Image
+from redis import Redis
 
+from shared.contract import keys
 from shared.contract.models import TINY_VIDEO_MODELS, family_spec
 from shared.contract.settings import Settings
 from tests.conftest import (
@@ -26,6 +30,7 @@ from tests.conftest import (
     post_job,
     running_worker,
     start_image,
+    start_worker,
     wait_for,
     wait_for_status,
 )
@@ -179,9 +184,15 @@ def test_an_image_to_video_clip_starts_from_its_image(client: FlaskClient, video
         return
     view = wait_for_status(client, response.get_json()["id"], "succeeded", "failed")
     assert view["status"] == "succeeded", view
-    served = client.get(view["video"]).data
-    assert served == encode_mp4(own_frames(pipe, body, image), FPS)
-    assert served != encode_mp4(own_frames(pipe, body), FPS)  # the image changed the clip
+    served = read_mp4(client.get(view["video"]).data)[0].astype(float)
+    # Within the encoder's loss of the pipeline's own clip from that image, and far from the clip the
+    # same seed makes without it. Not byte for byte, as the text-to-video clips are: encoding the
+    # image runs the VAE's 3D convolutions, whose CPU kernels were seen to round differently in
+    # another process once in a few runs.
+    own = read_mp4(encode_mp4(own_frames(pipe, body, image), FPS))[0].astype(float)
+    without = read_mp4(encode_mp4(own_frames(pipe, body), FPS))[0].astype(float)
+    assert np.abs(served - own).mean() < 1.0  # in levels of 255 (seen: 0)
+    assert np.abs(served - without).mean() > 5.0  # (seen: about 20)
 
 
 @pytest.mark.parametrize(("fields", "loc"), [
@@ -198,3 +209,37 @@ def test_what_a_video_model_cannot_do_is_refused_and_admits_nothing(
     if loc is not None:
         assert loc in [part for detail in error["details"] for part in detail["loc"]], error
     assert client.get("/v1/queue").get_json() == before
+
+
+def test_a_killed_workers_clip_resumes_at_its_step_checkpoint_and_makes_the_uninterrupted_clip(
+        video_settings: Settings, video_model: str, pipe: Any, tmp_path: Path) -> None:
+    """SIGKILL after a step checkpoint of a 40-step clip: the next attempt starts at the checkpoint's
+    step, says so, reports progress from there and makes the bytes the uninterrupted clip makes."""
+    settings = video_settings.model_copy(update={"queue_name": f"video-resume-{video_model}",
+                                                 "checkpoint_every_s": 0.3})
+    body = clip_body(video_model, steps=40, width=256, height=256, frames=4 * frames_of(video_model) - 3,
+                     seed=77)
+    first = start_worker(settings, tmp_path / "first.log")
+    second = None
+    try:
+        with Redis.from_url(settings.redis_url) as redis, contextmanager(app_client)(settings) as client:
+            job_id = post_job(client, **body).get_json()["id"]
+            checkpoint = keys.checkpoint_key(job_id)
+            saved = wait_for(lambda: int(redis.hget(checkpoint, "step") or 0) or None, timeout=120,
+                             what="a step checkpoint")
+            first.popen.kill()
+            assert 1 <= saved < 40
+            second = start_worker(settings, tmp_path / "second.log")
+            done = wait_for_status(client, job_id, "succeeded", "failed", timeout=180)
+            assert done["status"] == "succeeded" and done["attempt"] == 2, done
+            assert saved <= done["resumed_from_step"] < 40, done
+            log = [(entry[b"event"], entry.get(b"data")) for _, entry in redis.xrange(keys.log_key(job_id))]
+            again = [index for index, (event, _) in enumerate(log) if event == b"started"][1]
+            steps = [json.loads(data)["step"] for event, data in log[again:] if event == b"progress"]
+            assert steps[0] == 0 and min(steps[1:]) > done["resumed_from_step"], steps  # 0: the start's own
+            assert not redis.exists(checkpoint)  # gone with the job's end
+            assert client.get(done["video"]).data == encode_mp4(own_frames(pipe, body), FPS)
+    finally:
+        first.stop()
+        if second is not None:
+            assert second.stop() == 0, second.output()

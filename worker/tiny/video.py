@@ -31,7 +31,7 @@ from worker.tiny.model import T5_HIDDEN, build_t5_encoder, build_t5_tokenizer, i
 # Model name -> folder under the cache. Bump a folder's version when its architecture changes,
 # so stale caches are never reused.
 TINY_VIDEO_MODELS: dict[str, str] = {
-    "tiny-wan": "tiny-wan-v1",
+    "tiny-wan": "tiny-wan-v2",
     "tiny-ltx": "tiny-ltx-v1",
 }
 
@@ -57,7 +57,7 @@ def _build_wan_transformer() -> WanTransformer3DModel:
         num_layers=2,
         cross_attn_norm=True,
         qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32,
+        rope_max_seq_len=1024,  # as Wan 2.1's: clips of up to 257 frames, sides of up to 1024
     ).eval()
 
 
