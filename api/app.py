@@ -12,6 +12,7 @@ from api.compat.a1111.views import bp as a1111_bp
 from api.compat.a1111.views import controlnet_bp
 from api.compat.comfyui.socket import bp as comfyui_bp
 from api.compat.openai_images import bp as openai_bp
+from api.compat.openai_videos import bp as openai_videos_bp
 from api.errors import as_service_error
 from api.page import page, secured
 from api.routes import authenticate, bp
@@ -20,7 +21,7 @@ from shared.contract.settings import Settings, get_settings
 
 # The compatibility surfaces (api/compat/): OpenAI Images, AUTOMATIC1111 and its ControlNet extension,
 # ComfyUI (its routes and, registered on the same blueprint, its websocket).
-SURFACES = (openai_bp, a1111_bp, controlnet_bp, comfyui_bp)
+SURFACES = (openai_bp, openai_videos_bp, a1111_bp, controlnet_bp, comfyui_bp)
 
 
 def create_app(settings: Settings | None = None) -> Flask:

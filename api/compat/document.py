@@ -9,8 +9,11 @@ from typing import Any
 from shared.contract.jobs import MAX_IMAGES
 
 OPENAI_TAG, A1111_TAG, COMFYUI_TAG = "OpenAI Images", "AUTOMATIC1111", "ComfyUI"
+VIDEOS_TAG = "OpenAI Videos"
 TAGS = [{"name": OPENAI_TAG, "description": "OpenAI's Images API over slotq's queue (base URL `/v1`): "
          "each call admits a job and answers when it ends (SLOTQ_SYNC_WAIT_S)."},
+        {"name": VIDEOS_TAG, "description": "OpenAI's Videos API over slotq's queue (base URL `/v1`): a "
+         "create admits a video job and answers at once; a video's id is its job's."},
         {"name": A1111_TAG, "description": "AUTOMATIC1111's `/sdapi/v1` over slotq's queue: each call admits "
          "a job and answers when it ends; options are kept per tenant."},
         {"name": COMFYUI_TAG, "description": "ComfyUI's API over slotq's queue, each route also under "
@@ -85,7 +88,8 @@ def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
 
 def _operation(tag: str, operation_id: str, summary: str, answer: dict[str, Any], errors: tuple[int, ...],
                body: tuple[str, dict[str, Any]] | None = None) -> dict[str, Any]:
-    envelope = {OPENAI_TAG: OPENAI_ERROR, A1111_TAG: A1111_ERROR, COMFYUI_TAG: COMFYUI_ERROR}[tag]
+    envelope = {OPENAI_TAG: OPENAI_ERROR, VIDEOS_TAG: OPENAI_ERROR, A1111_TAG: A1111_ERROR,
+                COMFYUI_TAG: COMFYUI_ERROR}[tag]
     responses = {"200": answer, **{str(status): _json(envelope, "An error in the surface's envelope.")
                                    for status in errors}}
     operation = {"tags": [tag], "operationId": operation_id, "summary": summary, "responses": responses}
@@ -146,6 +150,7 @@ def paths() -> dict[str, Any]:
             "`canny`.", _json(_OBJECT, "`{module_list, module_detail}`."), (401,))},
         **a1111,
         **comfyui_paths(),
+        **video_paths(),
     }
 
 
@@ -232,3 +237,51 @@ def comfyui_paths() -> dict[str, Any]:
                                                        "process's streams."),
                                           "503": _json(COMFYUI_ERROR, "The process holds all it may.")}}}
     return paths
+
+
+VIDEO = {"type": "object", "required": ["id", "object", "model", "status", "progress", "created_at", "size",
+                                         "seconds"], "properties": {
+    "id": _STRING, "object": {"const": "video"}, "model": _STRING,
+    "status": {"enum": ["queued", "in_progress", "completed", "failed"]},
+    "progress": {"type": "integer", "minimum": 0, "maximum": 100},
+    **{name: {"type": ["integer", "null"]} for name in ("completed_at", "expires_at")},
+    "created_at": _INTEGER, "size": _STRING, "seconds": _STRING, "prompt": _STRING,
+    "error": {"type": ["object", "null"], "properties": {"code": _STRING, "message": _STRING}},
+    "remixed_from_video_id": {"type": "null"}}}
+VIDEO_CREATE = {"type": "object", "required": ["prompt"], "properties": {
+    "prompt": {"type": "string", "minLength": 1}, "model": _STRING,
+    "seconds": {"type": "string", "description": "the clip's length: the most frames the model makes "
+                "within `seconds * fps + 1`"},
+    "size": {"type": "string", "description": "`WIDTHxHEIGHT`; absent: the model's default size"},
+    "input_reference": {**_BINARY, "description": "the start image (a model with image-to-video)"},
+    "fps": _INTEGER,
+    **{name: schema for name, schema in EXTENSIONS.items() if name not in ("scheduler", "loras")}}}
+VIDEOS = {"type": "object", "required": ["object", "data", "has_more"], "properties": {
+    "object": {"const": "list"}, "data": {"type": "array", "items": VIDEO},
+    "first_id": {"type": ["string", "null"]}, "last_id": {"type": ["string", "null"]},
+    "has_more": {"type": "boolean"}}}
+DELETED = {"type": "object", "required": ["id", "object", "deleted"], "properties": {
+    "id": _STRING, "object": {"const": "video.deleted"}, "deleted": {"type": "boolean"}}}
+
+
+def video_paths() -> dict[str, Any]:
+    """OpenAI's Videos routes."""
+    tag, video = VIDEOS_TAG, _json(VIDEO, "The video.")
+    content = {"description": "The MP4 (206 for a `Range`), or the poster PNG (`variant=thumbnail`).",
+               "content": {"video/mp4": {"schema": _BINARY}, "image/png": {"schema": _BINARY}}}
+    return {
+        "/v1/videos": {
+            "post": _operation(tag, "openaiVideosCreate", "Admit a clip (`client.videos.create`), answered "
+                               "at once.", video, (400, 401, 404, 413, 429, 500, 503),
+                               ("multipart/form-data", VIDEO_CREATE)),
+            "get": _operation(tag, "openaiVideosList", "The caller's videos, newest first (`limit`, `after`, "
+                              "`order`).", _json(VIDEOS, "A page."), (400, 401))},
+        "/v1/videos/{id}": {
+            "get": _operation(tag, "openaiVideosRetrieve", "A video (`client.videos.retrieve`).", video,
+                              (401, 404)),
+            "delete": _operation(tag, "openaiVideosDelete", "Cancel a video that has not ended; one that has "
+                                 "is kept (`deleted: false`).", _json(DELETED, "Done."), (401, 404))},
+        "/v1/videos/{id}/content": {"get": _operation(
+            tag, "openaiVideosContent", "A completed video's MP4 or poster (404 before).", content,
+            (400, 401, 404, 410, 416))},
+    }

@@ -625,7 +625,7 @@ def test_what_the_web_server_refuses_before_the_app_is_answered_in_the_envelope(
 
 # The acceptance checks too: what the document offers is admitted (496.0 for an integer; no webhook
 # where none is sent), and what it refuses is refused.
-COMPAT_TAGS = "^(OpenAI Images|AUTOMATIC1111|ComfyUI)$"
+COMPAT_TAGS = "^(OpenAI Images|OpenAI Videos|AUTOMATIC1111|ComfyUI)$"
 SCHEMATHESIS_MAX_SIDE = Settings().max_side  # the API below runs with the default
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_headers_conformance, response_schema_conformance, positive_data_acceptance,
