@@ -73,7 +73,8 @@ class NullPipeline:
     capacity: Capacity = field(default_factory=Capacity)  # no bound: the worker's heartbeat says none
 
     def generate_batch(self, requests: list[JobRequest], on_step: Callable[[int, int, None], None],
-                       inputs: Sequence[Mapping[str, Image.Image]] = ()) -> list[list[Image.Image]]:
+                       inputs: Sequence[Mapping[str, Image.Image]] = (), resume: object = None,
+                       checkpoint: object = None) -> list[list[Image.Image]]:
         began, first = time.perf_counter(), requests[0]
         for step in range(1, first.steps_run + 1):
             on_step(step, first.steps_run, None)

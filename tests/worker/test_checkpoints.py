@@ -258,7 +258,9 @@ def test_a_hub_id_is_read_from_the_local_cache_only(files: dict[str, Files], tmp
 def test_the_configs_setting_reads_family_equals_source(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SLOTQ_CHECKPOINT_CONFIGS", " sdxl=/configs/sdxl , sd=org/sd ")
     assert Settings().checkpoint_configs == {"sd": "org/sd", "sdxl": "/configs/sdxl",
-                                             "flux": "black-forest-labs/FLUX.1-dev"}
+                                             "flux": "black-forest-labs/FLUX.1-dev",
+                                             "wan": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+                                             "ltx": "Lightricks/LTX-Video"}
     monkeypatch.setenv("SLOTQ_CHECKPOINT_CONFIGS", '{"sd": "org/sd"}')  # JSON, as slotq/harness.py passes it
     assert Settings().checkpoint_configs["sd"] == "org/sd"
     monkeypatch.delenv("SLOTQ_CHECKPOINT_CONFIGS")

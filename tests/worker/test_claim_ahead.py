@@ -81,12 +81,12 @@ def test_the_claim_is_made_at_the_last_step_before_the_decoding(
     steps: list[int] = []
     original = pipeline.generate_batch
 
-    def counting(requests, on_step=None, inputs=()):  # type: ignore[no-untyped-def]
+    def counting(requests, on_step=None, inputs=(), *rest):  # type: ignore[no-untyped-def]
         def step(index: int, total: int, latents: object = None) -> None:
             steps.append(index)
             assert on_step is not None
             on_step(index, total, latents)
-        return original(requests, step, inputs)
+        return original(requests, step, inputs, *rest)
 
     pipeline.generate_batch = counting  # type: ignore[method-assign]
     try:
