@@ -12,11 +12,11 @@ if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIApplication, WSGIEnvironment
 
 STATIC = Path(__file__).parent / "static"
-# Only this origin's files run or load. Images are blob: URLs (fetched with the API key); data: is
-# the live previews (JPEG data: URLs from the event streams), the chosen start image, and the empty
-# favicon, which spares a request that would 404.
-CSP = ("default-src 'self'; img-src 'self' blob: data:; object-src 'none'; base-uri 'none'; "
-       "form-action 'self'; frame-ancestors 'none'")
+# Only this origin's files run or load. Images and a clip's MP4 are blob: URLs (fetched with the API
+# key); data: is the live previews (JPEG data: URLs from the event streams), the chosen start image,
+# and the empty favicon, which spares a request that would 404.
+CSP = ("default-src 'self'; img-src 'self' blob: data:; media-src 'self' blob:; object-src 'none'; "
+       "base-uri 'none'; form-action 'self'; frame-ancestors 'none'")
 
 page = Blueprint("page", __name__, static_folder=STATIC, static_url_path="/ui")
 

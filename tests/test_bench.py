@@ -181,6 +181,22 @@ def test_checkpoints_alone_prints_the_cost_the_saving_and_the_same_image() -> No
     assert "the resumed image equals the uninterrupted one, byte for byte" in done.stdout
 
 
+@pytest.mark.timeout(180)
+def test_video_alone_prints_the_service_against_the_loop_the_checkpoint_cost_and_the_same_clip() -> None:
+    # bench.video is not in `python -m bench`; one round of two short clips is its smoke run.
+    done = subprocess.run([sys.executable, "-m", "bench.video", "--rounds", "1", "--clips", "2", "--size",
+                           "64", "--frames", "9", "--steps", "6"], capture_output=True, text=True,
+                          timeout=160, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout + done.stderr[-5000:]
+    for name in ("the pipeline in a loop (baseline)", "the loop, each clip encoded as MP4",
+                 "through slotq (API, line, worker, store)", "a clip, no checkpoints (baseline)",
+                 "a clip, a checkpoint after every step", "from step 0 (baseline)", "from the checkpoint"):
+        assert has_row(done.stdout, name), f"no row {name!r}\n{done.stdout}"
+    assert re.search(r"^one save: \d+\.\d+ ms \(\d+ KiB\); at the default interval \(60 s\) \d+\.\d+ % of "
+                     r"a clip's time: goal <= 2 % (met|missed)$", done.stdout, re.MULTILINE), done.stdout
+    assert "the resumed clip equals the uninterrupted one, frame for frame" in done.stdout
+
+
 FULLSIZE_FAMILIES = {"sd": "SD 1.5", "sdxl": "SDXL", "flux": "Flux.1-dev"}
 
 

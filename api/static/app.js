@@ -414,6 +414,11 @@ async function ended(entry) {
       entry.blobs.push(blob);
       entry.urls.push(URL.createObjectURL(blob));
     }
+    if (entry.view.video) {  // a clip: its MP4 whole, as a blob: URL for the same reason
+      const clip = await (await call("GET", entry.view.video)).blob();
+      if (started !== generation) return;
+      entry.video = URL.createObjectURL(clip);
+    }
   } catch (error) {
     entry.error = error;
   }
@@ -444,6 +449,7 @@ function show(entry) {
 
 function showImages(entry) {
   const shown = $("images");
+  if (entry.video) return showVideo(entry, shown);
   if (shown.dataset.id === entry.id && shown.children.length === (entry.urls?.length ?? 0)) return;
   shown.dataset.id = entry.id;
   shown.replaceChildren(...(entry.urls ?? []).map((url, index) => {
@@ -456,6 +462,20 @@ function showImages(entry) {
     link.append(image);
     return link;
   }));
+}
+
+// A finished clip: a player with its poster (the first frame), and the MP4 to download.
+function showVideo(entry, shown) {
+  if (shown.dataset.id === entry.id && shown.querySelector("video")) return;
+  shown.dataset.id = entry.id;
+  const player = element("video");
+  Object.assign(player, { src: entry.video, controls: true, loop: true, muted: true, playsInline: true });
+  if (entry.urls?.length) player.poster = entry.urls[0];
+  player.setAttribute("aria-label", `Video for: ${entry.view.request.prompt}`);
+  const link = element("a", "download", "Download the MP4");
+  link.href = entry.video;
+  link.download = `${entry.id}.mp4`;
+  shown.replaceChildren(player, link);
 }
 
 function select(id) {
@@ -760,7 +780,7 @@ function dragEnd(event) {
 // --- ControlNet and hires pass ---------------------------------------------------------------------
 
 // The ControlNets (its own and the folder's) of the model a job runs on when it names none, which
-// GET /v1/models lists first: the group shows only where it has some.
+// GET /v1/models lists first: the group shows only where it has some. Whether it makes clips.
 async function loadModel(started) {
   let model = null;
   try {
@@ -770,6 +790,8 @@ async function loadModel(started) {
   }
   if (started !== generation) return;
   showControlNets(model?.controlnets ?? []);
+  // A video model makes a clip, which has no live previews: the box is off, and not sent.
+  $("previews").disabled = model?.media === "video";
   $("control").dataset.model = model?.name ?? ""; // which model's ControlNets the group offers
 }
 
@@ -1124,7 +1146,7 @@ function requestBody() {
   const hires = hiresOf();
   if (hires) body.hires = hires;
   body.priority = $("priority").value;
-  if ($("previews").checked) body.previews = true;
+  if ($("previews").checked && !$("previews").disabled) body.previews = true;
   return body;
 }
 

@@ -25,6 +25,7 @@ from flask.testing import FlaskClient
 from PIL import Image
 
 from shared.contract.settings import Settings
+from slotq import harness
 from tests.conftest import DEADLINE_S, Process, wait_for
 
 if TYPE_CHECKING:
@@ -750,3 +751,39 @@ def test_no_controlnet_group_without_controlnets(tab: Tab, start_api: Callable[.
     assert request["controlnets"] == []
     assert tab.errors == []
     page.close()  # its stream of the queued job ends before the API stops
+
+
+@needs_browser
+def test_a_finished_clip_plays_with_its_poster_and_downloads_as_mp4(
+        tab: Tab, start_api: Callable[..., Process], redis_url: str, model_cache: Path,
+        tmp_path: Path) -> None:
+    from playwright.sync_api import expect
+
+    from tests.conftest import own_database
+    from worker.video import read_mp4
+
+    # A worker of the tiny Wan model on a queue of its own (database 20: the others', 0 to 19, apart).
+    settings = Settings(redis_url=own_database(redis_url, 20), queue_name="page-video", cache_dir=model_cache,
+                        model="tiny-wan", drain_s=0, max_frames=17)
+    worker = harness.start_worker(settings, tmp_path / "worker.log")
+    try:
+        api = start_api(settings)
+        page = tab.page
+        page.goto(api.url + "/")
+        expect(page.locator("#previews")).to_be_disabled()  # a clip has none: the box is not sent
+        fill_form(page, "a fox running through snow", width=64, height=64, steps=2, seed=3)
+        page.click("#submit")
+        player = page.locator("#images video")
+        expect(player).to_have_count(1)
+        page.wait_for_function("() => document.querySelector('#images video').readyState >= 1")
+        size = page.eval_on_selector("#images video", "video => [video.videoWidth, video.videoHeight]")
+        assert size == [64, 64]
+        expect(player).to_have_attribute("poster", re.compile("^blob:"))
+        expect(page.locator("#images a")).to_have_attribute("download", re.compile(r"\.mp4$"))
+        job = job_of(api, page)
+        assert job["request"]["frames"] == 17 and job["video"] == f"/v1/jobs/{job['id']}/video.mp4"
+        frames, _ = read_mp4(api_get(api, job["video"]))
+        assert frames.shape == (17, 64, 64, 3)
+        assert tab.errors == []
+    finally:
+        assert worker.stop() == 0, worker.output()
