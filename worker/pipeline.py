@@ -123,7 +123,7 @@ class ImagePipeline:
         it is the one it would be alone. ``inputs`` holds each request's input images, in order: its
         start image and mask, its controls' images (``control0``...). A video model's request makes a
         clip (its frames, as diffusers returns them, and its rate). A one-pass call may ``resume`` from
-        a step checkpoint; ``checkpoint(step, latents, generators)`` runs after ``on_step`` at each step
+        a step checkpoint; ``checkpoint(step, latents, generators)`` runs before ``on_step`` at each step
         (worker/resuming.py)."""
         first = requests[0]
         assert all(r.batch_key == first.batch_key and r.seed is not None for r in requests), requests
@@ -312,12 +312,13 @@ def images_of(pixels: np.ndarray) -> list[Image.Image] | JobFailedError:
 
 
 def _keeping(on_step: StepCallback | None, keep: Keep, generators: list[torch.Generator]) -> StepCallback:
-    """``on_step``, then ``keep`` with the step's latents and the call's generators."""
+    """``keep`` with the step's latents and the call's generators, then ``on_step``: a stop that
+    ``on_step`` raises (a drain) comes after the step's state is kept."""
     def step_done(step: int, total: int, latents: torch.Tensor | None) -> None:
-        if on_step is not None:
-            on_step(step, total, latents)
         if latents is not None:
             keep(step, latents, generators)
+        if on_step is not None:
+            on_step(step, total, latents)
 
     return step_done
 

@@ -31,12 +31,11 @@ from shared.contract.ip_adapters import available_ip_adapters
 from shared.contract.jobs import JobRequest, validate_request
 from shared.contract.settings import Settings, get_settings
 from shared.store import records, results
-from worker import lifecycle, previews, progress, resuming
+from worker import clips, lifecycle, previews, progress
 from worker.finisher import store_result
 from worker.messages import Rendered
-from worker.pipeline import NAN_OUTPUT, Inputs, Keep, current_pipeline, nan_rows
+from worker.pipeline import NAN_OUTPUT, Inputs, current_pipeline, nan_rows
 from worker.previews import Previewer
-from worker.resuming import Resumption
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +95,8 @@ def render(jobs: list[Job], announced: bool = False,
         if step == total and last_step is not None:
             last_step()
 
-    resume, keep = (None, None) if len(members) > 1 else checkpoints(jobs[members[0]], requests[0], settings)
+    single = len(members) == 1
+    resume, keep = clips.steps_of(jobs[members[0]], requests[0], settings) if single else (None, None)
     # Step 0: reported here, or (announced) only the start the cadence counts its interval from.
     (cadence.due if announced else on_step)(0, requests[0].steps_run)
     try:
@@ -109,53 +109,6 @@ def render(jobs: list[Job], announced: bool = False,
         if index in running.live:
             outcomes[index] = made if isinstance(made, JobFailedError) else (request, made)
     return outcomes  # type: ignore[return-value]
-
-
-def checkpoints(job: Job, request: JobRequest, settings: Settings) -> tuple[Resumption | None, Keep | None]:
-    """A text-to-video job run alone (worker/resuming.py): where this attempt resumes, from an earlier
-    attempt's step checkpoint that fits it (its meta then says ``resumed_from_step``), and how its
-    steps are saved, every SLOTQ_CHECKPOINT_EVERY_S at most. Neither for any other job."""
-    if not request.is_video or request.kind != "text" or settings.checkpoint_every_s <= 0:
-        return None, None
-    store, pipe = results.of(settings), current_pipeline().pipe
-    print_of = resuming.fingerprint(job, type(pipe).__name__)
-    job.meta.pop("resumed_from_step", None)  # an earlier attempt's
-    later = int(job.meta.get("attempt", 1)) > 1  # a first attempt has no checkpoint
-    resume = _resumption(job, store, print_of, request.num_images) if later else None
-    if resume is not None:
-        job.meta["resumed_from_step"] = resume.step  # written with the next step's progress
-        log.info("job %s resumes at step %d of %d, from its step checkpoint", job.id, resume.step,
-                 request.steps_run)
-    cadence = resuming.Cadence(settings.checkpoint_every_s, saved_step=resume.step if resume else 0)
-
-    def keep(step: int, latents: torch.Tensor, generators: list[torch.Generator]) -> None:
-        if step >= request.steps_run or not cadence.due(step):
-            return  # after the last step, the clip itself is a moment away
-        data = resuming.dump_call(print_of, step, latents, generators)
-        try:
-            store.save_checkpoint(job, step, data)  # under the attempt's fence, which the execution holds
-        except (RedisError, StorageUnavailableError) as exc:  # best effort, as progress is
-            log.warning("job %s: could not save its step checkpoint (%s)", job.id, exc)
-        cadence.saved(step)
-
-    return resume, keep
-
-
-def _resumption(job: Job, store: results.Results, print_of: str, generators: int) -> Resumption | None:
-    """The job's step checkpoint where it has one this attempt can resume from; else None, logged."""
-    try:
-        found = store.checkpoint(job)
-    except (RedisError, StorageUnavailableError) as exc:
-        log.warning("job %s: could not read its step checkpoint (%s): it starts at step 0", job.id, exc)
-        return None
-    if found is None:
-        return None
-    try:
-        return resuming.load_call(found[1], print_of, generators)
-    except resuming.CheckpointError as exc:
-        log.warning("job %s: its step checkpoint of step %d is not one it can resume from (%s): it starts "
-                    "at step 0", job.id, found[0], exc)
-        return None
 
 
 class PreviewOffers:

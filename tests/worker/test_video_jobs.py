@@ -243,3 +243,40 @@ def test_a_killed_workers_clip_resumes_at_its_step_checkpoint_and_makes_the_unin
         first.stop()
         if second is not None:
             assert second.stop() == 0, second.output()
+
+
+def test_a_high_image_job_preempts_a_running_clip_which_then_resumes_to_its_uninterrupted_bytes(
+        redis_url: str, model_cache: Path, tmp_path: Path) -> None:
+    """One worker serving an image model and a video model: a high 64x64 image job posted while a
+    normal 40-step clip runs ends first; the clip, handed back at a step with its state saved, then
+    resumes there and makes the clip an uninterrupted run makes."""
+    import shutil
+
+    from worker.tiny.model import ensure_tiny_model
+
+    folder = tmp_path / "models"
+    shutil.copytree(ensure_tiny_model(model_cache, "tiny"), folder / "img")
+    shutil.copytree(ensure_tiny_video_model(model_cache, "tiny-wan"), folder / "clip")
+    settings = Settings(redis_url=own_database(redis_url, 21), queue_name="video-preempt",
+                        cache_dir=model_cache, models_dir=folder, model_names=["img"], worker_models=["*"],
+                        model_cache=2, device="cpu", dtype="float32", torch_threads=1, drain_s=0,
+                        progress_interval_ms=0)
+    body = clip_body("tiny-wan", steps=40, width=256, height=256, frames=33, seed=91) | {"model": "clip"}
+    worker = start_worker(settings, tmp_path / "worker.log")
+    try:
+        with contextmanager(app_client)(settings) as client:
+            clip_id = post_job(client, **body).get_json()["id"]
+            wait_for(lambda: (view := client.get(f"/v1/jobs/{clip_id}").get_json())["progress"]
+                     and view["progress"]["step"] >= 2, timeout=120, what="the clip to run")
+            image = post_job(client, model="img", width=64, height=64, steps=2, seed=5, priority="high")
+            assert image.status_code == 202, image.get_json()
+            image_view = wait_for_status(client, image.get_json()["id"], "succeeded", timeout=120)
+            clip = wait_for_status(client, clip_id, "succeeded", "failed", timeout=180)
+            assert clip["status"] == "succeeded", clip
+            assert image_view["finished_at"] < clip["finished_at"]
+            assert 2 <= clip["resumed_from_step"] < 40, clip  # handed back at a step, resumed there
+            pipe = DiffusionPipeline.from_pretrained(folder / "clip", dtype=torch.float32)
+            pipe.set_progress_bar_config(disable=True)
+            assert client.get(clip["video"]).data == encode_mp4(own_frames(pipe, body), FPS)
+    finally:
+        assert worker.stop() == 0, worker.output()
