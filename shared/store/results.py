@@ -5,8 +5,9 @@ the inputs, the finishing process the PNGs), for the result TTL. With ``file://`
 (``shared/store/blobs.py``) Redis keeps only the records: the API writes a job's inputs to the
 store before its admission script runs (and deletes them again when the job is refused or is a
 replay), and the finishing process writes the PNGs of an attempt under a name of its own
-(``images/<job>/<attempt>/<i>.png``) before the fenced write of the record that names that
-attempt, so a reader only ever finds the images of the attempt whose end was recorded, whole.
+(``images/<job>/<attempt>/<i>.png``, and a video job's ``video.mp4`` beside its poster) before the
+fenced write of the record that names that attempt, so a reader only ever finds the images of the
+attempt whose end was recorded, whole.
 
 A running job's step checkpoint (worker/resuming.py) is one more such write: its bytes beside a
 Redis hash (``keys.checkpoint_key``) that names them, written under the attempt's fence and deleted
@@ -101,7 +102,7 @@ class Results:
 
     def record_images(self, job: Job, pngs: list[bytes], pipe: Pipeline, video: bytes | None = None) -> None:
         """Queue the record of a finished job's images (in Redis, with the bytes) on a fenced pipeline."""
-        _count(job, pngs, video)
+        job.meta["images"] = len(pngs)
         key = keys.images_key(job.id)
         files = {str(index): png for index, png in enumerate(pngs)} | ({VIDEO: video} if video else {})
         pipe.delete(key)
@@ -218,7 +219,7 @@ class ExternalResults(Results):
             before_record()
 
     def record_images(self, job: Job, pngs: list[bytes], pipe: Pipeline, video: bytes | None = None) -> None:
-        _count(job, pngs, video)
+        job.meta["images"] = len(pngs)
         save_meta(job, pipe)
 
     def save_checkpoint(self, job: Job, step: int, data: bytes) -> None:
@@ -355,13 +356,6 @@ def _image_name(job_id: str, attempt: str, index: int) -> str:
 
 def _video_name(job_id: str, attempt: str) -> str:
     return f"images/{job_id}/{attempt}/{VIDEO}"
-
-
-def _count(job: Job, pngs: list[bytes], video: bytes | None) -> None:
-    """Record what a job made: its images, and a video job's MP4's bytes."""
-    job.meta["images"] = len(pngs)
-    if video is not None:
-        job.meta["video_bytes"] = len(video)
 
 
 def _epoch(moment: datetime) -> float:

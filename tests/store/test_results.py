@@ -26,6 +26,7 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from shared.contract import keys
+from shared.contract.errors import ResultExpiredError
 from shared.contract.settings import Settings
 from shared.store import results
 from shared.store.blobs import Blobs, Folder
@@ -85,7 +86,10 @@ def s3_client(url: str) -> Any:
 
 @pytest.fixture(params=["file", "s3"])
 def store_values(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, Any]:
-    """The settings of a file store (a fresh folder) or an S3 store (a fresh prefix)."""
+    """The settings of a file store (a fresh folder) or an S3 store (a fresh prefix); a test may ask
+    for Redis's too (none: the default)."""
+    if request.param == "redis":
+        return {}
     if request.param == "file":
         return {"result_store": f"file://{tmp_path / 'results'}", "sweep_grace_s": 0}
     url = request.getfixturevalue("s3_url")
@@ -355,3 +359,30 @@ def test_a_presigned_download_redirects_to_the_bucket(settings: Settings, redis:
         plain = chosen.model_copy(update={"s3_presign": False})
         with api(plain) as streaming:
             assert streaming.get(f"/v1/jobs/{job_id}/images/0").get_data() == png
+
+
+@pytest.mark.parametrize("store_values", ["redis", "file", "s3"], indirect=True)
+def test_a_clips_mp4_is_kept_beside_its_poster_and_goes_with_it(settings: Settings, redis: Redis,
+                                                               store_values: dict[str, Any]) -> None:
+    chosen = settings.model_copy(update={**store_values, "result_ttl_s": 60})
+    store, mp4 = results.of(chosen), b"\x00\x00\x00\x20ftypisom" + b"the clip"
+    job = Job.create("worker.tasks.generate", kwargs={"request": {"prompt": "p", "frames": 9, "fps": 8}},
+                     connection=redis, id="clip", serializer=JSONSerializer)
+    job.save()
+    store.save_images(job, [PNG + b"poster"], video=mp4)
+    redis.hset(job.key, mapping={"status": "finished", "ended_at": time.strftime(
+        "%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime())})
+    job = Job.fetch("clip", connection=redis, serializer=JSONSerializer)
+    assert store.video(job) == mp4 and store.image(job, 0) == PNG + b"poster"
+    assert job.meta["images"] == 1  # the poster; the clip is no image
+    if store.in_redis:
+        assert redis.hget(keys.images_key("clip"), "video.mp4") == mp4
+        return
+    attempt = job.meta["images_at"]
+    assert names(store) == [f"images/clip/{attempt}/0.png", f"images/clip/{attempt}/video.mp4"]
+    # Past the result TTL the sweep takes both, and the API's read says the clip expired.
+    moment = time.strftime("%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime(time.time() - 120))
+    redis.hset(job.key, "ended_at", moment)
+    assert store.sweep(redis) == 2 and names(store) == []
+    with pytest.raises(ResultExpiredError):
+        store.video(Job.fetch("clip", connection=redis, serializer=JSONSerializer))
