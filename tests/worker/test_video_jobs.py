@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import io
 import json
+import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -280,3 +281,33 @@ def test_a_high_image_job_preempts_a_running_clip_which_then_resumes_to_its_unin
             assert client.get(clip["video"]).data == encode_mp4(own_frames(pipe, body), FPS)
     finally:
         assert worker.stop() == 0, worker.output()
+
+
+def test_a_drained_clip_keeps_the_step_it_was_interrupted_at_and_resumes_there(
+        video_settings: Settings, video_model: str, pipe: Any, tmp_path: Path) -> None:
+    """SIGTERM with SLOTQ_STOP_TIMEOUT_S: the clip is interrupted at a step, saves it first (its
+    periodic checkpoints are far off), goes back to its line and resumes there on the next worker."""
+    settings = video_settings.model_copy(update={"queue_name": f"video-drain-{video_model}",
+                                                 "stop_timeout_s": 0.1})
+    body = clip_body(video_model, steps=100, width=256, height=256, frames=4 * frames_of(video_model) - 3,
+                     seed=55)
+    first = start_worker(settings, tmp_path / "first.log")
+    second = None
+    try:
+        with Redis.from_url(settings.redis_url) as redis, contextmanager(app_client)(settings) as client:
+            job_id = post_job(client, **body).get_json()["id"]
+            wait_for(lambda: (view := client.get(f"/v1/jobs/{job_id}").get_json())["progress"]
+                     and view["progress"]["step"] >= 2, timeout=120, what="the clip to run")
+            first.popen.send_signal(signal.SIGTERM)
+            assert first.popen.wait(60) == 0
+            saved = int(redis.hget(keys.checkpoint_key(job_id), "step") or 0)
+            assert client.get(f"/v1/jobs/{job_id}").get_json()["status"] == "queued"
+            assert 2 <= saved < 100  # the step the drain interrupted (the next periodic one was 60 s off)
+            second = start_worker(settings, tmp_path / "second.log")
+            done = wait_for_status(client, job_id, "succeeded", "failed", timeout=180)
+            assert done["status"] == "succeeded" and done["resumed_from_step"] == saved, done
+            assert client.get(done["video"]).data == encode_mp4(own_frames(pipe, body), FPS)
+    finally:
+        first.stop()
+        if second is not None:
+            assert second.stop() == 0, second.output()
