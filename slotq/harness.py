@@ -53,6 +53,8 @@ def slotq_env(settings: Settings, **extra: Any) -> dict[str, str]:
     env = {key: value for key, value in os.environ.items() if not key.startswith("SLOTQ_")}
     values = settings.model_dump(mode="json")
     values |= {name: value for name, value in settings if _secret(value)}  # not "*****"
+    if "job_timeout_s" not in settings.model_fields_set:
+        del values["job_timeout_s"]  # unset stays unset: a video model's jobs get their family's
     for name, value in (values | extra).items():
         if value is not None:
             env[f"SLOTQ_{name.upper()}"] = _env_value(value)

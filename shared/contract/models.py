@@ -101,6 +101,9 @@ class FamilySpec(BaseModel):
     # The fewest steps it runs: LTX-Video's scheduler stretches its schedule to a terminal shift,
     # which divides by zero over one step (diffusers' FlowMatchEulerDiscreteScheduler).
     min_steps: int = 1
+    # Its jobs' timeout while SLOTQ_JOB_TIMEOUT_S is unset, where longer than that setting's default:
+    # a full-size clip takes minutes to tens of minutes on one GPU.
+    job_timeout_s: int | None = None
     # The fast tier's step caching: DeepCache's interval on a UNet (a full call every this many), or
     # First Block Cache's threshold on a transformer (worker/caching.py).
     cache_interval: int | None = None
@@ -251,7 +254,7 @@ FAMILY_SPECS: dict[Family, FamilySpec] = {
         defaults=ModelDefaults(steps=50, guidance_scale=5.0, width=832, height=480, frames=81, fps=16),
         side_multiple=16, denoiser="transformer", single_file="transformer", text_encoders="t5",
         latent_format=None, takes_controlnet=False, takes_ip_adapter=False, takes_latent_upscale=False,
-        media="video", frame_multiple=4),
+        media="video", frame_multiple=4, job_timeout_s=3600),
     # LTX-Video (0.9: 704x480, 161 frames at 25 fps, 50 steps at CFG 3); its VAE compresses 32x in
     # space and 8x in time. Its image-to-video pipeline runs over the text-to-video one's modules.
     "ltx": FamilySpec(
@@ -260,7 +263,8 @@ FAMILY_SPECS: dict[Family, FamilySpec] = {
         defaults=ModelDefaults(steps=50, guidance_scale=3.0, width=704, height=480, frames=161, fps=25),
         side_multiple=32, denoiser="transformer", single_file="transformer", text_encoders="t5",
         latent_format=None, takes_controlnet=False, takes_ip_adapter=False, takes_latent_upscale=False,
-        media="video", frame_multiple=8, image_to_video_class="LTXImageToVideoPipeline", min_steps=2),
+        media="video", frame_multiple=8, image_to_video_class="LTXImageToVideoPipeline", min_steps=2,
+        job_timeout_s=3600),
 }
 # The diffusers pipeline class of each family's text-to-image checkpoints.
 PIPELINE_CLASSES: dict[str, Family] = {spec.pipeline_class: family for family, spec in FAMILY_SPECS.items()}

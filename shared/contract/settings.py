@@ -300,6 +300,15 @@ class Settings(BaseSettings):
         folders = (self.models_dir, self.lora_dir, self.controlnet_dir, self.ip_adapter_dir, self.cache_dir)
         return [folder for folder in folders if folder is not None]
 
+    def job_timeout_of(self, model: str | None) -> int:
+        """A job's timeout on this model: SLOTQ_JOB_TIMEOUT_S where it is set; else its default, or the
+        model's family's where longer (a clip's)."""
+        if "job_timeout_s" in self.model_fields_set:
+            return self.job_timeout_s
+        family = self.offered_models.get(model or self.default_model)
+        longer = FAMILY_SPECS[family].job_timeout_s if family is not None else None
+        return max(self.job_timeout_s, longer or 0)
+
     def controls_of(self, model: str, family: Family) -> dict[str, list[str]]:
         """The ControlNets and IP-Adapters a job on this model may name: none where its family takes
         none (its record says)."""

@@ -179,7 +179,7 @@ def new_record(queue: Queue, settings: Settings, request: JobRequest, meta: dict
         "origin": queue.name,
         "description": get_call_string(keys.TASK, (), kwargs, max_length=RQ_DESCRIPTION_LENGTH),
         "enqueued_at": at,
-        "timeout": settings.job_timeout_s,
+        "timeout": settings.job_timeout_of(seeded.model),
         "result_ttl": settings.record_ttl_s,
         "failure_ttl": settings.failure_ttl_s,
         "status": RQStatus.QUEUED.value,

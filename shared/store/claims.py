@@ -164,7 +164,8 @@ class Claims:
     @property
     def fence_ttl_s(self) -> int:
         """How long the fence of an attempt this worker starts lasts: the job's run and its end."""
-        return self.settings.job_timeout_s + FENCE_MARGIN_S
+        longest = max(self.settings.job_timeout_of(model) for model in self.settings.served_models)
+        return longest + FENCE_MARGIN_S
 
     def wait_for_work(self, timeout: float) -> None:
         """Block until a job may have arrived in any of this worker's lines, or the timeout passes."""

@@ -78,3 +78,19 @@ def test_the_document_offers_clips_on_the_models_multiple_and_an_image_service_n
     assert video["properties"]["previews"]["const"] is False
     image = openapi_document(Settings(model="tiny"))["components"]["schemas"]["JobRequest"]
     assert image["properties"]["frames"]["type"] == "null" and image["properties"]["fps"]["type"] == "null"
+
+
+def test_a_video_models_jobs_get_their_familys_longer_timeout_unless_the_setting_is_given(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from shared.contract.settings import Settings
+    from slotq.harness import slotq_env
+
+    assert Settings(model="tiny-wan").job_timeout_of(None) == 3600
+    assert Settings(model="tiny").job_timeout_of(None) == 900
+    assert Settings(model="tiny-wan", job_timeout_s=120).job_timeout_of(None) == 120
+    monkeypatch.setenv("SLOTQ_JOB_TIMEOUT_S", "300")
+    assert Settings(model="tiny-wan").job_timeout_of(None) == 300
+    # The harness hands a child process the setting only where it was given.
+    monkeypatch.delenv("SLOTQ_JOB_TIMEOUT_S")
+    assert "SLOTQ_JOB_TIMEOUT_S" not in slotq_env(Settings(model="tiny-wan"))
+    assert slotq_env(Settings(model="tiny-wan", job_timeout_s=120))["SLOTQ_JOB_TIMEOUT_S"] == "120"

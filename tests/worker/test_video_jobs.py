@@ -19,6 +19,8 @@ from diffusers import DiffusionPipeline, LTXImageToVideoPipeline
 from flask.testing import FlaskClient
 from PIL import Image
 from redis import Redis
+from rq.job import Job
+from rq.serializers import JSONSerializer
 
 from shared.contract import keys
 from shared.contract.models import TINY_VIDEO_MODELS, family_spec
@@ -112,6 +114,14 @@ def test_the_models_list_says_video_with_its_frame_multiple_and_defaults(client:
     assert (model["media"], model["frame_multiple"]) == ("video", spec.frame_multiple)
     defaults = model["defaults"]
     assert (defaults["frames"], defaults["fps"]) == (spec.defaults.frames, spec.defaults.fps)
+
+
+def test_a_clip_gets_its_familys_timeout_in_the_worker_too(client: FlaskClient, video_model: str,
+                                                           video_settings: Settings) -> None:
+    job_id = post_job(client, **clip_body(video_model)).get_json()["id"]
+    with Redis.from_url(video_settings.redis_url) as redis:
+        assert Job.fetch(job_id, connection=redis, serializer=JSONSerializer).timeout == 3600
+    assert wait_for_status(client, job_id, "succeeded")["status"] == "succeeded"
 
 
 @pytest.mark.parametrize("negative", ["", "blurry, still"])
