@@ -143,7 +143,6 @@ def _media(fields: dict[str, Any], model: ModelInfo, max_frames: int) -> None:
     fields["frames"] = {**fields["frames"], "anyOf": [{"type": "integer", "enum": frames}]}
     fields["fps"] = {**fields["fps"], "anyOf": [{"type": "integer", "minimum": 1, "maximum": MAX_FPS}]}
     fields["num_images"] = {**fields["num_images"], "const": 1}
-    fields["previews"] = {**fields["previews"], "const": False}
     fields["speed"] = {**fields["speed"], "enum": ["normal", "auto"]}
     for name in ("hires", "mask", "image"):
         fields[name] = {"type": "null", "default": None, "description": "Always null: not for these models."}

@@ -1,5 +1,5 @@
-"""A text-to-video job's steps in its whole-pipeline call: its step checkpoints, its resume from one,
-and its preemption at a step by a job of a higher class.
+"""A video job's steps in its whole-pipeline call: a text-to-video clip's step checkpoints, its resume
+from one and its preemption at a step by a job of a higher class; a clip's preview frame.
 
 Run alone, such a job saves its denoising state every SLOTQ_CHECKPOINT_EVERY_S at most, and at the
 step a drain interrupts it (worker/resuming.py); the attempt after a crash, a drain or a preemption
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import torch
 from redis.exceptions import RedisError
@@ -98,6 +99,18 @@ class Above:
             log.warning("could not look for a higher class's job (%s): no preemption now", exc)
             return False
         return any(wait is not None and wait >= self.after for wait in waits)
+
+
+def middle_frame(latents: torch.Tensor, request: JobRequest, pipe: Any) -> torch.Tensor:
+    """The middle latent frame of a clip's latents as the pipeline's loop holds them, (rows, channels,
+    h, w): Wan's are (rows, channels, frames, h, w); LTX-Video packs them into tokens (rows, frames *
+    h * w, channels), which its pipeline unpacks so."""
+    if latents.ndim == 3:  # as LTXPipeline.__call__ unpacks them before decoding
+        spatial, frames = pipe.vae_spatial_compression_ratio, request.frames or 1
+        patches = pipe.transformer_spatial_patch_size, pipe.transformer_temporal_patch_size
+        latents = pipe._unpack_latents(latents, (frames - 1) // pipe.vae_temporal_compression_ratio + 1,
+                                       request.height // spatial, request.width // spatial, *patches)
+    return latents[:, :, latents.shape[2] // 2]
 
 
 def _save(job: Job, store: results.Results, step: int, data: bytes) -> bool:

@@ -51,6 +51,13 @@ LATENT_RGB: dict[LatentFormat, tuple[list[list[float]], list[float]]] = {
               [0.1008, 0.0755, -0.0421], [-0.0515, 0.0201, 0.0011], [0.0428, -0.0012, -0.0036],
               [0.0817, 0.0765, 0.0749], [-0.1264, -0.0522, -0.1103], [-0.0280, -0.0881, -0.0499],
               [-0.1262, -0.0982, -0.0778]], [-0.0329, -0.0718, -0.0851]),
+    "wan21": ([[-0.1299, -0.1692, 0.2932], [0.0671, 0.0406, 0.0442], [0.3568, 0.2548, 0.1747],
+               [0.0372, 0.2344, 0.1420], [0.0313, 0.0189, -0.0328], [0.0296, -0.0956, -0.0665],
+               [-0.3477, -0.4059, -0.2925], [0.0166, 0.1902, 0.1975], [-0.0412, 0.0267, -0.1364],
+               [-0.1293, 0.0740, 0.1636], [0.0680, 0.3019, 0.1128], [0.0032, 0.0581, 0.0639],
+               [-0.1251, 0.0927, 0.1699], [0.0060, -0.0633, 0.0005], [0.3477, 0.2275, 0.2950],
+               [0.1984, 0.0913, 0.1861]], [-0.1835, -0.0868, -0.3360]),
+    "ltxv": ([], [0.0, 0.0, 0.0]),  # no map fitted here for its 128 channels: the plain projection
 }
 
 
@@ -165,9 +172,7 @@ class Previewer:
 def to_rgb(latents: np.ndarray, family: Family) -> np.ndarray:
     """(rows, channels, h, w) latents as (rows, 3, h, w) RGB in about [-1, 1], by the family's
     linear map; latents of another channel count (a custom VAE) by a plain projection."""
-    latent_format = family_spec(family).latent_format
-    assert latent_format is not None, f"a {family} model has no previews (admission refuses them)"
-    factors, bias = LATENT_RGB[latent_format]
+    factors, bias = LATENT_RGB[family_spec(family).latent_format]
     if latents.shape[1] == len(factors):
         weights = np.asarray(factors, dtype=np.float32)
         offsets = np.asarray(bias, dtype=np.float32)[:, None, None]

@@ -133,7 +133,10 @@ class PreviewOffers:
         rows = [place * per_job for place, _ in wanted]  # diffusers orders a prompt's images together
         # A hires job's second pass denoises at the larger size.
         width, height = (first.width, first.height) if step <= first.first_steps_run else self.larger
-        self.previewer.offer([job for _, job in wanted], step, latents[rows], width, height)
+        chosen = latents[rows]
+        if first.is_video:  # a clip's latents hold every frame: its middle one is the preview
+            chosen = clips.middle_frame(chosen, first, current_pipeline().pipe)
+        self.previewer.offer([job for _, job in wanted], step, chosen, width, height)
 
     def flush(self) -> None:
         """Once the execution is over, before its end is recorded: so that no preview follows it."""

@@ -780,7 +780,7 @@ function dragEnd(event) {
 // --- ControlNet and hires pass ---------------------------------------------------------------------
 
 // The ControlNets (its own and the folder's) of the model a job runs on when it names none, which
-// GET /v1/models lists first: the group shows only where it has some. Whether it makes clips.
+// GET /v1/models lists first: the group shows only where it has some.
 async function loadModel(started) {
   let model = null;
   try {
@@ -790,8 +790,7 @@ async function loadModel(started) {
   }
   if (started !== generation) return;
   showControlNets(model?.controlnets ?? []);
-  // A video model makes a clip, which has no live previews: the box is off, and not sent.
-  $("previews").disabled = model?.media === "video";
+
   $("control").dataset.model = model?.name ?? ""; // which model's ControlNets the group offers
 }
 
@@ -1146,7 +1145,7 @@ function requestBody() {
   const hires = hiresOf();
   if (hires) body.hires = hires;
   body.priority = $("priority").value;
-  if ($("previews").checked && !$("previews").disabled) body.previews = true;
+  if ($("previews").checked) body.previews = true;
   return body;
 }
 

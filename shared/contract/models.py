@@ -37,14 +37,13 @@ SingleFile = Literal["pipeline", "transformer"]
 # the second's pooled output and size conditioning (SDXL), T5 with CLIP's pooled output (Flux), T5
 # alone (Wan's UMT5, LTX-Video's T5).
 TextEncoders = Literal["clip", "clip_pair", "t5_clip", "t5"]
-# The latent space of its VAE, as ComfyUI's latent_formats name them (a preview's colours); None for
-# a family without previews.
-LatentFormat = Literal["sd15", "sdxl", "flux"]
+# The latent space of its VAE, as ComfyUI's latent_formats name them (a preview's colours).
+LatentFormat = Literal["sd15", "sdxl", "flux", "wan21", "ltxv"]
 # What it makes: images, or a clip of frames (an MP4).
 Media = Literal["image", "video"]
 # What a family may be unable to take, as FamilySpec's fields name it.
 Ability = Literal["takes_controlnet", "takes_ip_adapter", "takes_latent_upscale", "takes_loras",
-                  "takes_previews", "takes_inpainting", "takes_image", "takes_hires"]
+                  "takes_inpainting", "takes_image", "takes_hires"]
 
 # A model's name, as SLOTQ_MODEL_NAME and SLOTQ_MODEL_NAMES give it and a job's `model` names it.
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
@@ -86,7 +85,7 @@ class FamilySpec(BaseModel):
     denoiser: Denoiser
     single_file: SingleFile
     text_encoders: TextEncoders
-    latent_format: LatentFormat | None
+    latent_format: LatentFormat
     takes_controlnet: bool  # slotq's ControlNets and IP-Adapters go into a UNet
     takes_ip_adapter: bool
     takes_latent_upscale: bool  # a hires pass may upscale its latents rather than the image
@@ -133,11 +132,6 @@ class FamilySpec(BaseModel):
     def takes_loras(self) -> bool:
         """slotq's LoRA adapters are the image families'."""
         return not self.is_video
-
-    @property
-    def takes_previews(self) -> bool:
-        """Previews paint a latent format's colours: a family needs one."""
-        return self.latent_format is not None
 
     @property
     def takes_inpainting(self) -> bool:
@@ -253,7 +247,7 @@ FAMILY_SPECS: dict[Family, FamilySpec] = {
         samplers=FLOW_SCHEDULERS, steppable=(),
         defaults=ModelDefaults(steps=50, guidance_scale=5.0, width=832, height=480, frames=81, fps=16),
         side_multiple=16, denoiser="transformer", single_file="transformer", text_encoders="t5",
-        latent_format=None, takes_controlnet=False, takes_ip_adapter=False, takes_latent_upscale=False,
+        latent_format="wan21", takes_controlnet=False, takes_ip_adapter=False, takes_latent_upscale=False,
         media="video", frame_multiple=4, job_timeout_s=3600),
     # LTX-Video (0.9: 704x480, 161 frames at 25 fps, 50 steps at CFG 3); its VAE compresses 32x in
     # space and 8x in time. Its image-to-video pipeline runs over the text-to-video one's modules.
@@ -262,7 +256,7 @@ FAMILY_SPECS: dict[Family, FamilySpec] = {
         samplers=FLOW_SCHEDULERS, steppable=(),
         defaults=ModelDefaults(steps=50, guidance_scale=3.0, width=704, height=480, frames=161, fps=25),
         side_multiple=32, denoiser="transformer", single_file="transformer", text_encoders="t5",
-        latent_format=None, takes_controlnet=False, takes_ip_adapter=False, takes_latent_upscale=False,
+        latent_format="ltxv", takes_controlnet=False, takes_ip_adapter=False, takes_latent_upscale=False,
         media="video", frame_multiple=8, image_to_video_class="LTXImageToVideoPipeline", min_steps=2,
         job_timeout_s=3600),
 }
@@ -287,7 +281,6 @@ _REFUSALS: dict[Ability, tuple[list[str | int], str]] = {
                                                     "send `lanczos`"),
     "takes_loras": (["loras"], "a {family} model takes no LoRA adapter here: slotq's are the {able} "
                                "families'"),
-    "takes_previews": (["previews"], "a {family} model has no previews here: the {able} families have"),
     "takes_inpainting": (["mask"], "a {family} model does not inpaint: the {able} families do"),
     "takes_image": (["image"], "this {family} model makes clips from text only (image-to-video is a "
                                "checkpoint of its own there); the {able} families start from an image"),

@@ -54,7 +54,7 @@ def test_an_image_model_refuses_frames_and_fps() -> None:
 
 
 @pytest.mark.parametrize(("body", "loc"), [
-    ({"num_images": 2}, ["num_images"]), ({"previews": True}, ["previews"]), ({"speed": "fast"}, ["speed"]),
+    ({"num_images": 2}, ["num_images"]), ({"speed": "fast"}, ["speed"]),
     ({"hires": {"scale": 2.0}, "width": 64, "height": 64}, ["hires"]),
     ({"loras": [{"name": "a", "scale": 1.0}]}, ["loras"]),
     ({"steps": 1, "frames": 9}, ["steps"])])
@@ -75,7 +75,7 @@ def test_the_document_offers_clips_on_the_models_multiple_and_an_image_service_n
     video = openapi_document(Settings(model="tiny-wan", max_frames=17))["components"]["schemas"]["JobRequest"]
     assert video["properties"]["frames"]["anyOf"] == [{"type": "integer", "enum": [5, 9, 13, 17]}]
     assert video["properties"]["frames"]["default"] == 17  # the family's 81, within SLOTQ_MAX_FRAMES
-    assert video["properties"]["previews"]["const"] is False
+    assert video["properties"]["num_images"]["const"] == 1
     image = openapi_document(Settings(model="tiny"))["components"]["schemas"]["JobRequest"]
     assert image["properties"]["frames"]["type"] == "null" and image["properties"]["fps"]["type"] == "null"
 

@@ -76,12 +76,13 @@ EXPECTED: dict[str, dict[str, object]] = {
              "takes_latent_upscale": False, "cache_interval": None, "cache_threshold": 0.08,
              "defaults": {"steps": 28, "guidance_scale": 3.5, "width": 1024, "height": 1024}},
 }
-IMAGE = {"media": "image", "frame_multiple": 0, "image_to_video_class": None, "min_steps": 1}
+IMAGE = {"media": "image", "frame_multiple": 0, "image_to_video_class": None, "min_steps": 1,
+         "job_timeout_s": None}
 # The video families, as their published defaults have them (Wan 2.1 1.3B's 480p, LTX-Video 0.9's).
 VIDEO = {"samplers": ("flow_euler",), "steppable": (), "denoiser": "transformer",
          "single_file": "transformer",
          "takes_controlnet": False, "takes_ip_adapter": False, "takes_latent_upscale": False,
-         "cache_interval": None, "cache_threshold": None, "media": "video"}
+         "cache_interval": None, "cache_threshold": None, "media": "video", "job_timeout_s": 3600}
 EXPECTED |= {
     "wan": VIDEO | {"pipeline_class": "WanPipeline", "tiny_model": "tiny-wan",
                     "checkpoint_config": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "side_multiple": 16,
@@ -114,7 +115,7 @@ def test_every_family_has_one_complete_record_that_says_what_the_old_tables_said
             list(spec.samplers), spec.defaults, spec.side_multiple, spec)
     # Each family its own text encoders and latent space.
     assert [(spec.text_encoders, spec.latent_format) for spec in FAMILY_SPECS.values()] == [
-        ("clip", "sd15"), ("clip_pair", "sdxl"), ("t5_clip", "flux"), ("t5", None), ("t5", None)]
+        ("clip", "sd15"), ("clip_pair", "sdxl"), ("t5_clip", "flux"), ("t5", "wan21"), ("t5", "ltxv")]
 
 
 def test_a_record_that_contradicts_itself_is_refused() -> None:

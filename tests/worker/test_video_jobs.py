@@ -184,6 +184,21 @@ def test_a_canceled_clip_stops_within_a_step_and_an_unfinished_ones_video_is_409
     assert missing.status_code == 404 and missing.get_json()["error"]["code"] == "not_found"
 
 
+def test_a_running_clip_with_previews_shows_its_middle_frame_as_a_jpeg_of_its_aspect(
+        client: FlaskClient, video_model: str) -> None:
+    body = clip_body(video_model, steps=100, width=256, height=128, frames=4 * frames_of(video_model) - 3,
+                     previews=True)
+    job_id = post_job(client, **body).get_json()["id"]
+    preview = wait_for(lambda: (answer := client.get(f"/v1/jobs/{job_id}/preview")).status_code == 200
+                       and answer, timeout=120, what="the clip's first preview")
+    assert preview.mimetype == "image/jpeg"
+    assert int(preview.headers["Preview-Step"]) >= 1
+    picture = np.asarray(Image.open(io.BytesIO(preview.data)).convert("RGB")).astype(float)
+    assert picture.shape == (128, 256, 3) and picture.std() > 1  # the clip's aspect, not one flat colour
+    client.delete(f"/v1/jobs/{job_id}")
+    assert wait_for_status(client, job_id, "canceled")["preview"] is None
+
+
 def test_an_image_to_video_clip_starts_from_its_image(client: FlaskClient, video_model: str,
                                                       pipe: Any) -> None:
     image = start_image(SIDE, SIDE, seed=5)
@@ -207,7 +222,7 @@ def test_an_image_to_video_clip_starts_from_its_image(client: FlaskClient, video
 
 
 @pytest.mark.parametrize(("fields", "loc"), [
-    ({"frames": 10}, "frames"), ({"num_images": 2}, "num_images"), ({"previews": True}, "previews"),
+    ({"frames": 10}, "frames"), ({"num_images": 2}, "num_images"),
     ({"speed": "fast"}, "speed"), ({"loras": [{"name": "any", "scale": 1.0}]}, "loras"),
     ({"hires": {"scale": 2.0}}, "hires"), ({"fps": 0}, "fps")])
 def test_what_a_video_model_cannot_do_is_refused_and_admits_nothing(
