@@ -63,18 +63,23 @@ def dump(print_of: str, flights: list[dict[str, Any]]) -> bytes:
 
 def load(data: bytes, print_of: str) -> dict[int, dict[str, Any]]:
     """The flights' states of a checkpoint by image, or ``CheckpointError`` where it is not this job's."""
+    flights = _opened(data, print_of, FORMAT, "a checkpoint of this format").get("flights")
+    if not isinstance(flights, list) or not all(isinstance(each, dict) for each in flights):
+        raise CheckpointError("it holds no flights")
+    return {each.get("image"): each for each in flights}
+
+
+def _opened(data: bytes, print_of: str, kind: int, what: str) -> dict[str, Any]:
+    """A checkpoint's saved dict, where it loads, is of this kind and was saved for this job."""
     try:
         saved = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:  # what a corrupt file raises varies: pickle, zip, torch errors
         raise CheckpointError(f"it does not load ({type(exc).__name__}: {exc})") from exc
-    if not isinstance(saved, dict) or saved.get("format") != FORMAT:
-        raise CheckpointError("it is not a checkpoint of this format")
+    if not isinstance(saved, dict) or saved.get("format") != kind:
+        raise CheckpointError(f"it is not {what}")
     if saved.get("fingerprint") != print_of:
         raise CheckpointError("it was saved for another request or model")
-    flights = saved.get("flights")
-    if not isinstance(flights, list) or not all(isinstance(each, dict) for each in flights):
-        raise CheckpointError("it holds no flights")
-    return {each.get("image"): each for each in flights}
+    return saved
 
 
 def resume(loop: SteppingLoop, job: Job, request: JobRequest, flights: list[Flight],
@@ -118,14 +123,7 @@ def dump_call(print_of: str, step: int, latents: torch.Tensor, generators: list[
 
 def load_call(data: bytes, print_of: str, generators: int) -> Resumption:
     """A whole-pipeline call's checkpoint, or ``CheckpointError`` where it is not this job's."""
-    try:
-        saved = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as exc:  # what a corrupt file raises varies: pickle, zip, torch errors
-        raise CheckpointError(f"it does not load ({type(exc).__name__}: {exc})") from exc
-    if not isinstance(saved, dict) or saved.get("format") != PIPELINE_FORMAT:
-        raise CheckpointError("it is not a checkpoint of a whole-pipeline call")
-    if saved.get("fingerprint") != print_of:
-        raise CheckpointError("it was saved for another request or model")
+    saved = _opened(data, print_of, PIPELINE_FORMAT, "a checkpoint of a whole-pipeline call")
     step, latents, states = saved.get("step"), saved.get("latents"), saved.get("generators")
     if not (isinstance(step, int) and step >= 1 and isinstance(latents, torch.Tensor)
             and isinstance(states, list) and len(states) == generators

@@ -113,7 +113,7 @@ def generations() -> Response:
     """Images from a prompt (``client.images.generate``)."""
     asked = _parsed(GenerationRequest, _json_body())
     model = state.jobs().model(_model_name(asked.model))
-    size = _size(asked.size, model)
+    size = size_of(asked.size, model)
     body = _job_body(asked, model) | ({"width": size[0], "height": size[1]} if size else {})
     return jsonify(_answer(asked, calls.run(calls.submission(body))))
 
@@ -125,7 +125,7 @@ def edits() -> Response:
     mask's fully transparent pixels are repainted."""
     asked = _parsed(EditRequest, _form_body())
     model = state.jobs().model(_model_name(asked.model))
-    body = _job_body(asked, model) | _inputs(_size(asked.size, model), model)
+    body = _job_body(asked, model) | _inputs(size_of(asked.size, model), model)
     return jsonify(_answer(asked, calls.run(calls.submission(body))))
 
 
@@ -206,9 +206,9 @@ def _model_name(name: str | None) -> str:
     raise UnknownModelError(f"No model named {name[:64]!r}; this service takes {offered}.")
 
 
-def _size(text: str | None, model: ModelInfo) -> tuple[int, int] | None:
+def size_of(text: str | None, model: ModelInfo) -> tuple[int, int] | None:
     """``WIDTHxHEIGHT`` as sides the model can make; None for ``auto`` or none (the model's default
-    size, or an edit's image's)."""
+    size, or an input image's). The Videos surface reads its ``size`` so too."""
     if text is None or text == "auto":
         return None
     match = SIZE.fullmatch(text)

@@ -41,7 +41,7 @@ from shared.contract.errors import (
     UnknownModelError,
 )
 from shared.contract.images import FORMATS, read_data_url
-from shared.contract.jobs import MAX_FPS, MAX_IDEMPOTENCY_KEY, MAX_LIMIT, MIN_SIDE, JobStatus, JobView
+from shared.contract.jobs import MAX_FPS, MAX_IDEMPOTENCY_KEY, MAX_LIMIT, JobStatus, JobView
 from shared.contract.models import ModelInfo
 
 bp = Blueprint("openai_videos", __name__)
@@ -59,7 +59,6 @@ FORM_FIELDS: dict[str, Callable[[str], Any]] = {"seed": int, "steps": int, "guid
 REFERENCE_FIELD = re.compile(r"input_reference\[(\w+)\]")
 # OpenAI's name of each job field that an error may name (openai_images.render maps width and height).
 PARAMS = {"frames": "seconds", "image": "input_reference"}
-SIZE = re.compile(r"(\d{1,5})x(\d{1,5})")
 SECONDS = re.compile(r"\d{1,4}(\.\d{1,3})?")
 STATUSES = {JobStatus.QUEUED: "queued", JobStatus.RUNNING: "in_progress", JobStatus.SUCCEEDED: "completed"}
 # How soon ``client.videos.poll`` asks again (its openai-poll-after-ms header): the job's ETA, within these.
@@ -231,7 +230,7 @@ def _parsed(body: Any) -> VideoRequest:
 def _job_body(asked: VideoRequest, model: ModelInfo) -> dict[str, Any]:
     """The native job a request asks for: its seconds as frames, its size as sides, its
     input_reference as the start image; what it leaves out, the model's defaults."""
-    size = _size(asked.size, model)
+    size = openai_images.size_of(asked.size, model)
     body = {"prompt": asked.prompt, "model": model.name,
             **asked.model_dump(include=set(EXTENSIONS), exclude_none=True)}
     frames = _frames(asked.seconds, asked.fps or model.defaults.fps, model)
@@ -276,21 +275,6 @@ def _caller_video_model() -> str:
         raise UnknownModelError("This service offers no video model (SLOTQ_MODEL_NAMES): its models make "
                                 "images.")
     return videos[0]
-
-
-def _size(text: str | None, model: ModelInfo) -> tuple[int, int] | None:
-    """``WIDTHxHEIGHT`` as sides the model can make; None where absent (the model's default size, or
-    an input_reference's)."""
-    if text is None:
-        return None
-    match = SIZE.fullmatch(text)
-    largest, multiple = state.settings().max_side, model.side_multiple
-    sides = (int(match[1]), int(match[2])) if match else (0, 0)
-    if not all(side % multiple == 0 and MIN_SIDE <= side <= largest for side in sides):
-        message = (f"{text[:20]!r} is not a size this model makes: WIDTHxHEIGHT, sides multiples of "
-                   f"{multiple} from {MIN_SIDE} to {largest}")
-        raise InvalidRequestError(details=[{"loc": ["size"], "msg": message}])
-    return sides
 
 
 def _frames(seconds: str | None, fps: int | None, model: ModelInfo) -> int | None:

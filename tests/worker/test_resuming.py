@@ -94,3 +94,18 @@ def test_a_checkpoint_missing_an_image_restarts_them_all(loop: SteppingLoop, red
     assert [flight.step for flight in flights] == [0, 0] and len(loop.running) == 2  # none left behind
     for flight in flights:
         loop.cancel(flight)
+
+
+def test_a_whole_pipeline_calls_checkpoint_loads_only_for_its_own_job_and_kind() -> None:
+    generator = torch.Generator("cpu").manual_seed(3)
+    latents = torch.arange(24, dtype=torch.float32).reshape(1, 2, 3, 4)
+    data = resuming.dump_call("print-a", 5, latents, [generator])
+    loaded = resuming.load_call(data, "print-a", 1)
+    assert loaded.step == 5 and torch.equal(loaded.latents, latents)
+    assert torch.equal(loaded.generators[0], generator.get_state())
+    for bad, why in [(b"not a checkpoint at all", "does not load"), (data, "another request or model"),
+                     (resuming.dump("print-a", []), "not a checkpoint of a whole-pipeline call")]:
+        with pytest.raises(resuming.CheckpointError, match=why):
+            resuming.load_call(bad, "print-b" if why.startswith("another") else "print-a", 1)
+    with pytest.raises(resuming.CheckpointError, match="generator states"):
+        resuming.load_call(data, "print-a", 2)  # a batch of two images: not this call's
