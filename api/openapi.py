@@ -144,6 +144,7 @@ def _media(fields: dict[str, Any], model: ModelInfo, max_frames: int) -> None:
     fields["fps"] = {**fields["fps"], "anyOf": [{"type": "integer", "minimum": 1, "maximum": MAX_FPS}]}
     fields["num_images"] = {**fields["num_images"], "const": 1}
     fields["speed"] = {**fields["speed"], "enum": ["normal", "auto"]}
+    fields["prompt_syntax"] = {**fields["prompt_syntax"], "enum": ["plain"]}
     for name in ("hires", "mask", "image"):
         fields[name] = {"type": "null", "default": None, "description": "Always null: not for these models."}
 

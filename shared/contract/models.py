@@ -43,7 +43,7 @@ LatentFormat = Literal["sd15", "sdxl", "flux", "wan21", "ltxv"]
 Media = Literal["image", "video"]
 # What a family may be unable to take, as FamilySpec's fields name it.
 Ability = Literal["takes_controlnet", "takes_ip_adapter", "takes_latent_upscale", "takes_loras",
-                  "takes_inpainting", "takes_image", "takes_hires"]
+                  "takes_inpainting", "takes_image", "takes_hires", "takes_weighted_prompts"]
 
 # A model's name, as SLOTQ_MODEL_NAME and SLOTQ_MODEL_NAMES give it and a job's `model` names it.
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
@@ -147,6 +147,11 @@ class FamilySpec(BaseModel):
     def takes_image(self) -> bool:
         """A start image: every image family's, and a video family's with an image-to-video twin."""
         return not self.is_video or self.image_to_video_class is not None
+
+    @property
+    def takes_weighted_prompts(self) -> bool:
+        """compel weights CLIP's embeddings (worker/prompts.py): a T5 alone it cannot."""
+        return self.text_encoders != "t5"
 
     @property
     def takes_fast_tier(self) -> bool:
@@ -285,6 +290,8 @@ _REFUSALS: dict[Ability, tuple[list[str | int], str]] = {
     "takes_image": (["image"], "this {family} model makes clips from text only (image-to-video is a "
                                "checkpoint of its own there); the {able} families start from an image"),
     "takes_hires": (["hires"], "a {family} model has no hires pass: the {able} families have"),
+    "takes_weighted_prompts": (["prompt_syntax"], "a {family} model's prompts cannot be weighted here: the "
+                                                  "{able} families' can"),
 }
 
 

@@ -56,7 +56,7 @@ def test_an_image_model_refuses_frames_and_fps() -> None:
 @pytest.mark.parametrize(("body", "loc"), [
     ({"num_images": 2}, ["num_images"]), ({"speed": "fast"}, ["speed"]),
     ({"hires": {"scale": 2.0}, "width": 64, "height": 64}, ["hires"]),
-    ({"loras": [{"name": "a", "scale": 1.0}]}, ["loras"]),
+    ({"loras": [{"name": "a", "scale": 1.0}]}, ["loras"]), ({"prompt_syntax": "weighted"}, ["prompt_syntax"]),
     ({"steps": 1, "frames": 9}, ["steps"])])
 def test_what_a_video_family_cannot_do_is_refused_at_its_field(body: dict[str, Any], loc: list[str]) -> None:
     assert refused_at(body, "ltx") == [loc]
@@ -76,6 +76,7 @@ def test_the_document_offers_clips_on_the_models_multiple_and_an_image_service_n
     assert video["properties"]["frames"]["anyOf"] == [{"type": "integer", "enum": [5, 9, 13, 17]}]
     assert video["properties"]["frames"]["default"] == 17  # the family's 81, within SLOTQ_MAX_FRAMES
     assert video["properties"]["num_images"]["const"] == 1
+    assert video["properties"]["prompt_syntax"]["enum"] == ["plain"]
     image = openapi_document(Settings(model="tiny"))["components"]["schemas"]["JobRequest"]
     assert image["properties"]["frames"]["type"] == "null" and image["properties"]["fps"]["type"] == "null"
 
