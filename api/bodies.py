@@ -1,8 +1,8 @@
-"""Request bodies, read with bounds: every surface parses JSON bodies and JSON form fields with
-``loads``, so that what a client sends is a 4xx of that surface, never a crash of the request; and
-a body sent without a length (chunked) is read here, so that one over SLOTQ_MAX_BODY_BYTES is a 413
-as a body with a ``Content-Length`` is (werkzeug alone cuts it at the limit, and the cut body then
-reads as malformed).
+"""Request bodies, read with bounds (and the Idempotency-Key header, checked): every surface parses
+JSON bodies and JSON form fields with ``loads``, so that what a client sends is a 4xx of that
+surface, never a crash of the request; and a body sent without a length (chunked) is read here, so
+that one over SLOTQ_MAX_BODY_BYTES is a 413 as a body with a ``Content-Length`` is (werkzeug alone
+cuts it at the limit, and the cut body then reads as malformed).
 
 - Nesting: a document nested deeper than ``MAX_DEPTH`` is refused (no request of any surface nests
   more than a few levels), before code that walks it recursively can meet Python's recursion limit.
@@ -19,7 +19,13 @@ from typing import Any
 
 from flask import current_app, request
 
-from shared.contract.errors import InvalidJSONError, PayloadTooLargeError, UnsupportedMediaTypeError
+from shared.contract.errors import (
+    InvalidJSONError,
+    InvalidRequestError,
+    PayloadTooLargeError,
+    UnsupportedMediaTypeError,
+)
+from shared.contract.jobs import MAX_IDEMPOTENCY_KEY
 
 MAX_DEPTH = 64
 
@@ -82,3 +88,13 @@ def buffer_unsized() -> None:
     if len(data) > limit:
         raise PayloadTooLargeError()
     environ["wsgi.input"], environ["wsgi.input_terminated"] = io.BytesIO(data), True
+
+
+def idempotency_key() -> str | None:
+    """The request's Idempotency-Key header, which makes a retried submit replay the job it admitted;
+    one too long or with control characters is refused."""
+    key = request.headers.get("Idempotency-Key")
+    if key is not None and not (0 < len(key) <= MAX_IDEMPOTENCY_KEY and key.isprintable()):
+        message = f"must be 1 to {MAX_IDEMPOTENCY_KEY} printable characters"
+        raise InvalidRequestError(details=[{"loc": ["header", "Idempotency-Key"], "msg": message}])
+    return key

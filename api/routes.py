@@ -21,7 +21,7 @@ from shared.contract.errors import (
     RangeNotSatisfiableError,
 )
 from shared.contract.images import INPUT_NAMES
-from shared.contract.jobs import DEFAULT_LIMIT, MAX_IDEMPOTENCY_KEY, MAX_LIMIT, JobStatus, Submission
+from shared.contract.jobs import DEFAULT_LIMIT, MAX_LIMIT, JobStatus, Submission
 
 bp = Blueprint("slotq", __name__)
 
@@ -39,7 +39,8 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
     """Admit a job (202), replay an earlier submit with the same Idempotency-Key (200), or refuse."""
     # With ``Prefer: wait=N``, a job that ends within N seconds answers 200 with its final view.
     submission, wait = _submission(), longpoll.preferred_wait(request.headers.getlist("Prefer"))
-    ticket = Ticket(_idempotency_key(), state.tenant(), logs.request_id.get())  # api/observability.py set it
+    # The request id: api/observability.py set it.
+    ticket = Ticket(bodies.idempotency_key(), state.tenant(), logs.request_id.get())
     submitted = state.jobs().submit(submission, ticket, wait)
     g.admission = "replayed" if submitted.replayed else "admitted"
     g.about = submitted.about  # the request's log line says it (api/observability.py)
@@ -217,10 +218,3 @@ def _submission() -> Submission:
     ``InvalidRequestError`` (``UnknownModelError``, ``InvalidImageError`` for an input image)."""
     return state.jobs().submission(bodies.json_body())
 
-
-def _idempotency_key() -> str | None:
-    key = request.headers.get("Idempotency-Key")
-    if key is not None and not (0 < len(key) <= MAX_IDEMPOTENCY_KEY and key.isprintable()):
-        message = f"must be 1 to {MAX_IDEMPOTENCY_KEY} printable characters"
-        raise InvalidRequestError(details=[{"loc": ["header", "Idempotency-Key"], "msg": message}])
-    return key

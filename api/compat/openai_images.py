@@ -33,7 +33,6 @@ from shared.contract.errors import (
     UnauthorizedError,
     UnknownModelError,
 )
-from shared.contract.images import FORMATS, read_data_url
 from shared.contract.jobs import MIN_SIDE
 from shared.contract.models import ModelInfo
 
@@ -96,7 +95,7 @@ class GenerationRequest(BaseModel):
     loras: Any = None
 
 
-Asked = TypeVar("Asked", bound="GenerationRequest")
+Asked = TypeVar("Asked", bound=BaseModel)
 
 
 class EditRequest(GenerationRequest):
@@ -111,7 +110,7 @@ class EditRequest(GenerationRequest):
 @calls.admitting("openai")
 def generations() -> Response:
     """Images from a prompt (``client.images.generate``)."""
-    asked = _parsed(GenerationRequest, _json_body())
+    asked = parsed(GenerationRequest, _json_body())
     model = state.jobs().model(_model_name(asked.model))
     size = size_of(asked.size, model)
     body = _job_body(asked, model) | ({"width": size[0], "height": size[1]} if size else {})
@@ -123,7 +122,7 @@ def generations() -> Response:
 def edits() -> Response:
     """An image redrawn from a prompt (``client.images.edit``): image-to-image, or inpainting where a
     mask's fully transparent pixels are repainted."""
-    asked = _parsed(EditRequest, _form_body())
+    asked = parsed(EditRequest, _form_body())
     model = state.jobs().model(_model_name(asked.model))
     body = _job_body(asked, model) | _inputs(size_of(asked.size, model), model)
     return jsonify(_answer(asked, calls.run(calls.submission(body))))
@@ -172,11 +171,13 @@ def _form_body() -> dict[str, Any]:
     if unknown:
         raise InvalidRequestError(details=[{"loc": [name], "msg": "not a file this API takes"}
                                            for name in unknown])
-    return {name: _form_value(name, value) for name, value in request.form.items() if name not in FILE_FIELDS}
+    return {name: form_value(name, value) for name, value in request.form.items() if name not in FILE_FIELDS}
 
 
-def _form_value(name: str, text: str) -> Any:
-    parse = FORM_FIELDS.get(name)
+def form_value(name: str, text: str, fields: dict[str, Callable[[str], Any]] = FORM_FIELDS) -> Any:
+    """A multipart field's text as JSON would carry it: the numbers and the JSON ones among ``fields``
+    parsed, the rest as text."""
+    parse = fields.get(name)
     try:
         return parse(text) if parse else text
     except (ValueError, KeyError):
@@ -184,7 +185,8 @@ def _form_value(name: str, text: str) -> Any:
         raise InvalidRequestError(details=[{"loc": [name], "msg": message}]) from None
 
 
-def _parsed(kind: type[Asked], body: Any) -> Asked:
+def parsed(kind: type[Asked], body: Any) -> Asked:
+    """A body as the surface's request model, or ``InvalidRequestError`` naming what is wrong."""
     if not isinstance(body, dict):
         raise InvalidRequestError("The body must be a JSON object.")
     try:
@@ -237,9 +239,10 @@ def _inputs(size: tuple[int, int] | None, model: ModelInfo) -> dict[str, str]:
     uploaded = _upload("image") or _upload("image[]")
     if uploaded is None:
         raise InvalidRequestError(details=[{"loc": ["image"], "msg": "required: upload the image as a file"}])
-    image, url = _opened("image", uploaded)
+    most = state.settings().max_image_bytes
+    image, url = uploads.opened("image", uploaded, most)
     masked = _upload("mask")
-    mask = _repainted(_opened("mask", masked)[0]) if masked is not None else None
+    mask = _repainted(uploads.opened("mask", masked, most)[0]) if masked is not None else None
     if mask is not None and mask.size != image.size:
         raise InvalidImageError(f"`mask` is {mask.width}x{mask.height} and the image {image.width}x"
                                 f"{image.height}: they must be the same size")
@@ -249,9 +252,9 @@ def _inputs(size: tuple[int, int] | None, model: ModelInfo) -> dict[str, str]:
     if size != image.size:
         image, changed = image.resize(size, Image.Resampling.LANCZOS), True
         mask = mask.resize(size, Image.Resampling.NEAREST) if mask is not None else None
-    inputs = {"image": _png_url(image.convert("RGB")) if changed else url}
+    inputs = {"image": uploads.png_url(image.convert("RGB")) if changed else url}
     if mask is not None:
-        inputs["mask"] = _png_url(mask)
+        inputs["mask"] = uploads.png_url(mask)
     return inputs
 
 
@@ -260,40 +263,12 @@ def _upload(field: str) -> bytes | None:
     return files[0].read() if files else None
 
 
-def _opened(name: Literal["image", "mask"], data: bytes) -> tuple[Image.Image, str]:
-    """An uploaded file as an image, once the contract's door checks pass (size, pixels, a whole
-    decode), with its ``data:`` URL."""
-    media_type = _media_type(data)
-    if media_type is None:
-        raise InvalidImageError(f"`{name}` is not a PNG, JPEG or WebP image")
-    url = f"data:{media_type};base64,{base64.b64encode(data).decode()}"
-    settings = state.settings()
-    read_data_url(name, url, max_bytes=settings.max_image_bytes, max_pixels=uploads.UPLOAD_MAX_PIXELS)
-    image = Image.open(io.BytesIO(data), formats=[FORMATS[media_type]])
-    image.load()
-    return image, url
-
-
-def _media_type(data: bytes) -> str | None:
-    if data.startswith(b"\x89PNG\r\n\x1a\n"):
-        return "image/png"
-    if data.startswith(b"\xff\xd8\xff"):
-        return "image/jpeg"
-    return "image/webp" if data[:4] == b"RIFF" and data[8:12] == b"WEBP" else None
-
-
 def _repainted(mask: Image.Image) -> Image.Image:
     """An OpenAI mask (fully transparent: repaint) as slotq's (white: repaint, black: keep)."""
     if not mask.has_transparency_data:
         raise InvalidImageError("`mask` has no transparency: its fully transparent pixels are the area to "
                                 "repaint, so it must have an alpha channel")
     return mask.convert("RGBA").getchannel("A").point([255] + [0] * 255)
-
-
-def _png_url(image: Image.Image) -> str:
-    buffer = io.BytesIO()
-    image.save(buffer, "PNG")
-    return f"data:image/png;base64,{base64.b64encode(buffer.getvalue()).decode()}"
 
 
 def _answer(asked: GenerationRequest, finished: calls.Finished) -> dict[str, Any]:

@@ -11,8 +11,6 @@ come in OpenAI's envelope, as the Images surface renders them (``openai_images.r
 
 from __future__ import annotations
 
-import base64
-import io
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -23,25 +21,22 @@ from typing import Any, Literal
 
 from flask import Blueprint, Response, g, jsonify, request
 from PIL import Image
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from werkzeug.exceptions import RequestedRangeNotSatisfiable
+from pydantic import BaseModel, ConfigDict, Field
 
-from api import bodies, state
+from api import bodies, routes, state
 from api.compat import calls, openai_images, uploads
 from api.errors import as_service_error
 from api.jobs import Ticket
 from shared.contract import logs
 from shared.contract.errors import (
     AlreadyFinishedError,
-    InvalidImageError,
     InvalidRequestError,
     JobNotFoundError,
     NotFoundError,
-    RangeNotSatisfiableError,
     UnknownModelError,
 )
-from shared.contract.images import FORMATS, read_data_url
-from shared.contract.jobs import MAX_FPS, MAX_IDEMPOTENCY_KEY, MAX_LIMIT, JobStatus, JobView
+from shared.contract.images import read_data_url
+from shared.contract.jobs import MAX_FPS, MAX_LIMIT, JobStatus, JobView
 from shared.contract.models import ModelInfo
 
 bp = Blueprint("openai_videos", __name__)
@@ -100,9 +95,10 @@ class VideoRequest(BaseModel):
 @calls.admitting("openai")
 def create() -> Response:
     """Admit a clip (``client.videos.create``): answered at once, queued."""
-    asked = _parsed(_form_body() if request.mimetype == "multipart/form-data" else bodies.json_body())
+    body = _form_body() if request.mimetype == "multipart/form-data" else bodies.json_body()
+    asked = openai_images.parsed(VideoRequest, body)
     jobs = state.jobs()
-    ticket = Ticket(_idempotency_key(), state.tenant(), logs.request_id.get())
+    ticket = Ticket(bodies.idempotency_key(), state.tenant(), logs.request_id.get())
     submitted = jobs.submit(jobs.submission(_job_body(asked, _video_model(asked.model))), ticket)
     g.admission = "replayed" if submitted.replayed else "admitted"
     g.about = submitted.about  # the request's log line says it (api/observability.py)
@@ -152,7 +148,7 @@ def content(video_id: str) -> Response:
         if isinstance(found, str):  # SLOTQ_S3_PRESIGN: the poster in the bucket
             return Response(status=307, headers={"Location": found, "Cache-Control": "no-store"})
         return Response(found, mimetype="image/png", headers={"Cache-Control": "private, max-age=3600"})
-    return _ranged(jobs.video(video_id, tenant))
+    return routes.get_video(video_id)  # the native route's answer: its ranged reads included
 
 
 @bp.delete("/v1/videos/<video_id>")
@@ -179,16 +175,6 @@ def render(exc: Exception) -> tuple[Response, int]:
 bp.register_error_handler(Exception, render)
 
 
-def _ranged(data: bytes) -> Response:
-    """An MP4 as the native ``GET /v1/jobs/<id>/video.mp4`` serves it: a satisfiable Range is a 206."""
-    response = Response(data, mimetype="video/mp4", headers={"Cache-Control": "private, max-age=3600"})
-    try:
-        response.make_conditional(request, accept_ranges=True, complete_length=len(data))
-    except RequestedRangeNotSatisfiable:
-        raise RangeNotSatisfiableError(f"The clip is {len(data)} bytes.") from None
-    return response
-
-
 def _renamed(loc: list[Any]) -> list[Any]:
     return [PARAMS.get(loc[0], loc[0]), *loc[1:]] if loc and isinstance(loc[0], str) else loc
 
@@ -205,26 +191,8 @@ def _form_body() -> dict[str, Any]:
         if nested:
             body.setdefault("input_reference", {})[nested[1]] = text
         else:
-            body[name] = _form_value(name, text)
+            body[name] = openai_images.form_value(name, text, FORM_FIELDS)
     return body
-
-
-def _form_value(name: str, text: str) -> Any:
-    parse = FORM_FIELDS.get(name)
-    try:
-        return parse(text) if parse else text
-    except ValueError:
-        message = f"{text[:40]!r} is not a number"
-        raise InvalidRequestError(details=[{"loc": [name], "msg": message}]) from None
-
-
-def _parsed(body: Any) -> VideoRequest:
-    if not isinstance(body, dict):
-        raise InvalidRequestError("The body must be a JSON object.")
-    try:
-        return VideoRequest.model_validate(body)
-    except ValidationError as exc:
-        raise InvalidRequestError.of(exc) from None
 
 
 def _job_body(asked: VideoRequest, model: ModelInfo) -> dict[str, Any]:
@@ -301,46 +269,21 @@ def _start_image(reference: ImageReference | None, size: tuple[int, int] | None,
     resized to ``size`` where given (OpenAI's video has the size asked for), else to the nearest the
     model makes. None without one; a model that takes none refuses it in the job contract."""
     files = request.files.getlist("input_reference")
+    settings = state.settings()
     if files:
         data = files[0].read()
-        url = f"data:{_media_type(data)};base64,{base64.b64encode(data).decode()}"
     elif reference is not None and reference.image_url is not None:
-        url = reference.image_url
+        data = read_data_url("input_reference", reference.image_url, max_bytes=settings.max_image_bytes,
+                             max_pixels=uploads.UPLOAD_MAX_PIXELS).data
     elif reference is not None:
         message = "this service keeps no files: upload the image, or send `image_url` as a data: URL"
         raise InvalidRequestError(details=[{"loc": ["input_reference", "file_id"], "msg": message}])
     else:
         return None
-    settings = state.settings()
-    checked = read_data_url("input_reference", url, max_bytes=settings.max_image_bytes,
-                            max_pixels=uploads.UPLOAD_MAX_PIXELS)
-    image = Image.open(io.BytesIO(checked.data), formats=[FORMATS[checked.ref.media_type]])
+    image, url = uploads.opened("input_reference", data, settings.max_image_bytes)
     fitted = size or uploads.fitted(image.size, settings.max_side, model.side_multiple)
-    if fitted == image.size:
-        return url
-    buffer = io.BytesIO()
-    image.convert("RGB").resize(fitted, Image.Resampling.LANCZOS).save(buffer, "PNG")
-    return f"data:image/png;base64,{base64.b64encode(buffer.getvalue()).decode()}"
-
-
-def _media_type(data: bytes) -> str:
-    """An upload's media type, from its first bytes (a client's Content-Type may say anything)."""
-    if data.startswith(b"\x89PNG\r\n\x1a\n"):
-        return "image/png"
-    if data.startswith(b"\xff\xd8\xff"):
-        return "image/jpeg"
-    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        return "image/webp"
-    raise InvalidImageError("`input_reference` is not a PNG, JPEG or WebP image")
-
-
-def _idempotency_key() -> str | None:
-    """The Idempotency-Key header, which makes a retried create replay the job it admitted."""
-    key = request.headers.get("Idempotency-Key")
-    if key is not None and not (0 < len(key) <= MAX_IDEMPOTENCY_KEY and key.isprintable()):
-        message = f"must be 1 to {MAX_IDEMPOTENCY_KEY} printable characters"
-        raise InvalidRequestError(details=[{"loc": ["Idempotency-Key"], "msg": message}])
-    return key
+    return url if fitted == image.size else uploads.png_url(image.convert("RGB").resize(
+        fitted, Image.Resampling.LANCZOS))
 
 
 def _clip(video_id: str) -> JobView:

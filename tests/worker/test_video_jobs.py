@@ -116,7 +116,7 @@ def test_the_models_list_says_video_with_its_frame_multiple_and_defaults(client:
     assert (defaults["frames"], defaults["fps"]) == (spec.defaults.frames, spec.defaults.fps)
 
 
-def test_a_clip_gets_its_familys_timeout_in_the_worker_too(client: FlaskClient, video_model: str,
+def test_a_clips_record_gets_its_familys_longer_timeout(client: FlaskClient, video_model: str,
                                                            video_settings: Settings) -> None:
     job_id = post_job(client, **clip_body(video_model)).get_json()["id"]
     with Redis.from_url(video_settings.redis_url) as redis:
