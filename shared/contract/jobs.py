@@ -579,10 +579,9 @@ def _read_inputs(data: dict[str, Any], inputs: dict[InputName, bytes], *, max_by
 
 
 def _check_media(request: JobRequest, model: ModelInfo) -> None:
-    """Refuse what the model's family cannot do with a job: a video family's LoRAs, masks, hires pass,
-    weighted prompts, start image (where it has no image-to-video twin) or fast tier."""
+    """Refuse what the model's family cannot do with a job: a video family's masks, hires pass, weighted
+    prompts, start image (where it has no image-to-video twin) or fast tier."""
     asked: list[tuple[bool, Ability]] = [
-        (bool(request.loras), "takes_loras"),
         (request.mask is not None, "takes_inpainting"), (request.image is not None, "takes_image"),
         (request.hires is not None, "takes_hires"),
         (request.prompt_syntax == "weighted", "takes_weighted_prompts")]

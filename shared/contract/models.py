@@ -42,8 +42,8 @@ LatentFormat = Literal["sd15", "sdxl", "flux", "wan21", "ltxv"]
 # What it makes: images, or a clip of frames (an MP4).
 Media = Literal["image", "video"]
 # What a family may be unable to take, as FamilySpec's fields name it.
-Ability = Literal["takes_controlnet", "takes_ip_adapter", "takes_latent_upscale", "takes_loras",
-                  "takes_inpainting", "takes_image", "takes_hires", "takes_weighted_prompts"]
+Ability = Literal["takes_controlnet", "takes_ip_adapter", "takes_latent_upscale", "takes_inpainting",
+                  "takes_image", "takes_hires", "takes_weighted_prompts"]
 
 # A model's name, as SLOTQ_MODEL_NAME and SLOTQ_MODEL_NAMES give it and a job's `model` names it.
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
@@ -127,11 +127,6 @@ class FamilySpec(BaseModel):
     def is_video(self) -> bool:
         """Whether it makes clips."""
         return self.media == "video"
-
-    @property
-    def takes_loras(self) -> bool:
-        """slotq's LoRA adapters are the image families'."""
-        return not self.is_video
 
     @property
     def takes_inpainting(self) -> bool:
@@ -284,8 +279,6 @@ _REFUSALS: dict[Ability, tuple[list[str | int], str]] = {
                                          "families'"),
     "takes_latent_upscale": (["hires", "upscaler"], "a {family} model's hires pass upscales the image: "
                                                     "send `lanczos`"),
-    "takes_loras": (["loras"], "a {family} model takes no LoRA adapter here: slotq's are the {able} "
-                               "families'"),
     "takes_inpainting": (["mask"], "a {family} model does not inpaint: the {able} families do"),
     "takes_image": (["image"], "this {family} model makes clips from text only (image-to-video is a "
                                "checkpoint of its own there); the {able} families start from an image"),

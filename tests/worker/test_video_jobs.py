@@ -37,6 +37,7 @@ from tests.conftest import (
     wait_for,
     wait_for_status,
 )
+from worker.tiny.loras import ensure_tiny_loras
 from worker.tiny.video import ensure_tiny_video_model
 from worker.video import encode_mp4, read_mp4, to_uint8
 
@@ -52,10 +53,11 @@ def video_model(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(scope="module")
 def video_settings(video_model: str, redis_url: str, model_cache: Path) -> Settings:
-    """A queue of its own for one tiny video model, every step reported (a cancel is seen at the next)."""
+    """A queue of its own for one tiny video model and its LoRAs, every step reported (a cancel is seen
+    at the next)."""
     return Settings(redis_url=own_database(redis_url, DATABASE), queue_name=f"video-{video_model}",
                     cache_dir=model_cache, model=video_model, drain_s=0, torch_threads=1,
-                    progress_interval_ms=0)
+                    progress_interval_ms=0, lora_dir=ensure_tiny_loras(model_cache, video_model))
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +146,24 @@ def test_a_clip_is_the_pipelines_own_frames_as_an_mp4_with_its_first_frame_as_po
     assert np.array_equal(np.asarray(poster), expected[0])
 
 
+def test_a_clip_with_a_lora_is_the_pipelines_own_with_that_adapter_loaded_by_diffusers(
+        client: FlaskClient, video_model: str, pipe: Any, video_settings: Settings) -> None:
+    (model,) = client.get("/v1/models").get_json()["models"]
+    assert model["loras"] == ["ink", "moss", "neon"]
+    body = clip_body(video_model, seed=4)
+    bare = client.get(run(client, **body)["video"]).data
+    view = run(client, **body, loras=[{"name": "neon", "scale": 0.8}])
+    assert view["status"] == "succeeded", view
+    served = client.get(view["video"]).data
+    pipe.load_lora_weights(video_settings.lora_dir, weight_name="neon.safetensors", adapter_name="neon")
+    try:
+        pipe.set_adapters(["neon"], adapter_weights=[0.8])
+        assert served == encode_mp4(own_frames(pipe, body), FPS)
+    finally:
+        pipe.delete_adapters("neon")
+    assert served != bare
+
+
 def test_an_empty_and_a_given_negative_prompt_make_different_clips(client: FlaskClient,
                                                                    video_model: str) -> None:
     clips = [client.get(run(client, **clip_body(video_model, negative_prompt=negative))["video"]).data
@@ -223,7 +243,7 @@ def test_an_image_to_video_clip_starts_from_its_image(client: FlaskClient, video
 
 @pytest.mark.parametrize(("fields", "loc"), [
     ({"frames": 10}, "frames"), ({"num_images": 2}, "num_images"),
-    ({"speed": "fast"}, "speed"), ({"loras": [{"name": "any", "scale": 1.0}]}, "loras"),
+    ({"speed": "fast"}, "speed"),
     ({"hires": {"scale": 2.0}}, "hires"), ({"fps": 0}, "fps")])
 def test_what_a_video_model_cannot_do_is_refused_and_admits_nothing(
         client: FlaskClient, video_model: str, fields: dict[str, Any], loc: str | None) -> None:

@@ -1,9 +1,10 @@
 """Tiny LoRA adapters for each tiny model, in diffusers' LoRA format, for tests and offline demos.
 
-Every tiny model (``tiny``, ``tiny-sdxl``, ``tiny-flux``; see worker/tiny/model.py) gets the same
-three adapters, ``ink``, ``neon`` and ``moss``, in a folder of its own. Each is made with peft on
-that model's own denoiser (the UNet of SD and SDXL, the Flux transformer's attention projections)
-and written with its pipeline's ``save_lora_weights``, so the worker loads it with the same
+Every tiny model (``tiny``, ``tiny-sdxl``, ``tiny-flux``, ``tiny-wan``, ``tiny-ltx``; see
+worker/tiny/model.py) gets the same three adapters, ``ink``, ``neon`` and ``moss``, in a folder of
+its own. Each is made with peft on that model's own denoiser (the UNet of SD and SDXL, the
+attention projections of the Flux, Wan and LTX-Video transformers) and written with its pipeline's
+``save_lora_weights``, so the worker loads it with the same
 ``load_lora_weights`` call as a real one. A random tiny denoiser barely notices a LoRA of ordinary
 size, so these have large, seeded weights: each visibly changes an image, and a build is
 deterministic.
@@ -19,9 +20,13 @@ import torch
 from diffusers import (
     FluxPipeline,
     FluxTransformer2DModel,
+    LTXPipeline,
+    LTXVideoTransformer3DModel,
     StableDiffusionPipeline,
     StableDiffusionXLPipeline,
     UNet2DConditionModel,
+    WanPipeline,
+    WanTransformer3DModel,
 )
 from diffusers.utils import convert_state_dict_to_diffusers
 from peft import LoraConfig
@@ -30,6 +35,7 @@ from peft.utils import get_peft_model_state_dict
 from shared.contract.adapters import SUFFIX
 from worker.tiny.files import write_once
 from worker.tiny.model import ensure_tiny_model
+from worker.tiny.video import TINY_VIDEO_MODELS, ensure_tiny_video_model
 
 ADAPTERS = {"ink": 1, "neon": 2, "moss": 3}  # name -> seed, the same for every model
 RANK = 4
@@ -59,12 +65,26 @@ def _save_flux(folder: Path, layers: Layers, weight_name: str) -> None:
     FluxPipeline.save_lora_weights(folder, transformer_lora_layers=layers, weight_name=weight_name)
 
 
+def _save_wan(folder: Path, layers: Layers, weight_name: str) -> None:
+    """Write Wan transformer layers; its loader reads peft's keys as they are."""
+    WanPipeline.save_lora_weights(folder, transformer_lora_layers=layers, weight_name=weight_name)
+
+
+def _save_ltx(folder: Path, layers: Layers, weight_name: str) -> None:
+    """Write LTX-Video transformer layers; its loader reads peft's keys as they are."""
+    LTXPipeline.save_lora_weights(folder, transformer_lora_layers=layers, weight_name=weight_name)
+
+
+Denoiser = (type[UNet2DConditionModel] | type[FluxTransformer2DModel] | type[WanTransformer3DModel]
+            | type[LTXVideoTransformer3DModel])
+
+
 @dataclass(frozen=True)
 class _Recipe:
     """How one tiny model's adapters are made: their folder, the module they adapt, their size, the writer."""
 
     folder: str  # under the cache; bump its version when the adapters change
-    denoiser: type[UNet2DConditionModel] | type[FluxTransformer2DModel]
+    denoiser: Denoiser
     subfolder: str
     targets: tuple[str, ...]
     gain: float  # the std of every A and B entry: a change a test can see, short of a blown-up image
@@ -74,12 +94,18 @@ class _Recipe:
 # Each family's gain: large enough that an adapter at scale 1 visibly moves a random model's image and
 # scale 0.5 gives an image of its own (tests/worker/test_tiny_loras.py checks both), small enough not to
 # saturate the attention, past which half a scale looks like a whole one; SD keeps the gain its
-# adapters were first built with.
+# adapters were first built with. The tiny Wan's random VAE makes nearly flat clips (two seeds differ by
+# about 0.003 a pixel): its adapters move a clip as much as a new seed does.
 RECIPES: dict[str, _Recipe] = {
     "tiny": _Recipe("tiny-sd-loras-v1", UNet2DConditionModel, "unet", UNET_TARGETS, 3.0, _save_sd),
     "tiny-sdxl": _Recipe("tiny-sdxl-loras-v2", UNet2DConditionModel, "unet", UNET_TARGETS, 1.0, _save_sdxl),
     "tiny-flux": _Recipe("tiny-flux-loras-v1", FluxTransformer2DModel, "transformer", FLUX_TARGETS, 0.7,
                          _save_flux),
+    # Self- and cross-attention of every block (attn1, attn2), as video LoRA trainers target them.
+    "tiny-wan": _Recipe("tiny-wan-loras-v1", WanTransformer3DModel, "transformer", UNET_TARGETS, 1.0,
+                        _save_wan),
+    "tiny-ltx": _Recipe("tiny-ltx-loras-v1", LTXVideoTransformer3DModel, "transformer", UNET_TARGETS, 0.3,
+                        _save_ltx),
 }
 
 
@@ -91,7 +117,8 @@ def ensure_tiny_loras(cache_dir: Path, model: str = "tiny") -> Path:
     final = Path(cache_dir) / recipe.folder
     if final.is_dir():
         return final
-    weights = ensure_tiny_model(cache_dir, model)
+    ensure = ensure_tiny_video_model if model in TINY_VIDEO_MODELS else ensure_tiny_model
+    weights = ensure(cache_dir, model)
     return write_once(final, lambda folder: _save_adapters(folder, recipe, weights))
 
 
