@@ -537,9 +537,13 @@ def checked_value(node: Node, name: str, value: Any, declared: Input, problems: 
 
 def converted_value(kind: str, value: Any) -> Any:
     """A JSON value as a widget of this kind takes it (an integral number as an INT, any finite number
-    as a FLOAT), or None."""
+    as a FLOAT, null as an empty STRING), or None."""
     if isinstance(value, bool) or kind not in WIDGETS:
         return None
+    if kind == "STRING" and value is None:
+        # Open WebUI writes null where its node map has a text it was not given (a negative prompt);
+        # ComfyUI would run it as the text "None".
+        return ""
     if kind in ("STRING", "COMBO"):
         return value if isinstance(value, str) else None
     if isinstance(value, int):

@@ -90,6 +90,9 @@ def test_open_webuis_default_workflow_as_it_sends_it() -> None:
     assert run(prompt).body == {"prompt": "a fox in the snow", "model": "sd15", "width": 768, "height": 512,
                                 "steps": 30, "guidance_scale": 8.0, "seed": 12345, "num_images": 1,
                                 "scheduler": "euler"}
+    # A node map with a negative prompt row writes null there when the chat gives none: no negative.
+    prompt["7"]["inputs"]["text"] = None
+    assert "negative_prompt" not in run(prompt).body
 
 
 def test_an_sdxl_graph_with_ksampler_advanced() -> None:
