@@ -1,4 +1,4 @@
-"""A video job's steps in its whole-pipeline call: a text-to-video clip's step checkpoints, its resume
+"""A video job's steps in its whole-pipeline call: a clip's step checkpoints, its resume
 from one and its preemption at a step by a job of a higher class; a clip's preview frame.
 
 Run alone, such a job saves its denoising state every SLOTQ_CHECKPOINT_EVERY_S at most, and at the
@@ -37,10 +37,12 @@ class Preempted(JobInterruptedError):
 
 
 def steps_of(job: Job, request: JobRequest, settings: Settings) -> tuple[Resumption | None, Keep | None]:
-    """For a text-to-video job run alone: where this attempt resumes, from an earlier attempt's step
-    checkpoint that fits it (its meta then says ``resumed_from_step``), and what runs after each of
-    its steps (its checkpoints and its preemption). Neither for any other job, nor with checkpoints off."""
-    if not request.is_video or request.kind != "text" or settings.checkpoint_every_s <= 0:
+    """For a video job run alone: where this attempt resumes, from an earlier attempt's step checkpoint
+    that fits it (its meta then says ``resumed_from_step``), and what runs after each of its steps (its
+    checkpoints and its preemption). Neither for any other job, nor with checkpoints off. A clip from a
+    start image resumes as one from text: its pipeline encodes the image again, the same way, and
+    takes the saved latents as they are."""
+    if not request.is_video or settings.checkpoint_every_s <= 0:
         return None, None
     store = results.of(settings)
     print_of = resuming.fingerprint(job, type(current_pipeline().pipe).__name__)

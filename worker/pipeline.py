@@ -24,6 +24,7 @@ from PIL import Image
 
 from shared.contract.adapters import available_adapters
 from shared.contract.errors import JobFailedError
+from shared.contract.images import ImageRef
 from shared.contract.jobs import ControlRequest, JobKind, JobRequest
 from shared.contract.memory import MemoryOptions
 from shared.contract.models import (
@@ -232,7 +233,7 @@ class ImagePipeline:
         controls, the ControlNet pipeline of the kind over them (made per call: it holds no ControlNet)."""
         if controls:
             return controlled(self.pipe, kind, [self.controlnets.get(control.name) for control in controls])
-        if kind == "text":
+        if kind == "text" or self.info.spec.starts_from_image:  # an image-to-video model's own call
             return self.pipe
         if kind not in self.variants:
             twin = self.info.spec.image_to_video_class  # a video family's start-image pipeline
@@ -263,7 +264,9 @@ class ImagePipeline:
             "frame_rate": first.fps,
         }
         if kind != "text":
-            arguments["image"] = [each.get("image") for each in inputs]
+            starts = [each.get("image") for each in inputs]
+            # Wan's image-to-video call takes one image: a batch of its clips shares it (their batch key)
+            arguments["image"] = starts[0] if self.info.spec.starts_from_image else starts
             arguments["strength"] = first.strength  # an image-to-video pipeline takes none
         if kind == "inpaint":
             arguments["mask_image"] = [each["mask"] for each in inputs]
@@ -413,6 +416,10 @@ def _from_disk(settings: Settings, model: str, source: str, dtype: torch.dtype) 
     return DiffusionPipeline.from_pretrained(where, dtype=dtype)
 
 
+# A warm-up's start image, as a job's request names one (its pixels are passed in, never stored).
+_WARM_UP_IMAGE = ImageRef(media_type="image/png", width=0, height=0, bytes=0, sha256="")
+
+
 def _warm_up(loaded: ImagePipeline, threads: ThreadChoice, settings: Settings) -> ThreadChoice:
     """Run a one-step image (a pipeline's first call is slow); the thread choice, its threshold
     calibrated with a few more images where it is automatic. A compiled pipeline is run at
@@ -421,21 +428,25 @@ def _warm_up(loaded: ImagePipeline, threads: ThreadChoice, settings: Settings) -
     side = max(64, loaded.info.side_multiple * 4)
     info = loaded.info
     frames = info.frame_multiple + 1 if info.frame_multiple else None  # a clip's fewest
+    # A model that starts every clip from an image warms up from a grey one.
+    start = Image.new("RGB", (side, side), (128, 128, 128)) if info.spec.starts_from_image else None
     warm_up = JobRequest(prompt="warm-up", width=side, height=side, steps=info.spec.min_steps, seed=0,
-                         frames=frames, fps=info.defaults.fps)
+                         frames=frames, fps=info.defaults.fps, image=_WARM_UP_IMAGE if start else None)
+    inputs: Inputs = {"image": start} if start else {}
     if settings.compile != "off":
         if settings.warm_sizes:
             compile_sizes(lambda width, height, images: loaded.generate(warm_up.model_copy(
-                update={"width": width, "height": height, "num_images": images})), settings.warm_sizes)
+                update={"width": width, "height": height, "num_images": images}), inputs=inputs),
+                settings.warm_sizes)
         return threads  # timing threads on a pipeline that may still compile would time the compiler
-    loaded.generate(warm_up)
+    loaded.generate(warm_up, inputs=inputs)
     if not threads.automatic or threads.calibration_s is not None:  # calibrated by the first model
         return threads
 
     def run(size: int, count: int) -> None:
         loaded.threads = ThreadChoice(count, count)  # switched as an execution switches it
         loaded.generate(warm_up.model_copy(update={"width": size, "height": size,
-                                                   "steps": CALIBRATION_STEPS}))
+                                                   "steps": CALIBRATION_STEPS}), inputs=inputs)
 
     return threads.calibrated(run, side, 4 * side)
 

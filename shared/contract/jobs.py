@@ -395,8 +395,8 @@ class JobRequest(BaseModel):
     def batch_key(self) -> str:
         """Jobs with equal keys can run as one batch: same kind, size, steps, strength, guidance,
         sampler, speed, adapters, controls, hires pass, images each and whether a negative prompt is
-        given (and weighted prompts, the same prompts). The first part is the size, ``WxH``
-        (``WxH>W2xH2`` with a hires pass)."""
+        given (and weighted prompts, the same prompts; clips from an image, the same image). The first
+        part is the size, ``WxH`` (``WxH>W2xH2`` with a hires pass)."""
         strength = f"{self.strength!r}" if self.image is not None else ""
         size = f"{self.width}x{self.height}"
         if self.hires is not None:
@@ -408,6 +408,8 @@ class JobRequest(BaseModel):
         # With and without a negative prompt apart: SDXL encodes a batch-mate's "" where it zeroes None.
         negative = "-" if self.negative_prompt else ""
         clip = f"/{self.fps}fps" if self.is_video else ""  # its last part is then the clip's frames
+        if self.is_video and isinstance(self.image, ImageRef):  # Wan's image-to-video call takes one
+            clip += f"@{self.image.sha256}"
         return (f"{size}/{self.steps}/{self.guidance_scale!r}/{self.scheduler or ''}/{self.kind}{strength}"
                 f"/{self.speed}{self._syntax_key}{negative}/{self.adapters_key}/{controls}{clip}/{self.pictures}")
 
@@ -580,7 +582,8 @@ def _read_inputs(data: dict[str, Any], inputs: dict[InputName, bytes], *, max_by
 
 def _check_media(request: JobRequest, model: ModelInfo) -> None:
     """Refuse what the model's family cannot do with a job: a video family's masks, hires pass, weighted
-    prompts, start image (where it has no image-to-video twin) or fast tier."""
+    prompts, start image (where it has no image-to-video twin) or fast tier, and a clip without the
+    start image its model needs."""
     asked: list[tuple[bool, Ability]] = [
         (request.mask is not None, "takes_inpainting"), (request.image is not None, "takes_image"),
         (request.hires is not None, "takes_hires"),
@@ -588,6 +591,9 @@ def _check_media(request: JobRequest, model: ModelInfo) -> None:
     for wanted, ability in asked:
         if wanted:
             check_takes(model.family, ability)
+    if model.spec.starts_from_image and request.image is None:
+        message = f"a {model.family} model starts every clip from an image: give `image`"
+        raise InvalidRequestError(details=[{"loc": ["image"], "msg": message}])
     if request.steps < model.spec.min_steps:
         message = f"a {model.family} model runs at least {model.spec.min_steps} steps"
         raise InvalidRequestError(details=[{"loc": ["steps"], "msg": message}])

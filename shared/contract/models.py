@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shared.contract.errors import InvalidRequestError
 
-Family = Literal["sd", "sdxl", "flux", "wan", "ltx"]
+Family = Literal["sd", "sdxl", "flux", "wan", "wan_i2v", "ltx"]
 FAMILIES: tuple[Family, ...] = get_args(Family)
 
 # The samplers a job may name (``scheduler``), as A1111 and ComfyUI name them, each written once. The
@@ -97,6 +97,9 @@ class FamilySpec(BaseModel):
     # ``from_pipe``); None where the family's text-to-video checkpoints cannot (Wan's image-to-video
     # is a checkpoint of its own, with an image encoder).
     image_to_video_class: str | None = None
+    # Its checkpoints make every clip from a start image (Wan 2.1's image-to-video models): a job
+    # without ``image`` is refused.
+    starts_from_image: bool = False
     # The fewest steps it runs: LTX-Video's scheduler stretches its schedule to a terminal shift,
     # which divides by zero over one step (diffusers' FlowMatchEulerDiscreteScheduler).
     min_steps: int = 1
@@ -140,8 +143,9 @@ class FamilySpec(BaseModel):
 
     @property
     def takes_image(self) -> bool:
-        """A start image: every image family's, and a video family's with an image-to-video twin."""
-        return not self.is_video or self.image_to_video_class is not None
+        """A start image: every image family's, and a video family's that starts from one or has an
+        image-to-video twin."""
+        return not self.is_video or self.image_to_video_class is not None or self.starts_from_image
 
     @property
     def takes_weighted_prompts(self) -> bool:
@@ -249,6 +253,16 @@ FAMILY_SPECS: dict[Family, FamilySpec] = {
         side_multiple=16, denoiser="transformer", single_file="transformer", text_encoders="t5",
         latent_format="wan21", takes_controlnet=False, takes_ip_adapter=False, takes_latent_upscale=False,
         media="video", frame_multiple=4, job_timeout_s=3600),
+    # Wan 2.1 image-to-video (the 14B 480p model: its sizes and frames, 40 steps at CFG 5): the Wan
+    # transformer also reads the start image's latents and its CLIP image encoder's embeddings.
+    "wan_i2v": FamilySpec(
+        pipeline_class="WanImageToVideoPipeline", tiny_model="tiny-wan-i2v",
+        checkpoint_config="Wan-AI/Wan2.1-I2V-14B-480P-Diffusers",
+        samplers=FLOW_SCHEDULERS, steppable=(),
+        defaults=ModelDefaults(steps=40, guidance_scale=5.0, width=832, height=480, frames=81, fps=16),
+        side_multiple=16, denoiser="transformer", single_file="transformer", text_encoders="t5",
+        latent_format="wan21", takes_controlnet=False, takes_ip_adapter=False, takes_latent_upscale=False,
+        media="video", frame_multiple=4, starts_from_image=True, job_timeout_s=3600),
     # LTX-Video (0.9: 704x480, 161 frames at 25 fps, 50 steps at CFG 3); its VAE compresses 32x in
     # space and 8x in time. Its image-to-video pipeline runs over the text-to-video one's modules.
     "ltx": FamilySpec(

@@ -77,18 +77,27 @@ EXPECTED: dict[str, dict[str, object]] = {
              "defaults": {"steps": 28, "guidance_scale": 3.5, "width": 1024, "height": 1024}},
 }
 IMAGE = {"media": "image", "frame_multiple": 0, "image_to_video_class": None, "min_steps": 1,
-         "job_timeout_s": None}
+         "job_timeout_s": None, "starts_from_image": False}
 # The video families, as their published defaults have them (Wan 2.1 1.3B's 480p, LTX-Video 0.9's).
 VIDEO = {"samplers": ("flow_euler",), "steppable": (), "denoiser": "transformer",
          "single_file": "transformer",
          "takes_controlnet": False, "takes_ip_adapter": False, "takes_latent_upscale": False,
-         "cache_interval": None, "cache_threshold": None, "media": "video", "job_timeout_s": 3600}
+         "cache_interval": None, "cache_threshold": None, "media": "video", "job_timeout_s": 3600,
+         "starts_from_image": False}
 EXPECTED |= {
     "wan": VIDEO | {"pipeline_class": "WanPipeline", "tiny_model": "tiny-wan",
                     "checkpoint_config": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "side_multiple": 16,
                     "frame_multiple": 4, "image_to_video_class": None, "min_steps": 1,
                     "defaults": {"steps": 50, "guidance_scale": 5.0, "width": 832, "height": 480,
                                  "frames": 81, "fps": 16}},
+    # Wan 2.1 I2V 14B 480p: its own checkpoints, every clip from a start image (40 steps, as Wan's
+    # generate.py runs image-to-video).
+    "wan_i2v": VIDEO | {"pipeline_class": "WanImageToVideoPipeline", "tiny_model": "tiny-wan-i2v",
+                        "checkpoint_config": "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers", "side_multiple": 16,
+                        "frame_multiple": 4, "image_to_video_class": None, "min_steps": 1,
+                        "starts_from_image": True,
+                        "defaults": {"steps": 40, "guidance_scale": 5.0, "width": 832, "height": 480,
+                                     "frames": 81, "fps": 16}},
     "ltx": VIDEO | {"pipeline_class": "LTXPipeline", "tiny_model": "tiny-ltx",
                     "checkpoint_config": "Lightricks/LTX-Video", "side_multiple": 32, "frame_multiple": 8,
                     "image_to_video_class": "LTXImageToVideoPipeline", "min_steps": 2,
@@ -113,9 +122,10 @@ def test_every_family_has_one_complete_record_that_says_what_the_old_tables_said
         info = model_info("m", family)
         assert (info.schedulers, info.defaults, info.side_multiple, info.spec) == (
             list(spec.samplers), spec.defaults, spec.side_multiple, spec)
-    # Each family its own text encoders and latent space.
+    # Each family its own text encoders and latent space (Wan's two the same).
     assert [(spec.text_encoders, spec.latent_format) for spec in FAMILY_SPECS.values()] == [
-        ("clip", "sd15"), ("clip_pair", "sdxl"), ("t5_clip", "flux"), ("t5", "wan21"), ("t5", "ltxv")]
+        ("clip", "sd15"), ("clip_pair", "sdxl"), ("t5_clip", "flux"), ("t5", "wan21"), ("t5", "wan21"),
+        ("t5", "ltxv")]
 
 
 def test_a_record_that_contradicts_itself_is_refused() -> None:

@@ -260,6 +260,7 @@ def test_the_configs_setting_reads_family_equals_source(monkeypatch: pytest.Monk
     assert Settings().checkpoint_configs == {"sd": "org/sd", "sdxl": "/configs/sdxl",
                                              "flux": "black-forest-labs/FLUX.1-dev",
                                              "wan": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+                                             "wan_i2v": "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers",
                                              "ltx": "Lightricks/LTX-Video"}
     monkeypatch.setenv("SLOTQ_CHECKPOINT_CONFIGS", '{"sd": "org/sd"}')  # JSON, as slotq/harness.py passes it
     assert Settings().checkpoint_configs["sd"] == "org/sd"

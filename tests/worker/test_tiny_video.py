@@ -1,4 +1,5 @@
-"""The tiny random text-to-video pipelines: built offline once, loaded like a real checkpoint, seeded."""
+"""The tiny random video pipelines: built offline once, loaded like a real checkpoint, seeded; the
+image-to-video one makes a clip of its start image."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import numpy as np
 import pytest
 import torch
 from diffusers import DiffusionPipeline
+from PIL import Image
 
+from tests.conftest import start_image
 from worker.tiny.video import TINY_VIDEO_MODELS, ensure_tiny_video_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -20,8 +23,10 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 # 4k+1 frames, sides a multiple of 16; LTX: 8k+1 frames, sides a multiple of 32).
 FAMILIES = {
     "tiny-wan": ("WanPipeline", [(9, 64, 64), (13, 48, 80)]),
+    "tiny-wan-i2v": ("WanImageToVideoPipeline", [(9, 64, 64), (13, 48, 80)]),
     "tiny-ltx": ("LTXPipeline", [(9, 64, 64), (17, 64, 96)]),
 }
+STARTS_FROM_IMAGE = {"tiny-wan-i2v"}
 CLIPS = [pytest.param(name, size, id=f"{name}-{'x'.join(map(str, size))}")
          for name, (_, sizes) in FAMILIES.items() for size in sizes]
 
@@ -48,11 +53,16 @@ def pipes(cache: Path) -> dict[str, Any]:
     return loaded
 
 
-def clip(pipe: Any, seed: int, frames: int = 9, height: int = 64, width: int = 64) -> np.ndarray:
-    """A 2-step clip as float frames in [0, 1]: (videos, frames, height, width, channels)."""
+def clip(pipe: Any, seed: int, frames: int = 9, height: int = 64, width: int = 64,
+         image: Image.Image | None = None) -> np.ndarray:
+    """A 2-step clip as float frames in [0, 1]: (videos, frames, height, width, channels). An
+    image-to-video pipeline's starts from ``image``, by default a seeded picture of the clip's size."""
     generator = torch.Generator("cpu").manual_seed(seed)
-    return pipe("a red fox", num_frames=frames, height=height, width=width, num_inference_steps=2,
-                generator=generator, output_type="np").frames
+    start = {}
+    if type(pipe).__name__ == FAMILIES["tiny-wan-i2v"][0]:
+        start["image"] = image or start_image(width, height, seed=3)
+    return pipe(prompt="a red fox", num_frames=frames, height=height, width=width, num_inference_steps=2,
+                generator=generator, output_type="np", **start).frames
 
 
 @pytest.mark.parametrize("name", list(TINY_VIDEO_MODELS))
@@ -64,7 +74,7 @@ def test_loads_as_its_family(name: str, pipes: dict[str, Any], cache: Path) -> N
 
 
 @pytest.mark.parametrize(("name", "size"), CLIPS)
-def test_text_to_video_makes_frames_of_the_asked_size(name: str, size: tuple[int, int, int],
+def test_a_clip_has_frames_of_the_asked_size(name: str, size: tuple[int, int, int],
                                                       pipes: dict[str, Any]) -> None:
     frames, height, width = size
     video = clip(pipes[name], 0, frames, height, width)
@@ -79,6 +89,13 @@ def test_the_same_seed_gives_the_same_frames(name: str, pipes: dict[str, Any]) -
     first = clip(pipes[name], 1)
     assert np.array_equal(clip(pipes[name], 1), first)
     assert not np.array_equal(clip(pipes[name], 2), first)
+
+
+@pytest.mark.parametrize("name", sorted(STARTS_FROM_IMAGE))
+def test_an_image_to_video_clip_moves_with_its_start_image(name: str, pipes: dict[str, Any]) -> None:
+    first = clip(pipes[name], 1)
+    other = clip(pipes[name], 1, image=start_image(64, 64, seed=4))
+    assert np.abs(first - other).mean() > 0.005  # a few levels of 255 (seen: 0.011)
 
 
 @pytest.mark.parametrize("name", list(TINY_VIDEO_MODELS))

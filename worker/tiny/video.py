@@ -1,13 +1,13 @@
-"""Tiny, randomly initialised text-to-video pipelines for tests and offline demos.
+"""Tiny, randomly initialised video pipelines for tests and offline demos.
 
-Two families, each small enough to make a 9-frame 64x64 clip in well under a second on a CPU:
-Wan 2.1 (``tiny-wan``) and LTX-Video (``tiny-ltx``). Like the image models in
-worker/tiny/model.py, each is written in diffusers' on-disk format, so it loads with the same
-``DiffusionPipeline.from_pretrained`` call as a real checkpoint. Nothing is downloaded: the
-tokenizer is worker/tiny/model.py's generated T5 one and all weights are random but seeded, so
-every build on a given machine produces identical files. Each VAE compresses like the real one
-(Wan: 8x in space and 4x in time, LTX: 32x and 8x), so a clip takes the sizes the real model
-takes: Wan 4k+1 frames with sides a multiple of 16, LTX 8k+1 frames with sides a multiple of 32.
+Three models, each small enough to make a 9-frame 64x64 clip in well under a second on a CPU:
+Wan 2.1 (``tiny-wan``), Wan 2.1 image-to-video (``tiny-wan-i2v``) and LTX-Video (``tiny-ltx``).
+Like the image models in worker/tiny/model.py, each is written in diffusers' on-disk format, so it
+loads with the same ``DiffusionPipeline.from_pretrained`` call as a real checkpoint. Nothing is
+downloaded: the tokenizer is worker/tiny/model.py's generated T5 one and all weights are random but
+seeded, so every build on a given machine produces identical files. Each VAE compresses like the
+real one (Wan: 8x in space and 4x in time, LTX: 32x and 8x), so a clip takes the sizes the real
+model takes: Wan 4k+1 frames with sides a multiple of 16, LTX 8k+1 frames with sides a multiple of 32.
 """
 
 from collections.abc import Callable
@@ -20,10 +20,17 @@ from diffusers import (
     FlowMatchEulerDiscreteScheduler,
     LTXPipeline,
     LTXVideoTransformer3DModel,
+    WanImageToVideoPipeline,
     WanPipeline,
     WanTransformer3DModel,
 )
-from transformers import UMT5Config, UMT5EncoderModel
+from transformers import (
+    CLIPImageProcessor,
+    CLIPVisionConfig,
+    CLIPVisionModel,
+    UMT5Config,
+    UMT5EncoderModel,
+)
 
 from worker.tiny.files import write_once
 from worker.tiny.model import T5_HIDDEN, build_t5_encoder, build_t5_tokenizer, is_pipeline
@@ -32,25 +39,33 @@ from worker.tiny.model import T5_HIDDEN, build_t5_encoder, build_t5_tokenizer, i
 # so stale caches are never reused.
 TINY_VIDEO_MODELS: dict[str, str] = {
     "tiny-wan": "tiny-wan-v2",
+    "tiny-wan-i2v": "tiny-wan-i2v-v1",
     "tiny-ltx": "tiny-ltx-v1",
 }
 
 _LATENT_CHANNELS_WAN = 16  # AutoencoderKLWan's z_dim, as in Wan 2.1
 _LATENT_CHANNELS_LTX = 8
+# Wan 2.1's image-to-video encoder is CLIP ViT-H (1280 wide, 224 px); this one is 32 wide and 32 px.
+_WAN_IMAGE_ENCODER = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, image_size=32, patch_size=4)
 
 
 # --- denoisers -------------------------------------------------------------------------------
 
 
-def _build_wan_transformer() -> WanTransformer3DModel:
-    """Return a 2-block Wan transformer, sized as in diffusers' own Wan pipeline tests."""
+def _build_wan_transformer(image_dim: int | None = None) -> WanTransformer3DModel:
+    """Return a 2-block Wan transformer, sized as in diffusers' own Wan pipeline tests. With
+    ``image_dim``, Wan 2.1's image-to-video one: it also reads the start image's latents, their mask
+    (one channel a frame of the VAE's 4) and the image encoder's embeddings."""
     torch.manual_seed(0)
+    image_channels = _LATENT_CHANNELS_WAN + 4 if image_dim else 0
     return WanTransformer3DModel(
         patch_size=(1, 2, 2),  # with the VAE's 8x, sides are multiples of 16
         num_attention_heads=2,
         attention_head_dim=12,
-        in_channels=_LATENT_CHANNELS_WAN,
+        in_channels=_LATENT_CHANNELS_WAN + image_channels,
         out_channels=_LATENT_CHANNELS_WAN,
+        image_dim=image_dim,
         text_dim=T5_HIDDEN,
         freq_dim=256,
         ffn_dim=32,
@@ -80,16 +95,23 @@ def _build_ltx_transformer() -> LTXVideoTransformer3DModel:
 # --- VAEs and schedulers ---------------------------------------------------------------------
 
 
-def _build_wan_vae() -> AutoencoderKLWan:
-    """Return a 3-channel Wan VAE that scales like Wan 2.1's: 8x in space, 4x in time."""
+def _build_wan_vae(gain: float = 1.0) -> AutoencoderKLWan:
+    """Return a 3-channel Wan VAE that scales like Wan 2.1's: 8x in space, 4x in time. A ``gain``
+    multiplies its encoder's and decoder's last layers: random, they make nearly flat latents and
+    frames, in which a start image would change a clip by a fraction of a pixel level."""
     torch.manual_seed(0)
-    return AutoencoderKLWan(
+    vae = AutoencoderKLWan(
         base_dim=3,
         z_dim=_LATENT_CHANNELS_WAN,
         dim_mult=[1, 1, 1, 1],
         num_res_blocks=1,
         temperal_downsample=[False, True, True],
     ).eval()
+    with torch.no_grad():
+        for layer in (vae.encoder.conv_out, vae.decoder.conv_out):
+            layer.weight.mul_(gain)
+            layer.bias.mul_(gain)
+    return vae
 
 
 def _build_ltx_vae() -> AutoencoderKLLTXVideo:
@@ -156,6 +178,25 @@ def _build_wan(folder: Path) -> None:
     pipe.save_pretrained(folder, safe_serialization=True)
 
 
+def _build_wan_i2v(folder: Path) -> None:
+    """Build the tiny Wan 2.1 image-to-video pipeline (its CLIP image encoder too) and save it in the
+    empty folder."""
+    tokenizer = build_t5_tokenizer()
+    torch.manual_seed(0)
+    encoder = CLIPVisionModel(_WAN_IMAGE_ENCODER).eval()
+    pipe = WanImageToVideoPipeline(
+        tokenizer=tokenizer,
+        text_encoder=build_t5_encoder(tokenizer, UMT5EncoderModel, UMT5Config),
+        vae=_build_wan_vae(gain=10.0),  # a start image then moves its clip by about 3 levels of 255
+        scheduler=_build_wan_scheduler(),
+        image_encoder=encoder,
+        image_processor=CLIPImageProcessor(crop_size=_WAN_IMAGE_ENCODER.image_size,
+                                           size=_WAN_IMAGE_ENCODER.image_size),
+        transformer=_build_wan_transformer(image_dim=_WAN_IMAGE_ENCODER.hidden_size),
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+
+
 def _build_ltx(folder: Path) -> None:
     """Build the tiny LTX-Video text-to-video pipeline and save it in the empty folder."""
     tokenizer = build_t5_tokenizer()
@@ -171,6 +212,7 @@ def _build_ltx(folder: Path) -> None:
 
 _BUILDERS: dict[str, Callable[[Path], None]] = {
     "tiny-wan": _build_wan,
+    "tiny-wan-i2v": _build_wan_i2v,
     "tiny-ltx": _build_ltx,
 }
 
