@@ -15,6 +15,7 @@ from diffusers import DiffusionPipeline
 
 from shared.contract.models import FAMILY_SPECS, TINY_VIDEO_MODELS
 from shared.contract.models import TINY_MODELS as FAMILIES
+from tests.conftest import start_image
 from worker.pipeline import family_of
 from worker.tiny.loras import ADAPTERS, RECIPES, ensure_tiny_loras
 from worker.tiny.model import TINY_MODELS, ensure_tiny_model
@@ -27,7 +28,7 @@ NAMES = list(ADAPTERS)
 # The mean absolute pixel difference (pixels in [0, 1]) a change must pass; far above rounding noise
 # (1e-5). The tiny Wan's clips are nearly flat: two of its seeds differ by about 0.003.
 VISIBLE = 0.02
-VISIBLE_OF = {"tiny-wan": 0.0008}
+VISIBLE_OF = {"tiny-wan": 0.0008, "tiny-wan-i2v": 0.002}
 
 
 @pytest.fixture(scope="module", params=list(RECIPES))
@@ -57,11 +58,13 @@ def pipe(cache: Path, model: str, loras: Path) -> Any:
 
 def generate(pipe: Any) -> np.ndarray:
     """One small image (or a clip's fewest frames), the same seed every call, as floats in [0, 1]."""
-    frame_multiple = FAMILY_SPECS[family_of(pipe)].frame_multiple
-    asked: dict[str, Any] = {"num_frames": frame_multiple + 1} if frame_multiple else {}
-    output = pipe("a lighthouse on a cliff", height=64, width=64, num_inference_steps=2, output_type="np",
-                  generator=torch.Generator().manual_seed(5), **asked)
-    return output.frames[0] if frame_multiple else output.images[0]
+    spec = FAMILY_SPECS[family_of(pipe)]
+    asked: dict[str, Any] = {"num_frames": spec.frame_multiple + 1} if spec.frame_multiple else {}
+    if spec.starts_from_image:
+        asked["image"] = start_image(64, 64, seed=1)
+    output = pipe(prompt="a lighthouse on a cliff", height=64, width=64, num_inference_steps=2,
+                  output_type="np", generator=torch.Generator().manual_seed(5), **asked)
+    return output.frames[0] if spec.frame_multiple else output.images[0]
 
 
 @pytest.fixture(scope="module")

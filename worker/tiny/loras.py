@@ -1,12 +1,12 @@
 """Tiny LoRA adapters for each tiny model, in diffusers' LoRA format, for tests and offline demos.
 
-Every tiny model (``tiny``, ``tiny-sdxl``, ``tiny-flux``, ``tiny-wan``, ``tiny-ltx``; see
-worker/tiny/model.py) gets the same three adapters, ``ink``, ``neon`` and ``moss``, in a folder of
-its own. Each is made with peft on that model's own denoiser (the UNet of SD and SDXL, the
-attention projections of the Flux, Wan and LTX-Video transformers) and written with its pipeline's
-``save_lora_weights``, so the worker loads it with the same
-``load_lora_weights`` call as a real one. A random tiny denoiser barely notices a LoRA of ordinary
-size, so these have large, seeded weights: each visibly changes an image, and a build is
+Every tiny model (``tiny``, ``tiny-sdxl``, ``tiny-flux``, ``tiny-wan``, ``tiny-wan-i2v``,
+``tiny-ltx``; see worker/tiny/model.py and worker/tiny/video.py) gets the same three adapters,
+``ink``, ``neon`` and ``moss``, in a folder of its own. Each is made with peft on that model's own
+denoiser (the UNet of SD and SDXL, the attention projections of the Flux, Wan and LTX-Video
+transformers) and written with its pipeline's ``save_lora_weights``, so the worker loads it with the
+same ``load_lora_weights`` call as a real one. A random tiny denoiser barely notices a LoRA of
+ordinary size, so these have large, seeded weights: each visibly changes an image, and a build is
 deterministic.
 """
 
@@ -104,6 +104,8 @@ RECIPES: dict[str, _Recipe] = {
     # Self- and cross-attention of every block (attn1, attn2), as video LoRA trainers target them.
     "tiny-wan": _Recipe("tiny-wan-loras-v1", WanTransformer3DModel, "transformer", UNET_TARGETS, 1.0,
                         _save_wan),
+    "tiny-wan-i2v": _Recipe("tiny-wan-i2v-loras-v1", WanTransformer3DModel, "transformer", UNET_TARGETS,
+                            0.3, _save_wan),
     "tiny-ltx": _Recipe("tiny-ltx-loras-v1", LTXVideoTransformer3DModel, "transformer", UNET_TARGETS, 0.3,
                         _save_ltx),
 }
