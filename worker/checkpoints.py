@@ -5,7 +5,10 @@ A single file holds the weights only; the layout of each component (configs, tok
 the family's configuration source, SLOTQ_CHECKPOINT_CONFIGS, read from disk and never fetched. A Flux
 file holds its transformer alone (BFL's layout; a ``.gguf`` file holds it quantized, loaded through
 diffusers' GGUF support and the gguf package): the other components are those of that source, the
-Flux base, a diffusers folder with their weights.
+Flux base, a diffusers folder with their weights. A Wan file holds its transformer alone too (Wan's
+own layout, converted by diffusers' own ``convert_wan_transformer_to_diffusers``): the T5 encoder, the
+VAE, the scheduler and tokenizer (and an image-to-video model's CLIP image encoder and processor) are
+those of its family's base, a diffusers folder with their weights.
 """
 
 from __future__ import annotations
@@ -17,28 +20,36 @@ from pathlib import Path
 
 import diffusers
 import torch
+from accelerate import init_empty_weights
 from diffusers import (
     AutoencoderKL,
     DiffusionPipeline,
     FluxPipeline,
     FluxTransformer2DModel,
     GGUFQuantizationConfig,
+    ModelMixin,
+    WanTransformer3DModel,
 )
+from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 from diffusers.models.model_loading_utils import load_gguf_checkpoint
 from huggingface_hub import snapshot_download
 from huggingface_hub.errors import LocalEntryNotFoundError
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from shared.contract.checkpoints import (
-    FLUX_PREFIX,
+    COMFY_PREFIX,
     GGUF_SUFFIX,
     MODEL_SUFFIXES,
     PICKLE_SUFFIXES,
+    WAN_FAMILIES,
     UnusableModelError,
     check_flux_transformer,
+    check_wan_transformer,
     family_of_names,
     header_names,
     read_sidecar,
+    refuse_gguf,
 )
 from shared.contract.models import FAMILY_SPECS, Family, family_spec
 
@@ -124,7 +135,7 @@ def family_of_checkpoint(path: Path) -> Family:
         return family
     raise CheckpointError(f"{path}: not an SD or SDXL checkpoint in the single-file layout (no "
                           f"cond_stage_model.* or conditioner.embedders.* weights), nor a FLUX.1 transformer "
-                          f"(no double_blocks.*)")
+                          f"(no double_blocks.*), nor a Wan 2.1 transformer (no head.modulation)")
 
 
 def _key_names(path: Path) -> list[str]:
@@ -164,7 +175,11 @@ def load_folder_model(path: Path, configs: Mapping[Family, str], dtype: torch.dt
     except UnusableModelError as exc:
         raise CheckpointError(str(exc)) from None
     if not path.is_dir():
-        vae = None if vae_file is None else load_vae(vae_file, config_folder(configs[_family(path)]), dtype)
+        family = _family(path)
+        if vae_file is not None and family_spec(family).is_video:
+            raise CheckpointError(f"{path}: its sidecar names a VAE file, which replaces an image model's "
+                                  f"VAE only: a {family} file's VAE is its base's")
+        vae = None if vae_file is None else load_vae(vae_file, config_folder(configs[family]), dtype)
         return load_checkpoint(path, configs, dtype, vae=vae)
     # A diffusers folder holds its own VAE's config: the one the VAE file replaces.
     components = {} if vae_file is None else {"vae": load_vae(vae_file, path, dtype)}
@@ -193,11 +208,12 @@ def load_checkpoint(path: Path, configs: Mapping[Family, str], dtype: torch.dtyp
     folder = config_folder(configs[family])
     log.info("loading %s (%s) with the configs of %s", path, family, folder)
     components = {} if vae is None else {"vae": vae}
+    if family in WAN_FAMILIES:  # its transformer alone: Wan's layout
+        return _load_wan(path, family, folder, dtype, components)
     if family_spec(family).single_file == "transformer":  # its transformer alone: Flux's layout
         return _load_flux(path, folder, dtype, components)
     if path.suffix.lower() == GGUF_SUFFIX:
-        raise CheckpointError(f"{path}: a GGUF file of {family}: GGUF files are loaded as FLUX.1 "
-                              f"transformers only")
+        raise CheckpointError(str(refuse_gguf(path, family)))
     try:
         pipe = PIPELINES[family].from_single_file(str(path), config=str(folder), local_files_only=True,
                                                   dtype=dtype, **components)
@@ -230,7 +246,8 @@ def _load_flux(path: Path, base: Path, dtype: torch.dtype,
         raise CheckpointError(str(exc)) from None
     state, quantization = _flux_file(path, dtype)
     state = flux_to_diffusers(state)
-    _check_fits(state, base, path)
+    _check_fits(FluxTransformer2DModel, state, base, path, "Flux base",
+                "(a schnell file with a dev base, or the reverse?)")
     # Already in diffusers' names: from_single_file loads them as they are.
     transformer = FluxTransformer2DModel.from_single_file(state, config=str(base), subfolder="transformer",
                                                           local_files_only=True, dtype=dtype, **quantization)
@@ -260,22 +277,81 @@ def _flux_file(path: Path, dtype: torch.dtype) -> tuple[Tensors, dict[str, GGUFQ
     return state, {"quantization_config": GGUFQuantizationConfig(compute_dtype=dtype)}
 
 
-def _check_fits(state: Tensors, base: Path, path: Path) -> None:
-    """Refuse a transformer whose weights are not those of the base's: diffusers would take them for
-    another layout and fail converting them."""
-    config = FluxTransformer2DModel.load_config(str(base), subfolder="transformer", local_files_only=True)
+def _load_wan(path: Path, family: Family, base: Path, dtype: torch.dtype,
+              components: dict[str, AutoencoderKL]) -> DiffusionPipeline:
+    """A Wan pipeline (text- or image-to-video): the file's transformer, the rest from the family's
+    base (a diffusers folder)."""
+    if path.suffix.lower() == GGUF_SUFFIX:
+        raise CheckpointError(str(refuse_gguf(path, family)))
+    try:
+        check_wan_transformer(path, _key_names(path))
+        state = load_file(str(path))
+    except UnusableModelError as exc:
+        raise CheckpointError(str(exc)) from None
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{path}: not a readable safetensors file: {exc}") from None
+    # diffusers' own converter (what its from_single_file runs on such a file): Wan's names to diffusers'.
+    state = convert_wan_transformer_to_diffusers(state)
+    _check_fits(WanTransformer3DModel, state, base, path, f"{family} base",
+                "(a 14B file with a 1.3B base, a Wan 2.2 file with a Wan 2.1 base, or the reverse?)")
+    transformer = WanTransformer3DModel.from_single_file(state, config=str(base), subfolder="transformer",
+                                                         local_files_only=True, dtype=dtype)
+    _keep_in_float32(transformer, state)
+    try:
+        pipe = PIPELINES[family].from_pretrained(base, transformer=transformer, local_files_only=True,
+                                                 use_safetensors=True, dtype=dtype, **components)
+    except OSError as exc:
+        raise CheckpointError(f"the {family} base {base} lacks weights of its other components ({exc}); a "
+                              f"Wan file holds its transformer alone: download the base once without it (hf "
+                              f"download <its hub id> --exclude 'transformer/*')") from None
+    _check_complete(pipe, path)
+    return pipe
+
+
+def _keep_in_float32(model: ModelMixin, state: Tensors) -> None:
+    """Keep the modules a model keeps in float32 (its _keep_in_fp32_modules) in float32, as its
+    from_pretrained does: from_single_file casts them to the dtype too (a Wan transformer's norms,
+    modulation, time embedder and rotary tables)."""
+    kept = model._keep_in_fp32_modules or []
+
+    def is_kept(name: str) -> bool:  # from_pretrained's test (load_model_dict_into_meta)
+        return any(module in name.split(".") for module in kept)
+
+    parameters = {name: tensor for name, tensor in model.named_parameters()
+                  if is_kept(name) and tensor.dtype != torch.float32}
+    buffers = {name: tensor for name, tensor in model.named_buffers()
+               if is_kept(name) and tensor.dtype != torch.float32}
+    if not parameters and not buffers:
+        return
+    for name, parameter in parameters.items():
+        parameter.data = state[name].to(torch.float32)  # the file's values, not their rounding
+    with init_empty_weights():  # weights on the meta device, buffers computed as at construction
+        built = dict(type(model).from_config(model.config).named_buffers())
+    for name, buffer in buffers.items():
+        buffer.data = built[name]
+
+
+def _check_fits(model: type[ModelMixin], state: Tensors, base: Path, path: Path, kind: str,
+                hint: str) -> None:
+    """Refuse a transformer whose weights are not those of the base's (their names, and their shapes
+    where they are not quantized): diffusers would take them for another layout and fail converting
+    them, or fail loading them."""
+    config = model.load_config(str(base), subfolder="transformer", local_files_only=True)
     with torch.device("meta"):
-        expected = set(FluxTransformer2DModel.from_config(config).state_dict())
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-    if missing or unexpected:
-        raise CheckpointError(f"{path}: its transformer is not of the Flux base's kind ({base}): missing "
-                              f"{missing[:3]}, unexpected {unexpected[:3]} (a schnell file with a dev base, "
-                              f"or the reverse?)")
+        expected = model.from_config(config).state_dict()
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    shapes = sorted(name for name, tensor in state.items() if name in expected
+                    and type(tensor) is torch.Tensor and tensor.shape != expected[name].shape)
+    if missing or unexpected or shapes:
+        other = [f"{name} {tuple(state[name].shape)}, not {tuple(expected[name].shape)}"
+                 for name in shapes[:3]]
+        raise CheckpointError(f"{path}: its transformer is not of the {kind}'s kind ({base}): missing "
+                              f"{missing[:3]}, unexpected {unexpected[:3]}, of other shapes {other} {hint}")
 
 
 def flux_to_diffusers(state: Tensors) -> Tensors:
     """A FLUX.1 transformer's weights from BFL's layout (under ComfyUI's prefix or not) to diffusers'."""
-    state = {name.removeprefix(FLUX_PREFIX): tensor for name, tensor in state.items()}
+    state = {name.removeprefix(COMFY_PREFIX): tensor for name, tensor in state.items()}
     if "img_in.weight" not in state:
         raise CheckpointError("not a FLUX.1 transformer: no img_in.weight")
     width = state["img_in.weight"].shape[0]  # the model's: its blocks' fused weights are split by it

@@ -2,17 +2,27 @@
 without torch.
 
 A model of the folder is a single-file checkpoint (``<name>.safetensors``: a whole SD 1.x or SDXL
-pipeline, or a FLUX.1 transformer alone; ``<name>.gguf``: a quantized FLUX.1 transformer) or a
-diffusers folder (a sub-folder with ``model_index.json``), named after its stem; its sidecar,
+pipeline, a FLUX.1 transformer alone, or a Wan 2.1 transformer alone, text- or image-to-video;
+``<name>.gguf``: a quantized FLUX.1 transformer) or a diffusers folder (a sub-folder with
+``model_index.json``), named after its stem; its sidecar,
 ``<name>.json`` beside it, may force its family, name a VAE file used in place of its own, and set its
 memory settings. The API and the workers read the same
 folder (in compose both mount it), as they do SLOTQ_LORA_DIR: the API knows the models without a live
 worker, and a worker whose SLOTQ_MODEL_NAME names one loads it. Pickles (``.ckpt`` and the like) can
 run code when loaded: they are never offered, nor a diffusers folder whose weights are pickles alone.
 
+The layouts read: SD 1.x and SDXL's original (LDM) one, as A1111, ComfyUI and Civitai save whole
+pipelines; BFL's for a FLUX.1 transformer (``double_blocks``, ``single_blocks``); Wan's own for a Wan
+transformer (``blocks.N.self_attn``, ``head.modulation``; ``img_emb`` and ``cross_attn.k_img`` in an
+image-to-video one), as Wan-AI's release files and ComfyUI's repackaged ones hold it. A transformer's
+names may stand under ComfyUI's prefix, ``model.diffusion_model.``. A transformer file holds the
+transformer alone, whole: every weight of its blocks and of the layers around them, nothing else (the
+other components come from its family's configuration source, SLOTQ_CHECKPOINT_CONFIGS).
+
 Its files come from the internet: each is read as untrusted input. Only regular files are opened (a
 FIFO would block the reader), headers and JSON with a bound on their size and nesting, and a file that
-fails to read is not offered, with one line in the log, never an error of the listing.
+fails to read is not offered, with one line in the log, never an error of the listing; so is a
+safetensors file shorter than its header says (an interrupted download or copy).
 """
 
 from __future__ import annotations
@@ -46,11 +56,36 @@ FAMILY_PREFIXES: tuple[tuple[str, Family], ...] = (
     ("conditioner.embedders.1.", "sdxl"),
     ("cond_stage_model.", "sd"),
 )
-# A FLUX.1 transformer in BFL's layout (their files, and ComfyUI's and Civitai's), its names under
-# ComfyUI's prefix in the files ComfyUI saves: its blocks and the layers around them, nothing else.
-FLUX_PREFIX = "model.diffusion_model."
+# The prefix of a transformer's names in the files ComfyUI saves (a Flux or Wan one may have it).
+COMFY_PREFIX = "model.diffusion_model."
+# A FLUX.1 transformer in BFL's layout (their files, and ComfyUI's and Civitai's): its blocks and the
+# layers around them, nothing else.
 FLUX_BLOCKS = ("double_blocks.", "single_blocks.")
 FLUX_ROOTS = (*FLUX_BLOCKS, "img_in.", "txt_in.", "time_in.", "vector_in.", "guidance_in.", "final_layer.")
+# A Wan 2.1 transformer in Wan's layout (Wan-AI's files, ComfyUI's), under ComfyUI's prefix or not: the
+# layers around its blocks, then each block's (its self- and cross-attention, feed-forward, modulation);
+# an image-to-video one has its image embedder too, and in each block's cross-attention may have the
+# image's keys and values (Wan 2.1's do). Nothing else: a VACE or Animate model's extra layers are not
+# read (diffusers' own converter, convert_wan_transformer_to_diffusers, maps all these names).
+WAN_FAMILIES: tuple[Family, ...] = ("wan", "wan_i2v")
+WAN_MARK = "head.modulation"  # diffusers' own tell of a Wan file (CHECKPOINT_KEY_NAMES["wan"])
+_WEIGHT_BIAS = ("weight", "bias")
+WAN_TOP = (*(f"{layer}.{kind}" for layer in ("patch_embedding", "text_embedding.0", "text_embedding.2",
+                                             "time_embedding.0", "time_embedding.2", "time_projection.1",
+                                             "head.head") for kind in _WEIGHT_BIAS), WAN_MARK)
+WAN_IMAGE_TOP = tuple(f"img_emb.proj.{index}.{kind}" for index in (0, 1, 3, 4) for kind in _WEIGHT_BIAS)
+WAN_BLOCK = ("modulation", "norm3.weight", "norm3.bias",
+             *(f"{attention}.{part}.{kind}" for attention in ("self_attn", "cross_attn")
+               for part in "qkvo" for kind in _WEIGHT_BIAS),
+             *(f"{attention}.{norm}.weight" for attention in ("self_attn", "cross_attn")
+               for norm in ("norm_q", "norm_k")),
+             *(f"ffn.{index}.{kind}" for index in (0, 2) for kind in _WEIGHT_BIAS))
+WAN_BLOCK_IMAGE = ("cross_attn.k_img.weight", "cross_attn.k_img.bias", "cross_attn.v_img.weight",
+                   "cross_attn.v_img.bias", "cross_attn.norm_k_img.weight")
+WAN_ROOTS = ("patch_embedding.", "text_embedding.", "time_embedding.", "time_projection.", "head.", "blocks.",
+             "img_emb.")
+# A block's weight: its index (at most 9 digits: a hostile name's int() stays cheap) and its name inside.
+WAN_BLOCK_NAME = re.compile(r"blocks\.(\d{1,9})\.(.+)", re.DOTALL)
 # A model's sidecar, <stem>.json beside it: {"family": "sdxl", "vae": "file.safetensors", "memory":
 # {...}} (other keys, such as those A1111 keeps in the same file, are ignored).
 SIDECAR_SUFFIX = ".json"
@@ -170,7 +205,23 @@ def _safetensors_names(file: BinaryIO) -> list[str]:
     header = parse_json(file.read(length))
     if not isinstance(header, dict):
         raise ValueError("its header is not a JSON object")
+    weights = _data_bytes(header)
+    holds = os.fstat(file.fileno()).st_size - 8 - length
+    if weights > holds:
+        raise ValueError(f"truncated: its header gives {weights} bytes of weights, the file holds "
+                         f"{max(holds, 0)} (an interrupted download or copy?)")
     return [name for name in header if name != "__metadata__"]
+
+
+def _data_bytes(header: dict[str, object]) -> int:
+    """The bytes of weights a safetensors header describes: where its last tensor's data ends (an entry
+    of another form is for safetensors itself to refuse, at loading)."""
+    ends = [0]
+    for entry in header.values():
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if isinstance(offsets, list) and len(offsets) == 2 and type(offsets[1]) is int:
+            ends.append(offsets[1])
+    return max(ends)
 
 
 def _gguf_names(file: BinaryIO) -> list[str]:
@@ -228,8 +279,11 @@ def family_of_names(names: Iterable[str]) -> Family | None:
     """The family of a single-file checkpoint with these tensor names; None for none known."""
     names = list(names)
     # Flux first: a full Flux checkpoint may hold text encoders under an SD prefix.
-    if any(name.removeprefix(FLUX_PREFIX).startswith(FLUX_BLOCKS) for name in names):
+    if any(name.removeprefix(COMFY_PREFIX).startswith(FLUX_BLOCKS) for name in names):
         return "flux"
+    wan = _wan_family([name.removeprefix(COMFY_PREFIX) for name in names])
+    if wan is not None:
+        return wan
     for prefix, family in FAMILY_PREFIXES:
         if any(name.startswith(prefix) for name in names):
             return family
@@ -238,7 +292,7 @@ def family_of_names(names: Iterable[str]) -> Family | None:
 
 def outside_flux_transformer(names: Iterable[str]) -> list[str]:
     """The names of a Flux file that are no FLUX.1 transformer's: a VAE's, text encoders', another model's."""
-    return [name for name in names if not name.removeprefix(FLUX_PREFIX).startswith(FLUX_ROOTS)]
+    return [name for name in names if not name.removeprefix(COMFY_PREFIX).startswith(FLUX_ROOTS)]
 
 
 def check_flux_transformer(path: Path, names: Iterable[str]) -> None:
@@ -250,6 +304,61 @@ def check_flux_transformer(path: Path, names: Iterable[str]) -> None:
             f"{', '.join(map(shown, outside[:3]))}: a full Flux checkpoint (transformer, VAE and text "
             f"encoders) or another model; only transformer-only FLUX.1 files are loaded, the rest from the "
             f"Flux base")
+
+
+def _wan_family(names: list[str]) -> Family | None:
+    """A Wan transformer's family from its names (ComfyUI's prefix taken off): image-to-video where it
+    has an image embedder or image keys; None for names of no Wan transformer."""
+    blocks = [m[2] for name in names if (m := WAN_BLOCK_NAME.fullmatch(name))]
+    if WAN_MARK not in names and not any(inside.startswith("self_attn.") for inside in blocks):
+        return None
+    image = any(name.startswith("img_emb.") for name in names) or any(
+        inside.startswith("cross_attn.") and "_img." in inside for inside in blocks)
+    return "wan_i2v" if image else "wan"
+
+
+def check_wan_transformer(path: Path, names: Iterable[str]) -> None:
+    """Refuse a Wan file that is not one whole Wan transformer in Wan's layout: weights of another
+    model beside it (a VAE, an encoder, VACE's), a weight missing (a truncated or partial file), a
+    name no Wan transformer has."""
+    stripped = [name.removeprefix(COMFY_PREFIX) for name in names]
+    outside = [name for name in stripped if not name.startswith(WAN_ROOTS)]
+    if outside:
+        raise UnusableModelError(
+            f"{path}: a Wan file with {len(outside)} weights outside a Wan 2.1 transformer, such as "
+            f"{', '.join(map(shown, outside[:3]))}: a VAE's or an encoder's, or a VACE or Animate model's; "
+            f"only transformer-only Wan files are loaded, the rest from the Wan base")
+    found = set(stripped)
+    if len(found) < len(stripped):
+        raise UnusableModelError(f"{path}: a Wan file holding weights twice, under ComfyUI's prefix "
+                                 f"({COMFY_PREFIX}) and without it")
+    blocks = [(int(m[1]), m[2]) for name in stripped if (m := WAN_BLOCK_NAME.fullmatch(name))]
+    indices = sorted({index for index, _ in blocks})
+    if not indices:
+        raise UnusableModelError(f"{path}: not a whole Wan transformer: it has no blocks (blocks.0. ...)")
+    if indices != list(range(len(indices))):
+        gap = min(set(range(len(indices) + 1)) - set(indices))
+        raise UnusableModelError(f"{path}: not a whole Wan transformer: it has blocks up to "
+                                 f"{indices[-1]} but none numbered {gap} (a truncated or partial file?)")
+    image_keys = any(inside.startswith("cross_attn.") and "_img." in inside for _, inside in blocks)
+    image = image_keys or any(name.startswith("img_emb.") for name in stripped)
+    block = WAN_BLOCK + (WAN_BLOCK_IMAGE if image_keys else ())
+    expected = {*WAN_TOP, *(WAN_IMAGE_TOP if image else ()),
+                *(f"blocks.{index}.{name}" for index in indices for name in block)}
+    missing, unexpected = sorted(expected - found), sorted(found - expected)
+    if missing or unexpected:
+        lacks = f"it lacks {len(missing)} of its weights, such as {', '.join(missing[:3])}" if missing else ""
+        has = (f"it has {len(unexpected)} that no Wan 2.1 transformer has, such as "
+               f"{', '.join(map(shown, unexpected[:3]))}") if unexpected else ""
+        raise UnusableModelError(f"{path}: not a whole Wan 2.1 transformer in Wan's layout: "
+                                 f"{'; '.join(part for part in (lacks, has) if part)} (a truncated or "
+                                 f"partial file, or another model such as a first-last-frame one?)")
+
+
+def refuse_gguf(path: Path, family: Family) -> UnusableModelError:
+    """The refusal of a GGUF file of a family other than Flux."""
+    return UnusableModelError(f"{path}: a GGUF file of {family}: GGUF files are loaded as FLUX.1 "
+                              f"transformers only")
 
 
 def sidecar_of(path: Path) -> Path:
@@ -375,23 +484,30 @@ def _model_of(path: Path) -> FolderModel | None:
         family = sidecar.family or _folder_family(path)
     else:
         family = parsed_once(path, _file_family, name, sidecar.family)
+    if sidecar.vae is not None and FAMILY_SPECS[family].is_video:
+        raise UnusableModelError(f"{sidecar_of(path)}: \"vae\" replaces an image model's VAE only: a "
+                                 f"{family} model's VAE is its own (a file's: its base's)")
     return FolderModel(name=name, path=path, family=family, size=size, memory=sidecar.memory, vae=sidecar.vae)
 
 
 def _file_family(path: Path, name: str, forced: Family | None) -> Family:
-    """A single file's family: the one its sidecar forces, else its keys'; a Flux file must hold a
-    transformer alone."""
+    """A single file's family: the one its sidecar forces, else its keys'; a Flux or Wan file must hold
+    a whole transformer alone."""
     names = header_names(path)
     family = forced or family_of_names(names)
     if family is None:
         raise UnusableModelError(f"{path}: not an SD or SDXL checkpoint in the single-file layout, nor a "
-                                 f"FLUX.1 transformer; a sidecar {name}{SIDECAR_SUFFIX} with "
+                                 f"FLUX.1 or Wan 2.1 transformer; a sidecar {name}{SIDECAR_SUFFIX} with "
                                  f"{{\"family\": ...}} can name its family")
-    if FAMILY_SPECS[family].single_file == "transformer":  # BFL's layout: the transformer alone
+    gguf = path.suffix.lower() == GGUF_SUFFIX
+    if family in WAN_FAMILIES:  # Wan's layout: the transformer alone
+        if gguf:
+            raise refuse_gguf(path, family)
+        check_wan_transformer(path, names)
+    elif FAMILY_SPECS[family].single_file == "transformer":  # BFL's layout: the transformer alone
         check_flux_transformer(path, names)
-    elif path.suffix.lower() == GGUF_SUFFIX:
-        raise UnusableModelError(f"{path}: a GGUF file of {family}: GGUF files are loaded as FLUX.1 "
-                                 f"transformers only")
+    elif gguf:
+        raise refuse_gguf(path, family)
     return family
 
 

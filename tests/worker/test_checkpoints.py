@@ -37,9 +37,9 @@ from worker.tiny.checkpoints import (
     flux_transformer_to_bfl,
     unet_to_ldm,
     vae_to_ldm,
+    write_base,
     write_checkpoint,
     write_configs,
-    write_flux_base,
     write_gguf,
     write_vae,
 )
@@ -82,7 +82,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Files]:
         # quietly taken from the folder (diffusers falls back to a component's folder weights). A Flux
         # file holds its transformer alone: its base is the folder less the transformer's weights.
         if FAMILIES[name] == "flux":
-            configs = write_flux_base(folder, root / f"{name}-base")
+            configs = write_base(folder, root / f"{name}-base")
         else:
             configs = write_configs(folder, root / f"{name}-configs")
         made[name] = (folder, write_checkpoint(folder, root / f"{name}.safetensors"), configs)

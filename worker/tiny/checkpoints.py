@@ -11,6 +11,11 @@ A Flux file holds its transformer alone, in BFL's layout (``double_blocks``, ``s
 and v fused): the inverse of worker/checkpoints.py's ``flux_to_diffusers``. A VAE file (A1111's) holds
 a VAE in the LDM layout, without the ``first_stage_model.`` prefix. A GGUF file holds the Flux file's
 weights, its matrices quantized (Q8_0), as llama.cpp's tools and ComfyUI-GGUF's write them.
+
+A Wan file holds its transformer alone, in Wan's own layout (Wan-AI's release files, ComfyUI's
+``wan2.1_t2v_1.3B_fp16.safetensors``: ``blocks.N.self_attn.q``, ``head.modulation``, ``img_emb`` in an
+image-to-video one), optionally under ComfyUI's ``model.diffusion_model.`` prefix: the inverse of
+diffusers' ``convert_wan_transformer_to_diffusers``, which the worker loads it with.
 """
 
 from __future__ import annotations
@@ -52,6 +57,30 @@ _OPEN_CLIP_TOP = {
 _TEXT_MODEL_PARTS = ("embeddings.", "encoder.", "final_layer_norm.")  # a CLIP text model's, under text_model.
 _OPEN_CLIP_LAYER = {"layer_norm1": "ln_1", "layer_norm2": "ln_2", "mlp.fc1": "mlp.c_fc",
                     "mlp.fc2": "mlp.c_proj", "self_attn.out_proj": "attn.out_proj"}
+# A Wan transformer's names, diffusers' -> Wan's: diffusers' convert_wan_transformer_to_diffusers read
+# backwards (its norm2 is Wan's norm3, the cross-attention's norm; Wan's norm1 and norm2 hold no weights).
+_WAN_TOP = {
+    "condition_embedder.time_embedder.linear_1.": "time_embedding.0.",
+    "condition_embedder.time_embedder.linear_2.": "time_embedding.2.",
+    "condition_embedder.text_embedder.linear_1.": "text_embedding.0.",
+    "condition_embedder.text_embedder.linear_2.": "text_embedding.2.",
+    "condition_embedder.time_proj.": "time_projection.1.",
+    "condition_embedder.image_embedder.norm1.": "img_emb.proj.0.",
+    "condition_embedder.image_embedder.ff.net.0.proj.": "img_emb.proj.1.",
+    "condition_embedder.image_embedder.ff.net.2.": "img_emb.proj.3.",
+    "condition_embedder.image_embedder.norm2.": "img_emb.proj.4.",
+    "patch_embedding.": "patch_embedding.",
+    "proj_out.": "head.head.",
+    "scale_shift_table": "head.modulation",
+}
+_WAN_BLOCK = {  # inside blocks.N.
+    "attn1.": "self_attn.", "attn2.": "cross_attn.", "norm2.": "norm3.", "ffn.net.0.proj.": "ffn.0.",
+    "ffn.net.2.": "ffn.2.", "scale_shift_table": "modulation",
+}
+_WAN_ATTENTION = {  # inside an attention
+    "to_q.": "q.", "to_k.": "k.", "to_v.": "v.", "to_out.0.": "o.", "norm_q.": "norm_q.",
+    "norm_k.": "norm_k.", "add_k_proj.": "k_img.", "add_v_proj.": "v_img.", "norm_added_k.": "norm_k_img.",
+}
 
 
 def _renamed(name: str, table: dict[str, str]) -> str:
@@ -187,6 +216,31 @@ def _flux_name(name: str, table: dict[str, str]) -> str:
     raise ValueError(f"no BFL name for the Flux transformer weight {name}")
 
 
+def wan_transformer_to_original(state: Tensors) -> Tensors:
+    """A diffusers Wan transformer's weights in Wan's own layout."""
+    return {_wan_name(name): tensor for name, tensor in state.items()}
+
+
+def _wan_name(name: str) -> str:
+    """One Wan transformer weight's name in Wan's layout."""
+    m = re.fullmatch(r"blocks\.(\d+)\.(.*)", name)
+    if m is None:
+        return _wan_renamed(name, _WAN_TOP, name)
+    inside = _wan_renamed(m[2], _WAN_BLOCK, name)
+    if inside.startswith(("self_attn.", "cross_attn.")):
+        attention, rest = inside.split(".", 1)
+        inside = f"{attention}.{_wan_renamed(rest, _WAN_ATTENTION, name)}"
+    return f"blocks.{m[1]}.{inside}"
+
+
+def _wan_renamed(name: str, table: dict[str, str], whole: str) -> str:
+    """The name with the table's prefix it starts with replaced."""
+    for old, new in table.items():
+        if name.startswith(old):
+            return new + name.removeprefix(old)
+    raise ValueError(f"no Wan name for the Wan transformer weight {whole}")
+
+
 def _component(folder: Path, name: str) -> tuple[Tensors, dict]:
     """The weights and config of one component of a diffusers folder."""
     (weights,) = (folder / name).glob("*.safetensors")
@@ -199,10 +253,13 @@ def _prefixed(prefix: str, state: Tensors) -> Tensors:
 
 
 def checkpoint_of(folder: Path) -> Tensors:
-    """The single-file state dict of a diffusers folder: an SD 1.x or SDXL pipeline's, a Flux one's
-    transformer alone."""
+    """The single-file state dict of a diffusers folder: an SD 1.x or SDXL pipeline's, a Flux or Wan
+    one's transformer alone."""
     if (folder / "transformer").is_dir():
         transformer, _ = _component(folder, "transformer")
+        pipeline = json.loads((folder / "model_index.json").read_text("utf-8"))["_class_name"]
+        if pipeline.startswith("Wan"):
+            return wan_transformer_to_original(transformer)
         return flux_transformer_to_bfl(transformer)
     unet, unet_config = _component(folder, "unet")
     vae, vae_config = _component(folder, "vae")
@@ -219,6 +276,15 @@ def checkpoint_of(folder: Path) -> Tensors:
 def write_checkpoint(folder: Path, path: Path) -> Path:
     """Write the diffusers folder's pipeline as one ``.safetensors`` file in the original layout."""
     state = {name: tensor.contiguous() for name, tensor in checkpoint_of(Path(folder)).items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path))
+    return path
+
+
+def write_wan_transformer(folder: Path, path: Path, prefix: str = "") -> Path:
+    """Write a Wan diffusers folder's transformer as one ``.safetensors`` file in Wan's layout, each name
+    after prefix (ComfyUI's ``model.diffusion_model.``, or none as in Wan-AI's files)."""
+    state = {prefix + name: tensor.contiguous() for name, tensor in checkpoint_of(Path(folder)).items()}
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(state, str(path))
     return path
@@ -256,9 +322,9 @@ def write_vae(folder: Path, path: Path, scale: float = 1.0) -> Path:
     return path
 
 
-def write_flux_base(folder: Path, destination: Path) -> Path:
-    """Copy a Flux diffusers folder without its transformer's weights: the base a Flux file (its
-    transformer alone) is loaded into, which cannot quietly lend the file's weights."""
+def write_base(folder: Path, destination: Path) -> Path:
+    """Copy a diffusers folder without its transformer's weights: the base a transformer-only file
+    (Flux's, Wan's) is loaded into, which cannot quietly lend the file's weights."""
     shutil.copytree(folder, destination, ignore=_transformer_weights, dirs_exist_ok=True)
     return destination
 

@@ -39,7 +39,7 @@ from worker.tiny.model import T5_HIDDEN, build_t5_encoder, build_t5_tokenizer, i
 # so stale caches are never reused.
 TINY_VIDEO_MODELS: dict[str, str] = {
     "tiny-wan": "tiny-wan-v2",
-    "tiny-wan-i2v": "tiny-wan-i2v-v1",
+    "tiny-wan-i2v": "tiny-wan-i2v-v2",
     "tiny-ltx": "tiny-ltx-v1",
 }
 
@@ -56,7 +56,8 @@ _WAN_IMAGE_ENCODER = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_
 def _build_wan_transformer(image_dim: int | None = None) -> WanTransformer3DModel:
     """Return a 2-block Wan transformer, sized as in diffusers' own Wan pipeline tests. With
     ``image_dim``, Wan 2.1's image-to-video one: it also reads the start image's latents, their mask
-    (one channel a frame of the VAE's 4) and the image encoder's embeddings."""
+    (one channel a frame of the VAE's 4) and the image encoder's embeddings, with attention weights of
+    their own."""
     torch.manual_seed(0)
     image_channels = _LATENT_CHANNELS_WAN + 4 if image_dim else 0
     return WanTransformer3DModel(
@@ -66,6 +67,9 @@ def _build_wan_transformer(image_dim: int | None = None) -> WanTransformer3DMode
         in_channels=_LATENT_CHANNELS_WAN + image_channels,
         out_channels=_LATENT_CHANNELS_WAN,
         image_dim=image_dim,
+        # Wan 2.1's image-to-video blocks attend to the image's tokens with keys and values of their own
+        # (k_img, v_img in its files), as wide as the attention.
+        added_kv_proj_dim=2 * 12 if image_dim else None,
         text_dim=T5_HIDDEN,
         freq_dim=256,
         ffn_dim=32,
