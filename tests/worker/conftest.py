@@ -1,8 +1,12 @@
-"""Fixtures shared by the worker's modules: a model cache of a module's own, the tiny models in turn."""
+"""Fixtures shared by the worker's modules: a model cache of a module's own, the tiny models in turn,
+no network while a module loads its models."""
 
 from __future__ import annotations
 
+import socket
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,3 +29,16 @@ def model(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(scope="module")
 def family(model: str) -> Family:
     return TINY_IMAGE_MODELS[model]
+
+
+def _no_network(*args: Any, **kwargs: Any) -> None:
+    raise AssertionError("a model must load without the network")
+
+
+@pytest.fixture(scope="module")
+def offline() -> Iterator[None]:
+    """Any connection attempt fails the module's tests: loading is offline."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(socket.socket, "connect", _no_network)
+        patch.setattr(socket, "getaddrinfo", _no_network)
+        yield

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
-import socket
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -22,6 +21,7 @@ from diffusers.loaders.single_file_utils import (
 from huggingface_hub import constants as hub_constants
 from safetensors.torch import load_file, save_file
 
+from shared.contract.checkpoints import COMFY_PREFIX
 from shared.contract.jobs import JobRequest
 from shared.contract.models import Family
 from shared.contract.settings import CHECKPOINT_CONFIGS, Settings
@@ -49,26 +49,12 @@ FAMILIES: dict[str, Family] = {"tiny": "sd", "tiny-sdxl": "sdxl", "tiny-flux": "
 Files = tuple[Path, Path, Path]  # a tiny model's diffusers folder, its single file, its configs
 Pair = tuple[ImagePipeline, ImagePipeline]  # a tiny model loaded from its folder and from its file
 COMPONENTS = ("unet", "transformer", "vae", "text_encoder", "text_encoder_2")
-COMFY_PREFIX = "model.diffusion_model."
 VAE_SCALE = 1.1  # the sidecar's VAE file: the tiny model's VAE, its weights scaled
 Tensors = dict[str, torch.Tensor]
 Module = TypeVar("Module", bound=torch.nn.Module)
 SEED = 7
 REQUEST = JobRequest(prompt="a lighthouse at dusk", negative_prompt="fog", width=64, height=64, steps=2,
                      seed=SEED)
-
-
-def _no_network(*args: Any, **kwargs: Any) -> None:
-    raise AssertionError("a single-file checkpoint must load without the network")
-
-
-@pytest.fixture(scope="module")
-def offline() -> Any:
-    """Any connection attempt fails the module's tests: loading is offline."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(socket.socket, "connect", _no_network)
-        patch.setattr(socket, "getaddrinfo", _no_network)
-        yield
 
 
 @pytest.fixture(scope="module")

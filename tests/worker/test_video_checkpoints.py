@@ -8,9 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import socket
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -21,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from shared.contract import checkpoints, folders
 from shared.contract.checkpoints import (
+    COMFY_PREFIX,
     FolderModel,
     UnusableModelError,
     check_wan_transformer,
@@ -42,24 +41,10 @@ from worker.tiny.video import ensure_tiny_video_model
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 MODELS: dict[str, Family] = {"tiny-wan": "wan", "tiny-wan-i2v": "wan_i2v"}
-COMFY_PREFIX = "model.diffusion_model."
 SIDE, FRAMES, STEPS, SEED = 64, 9, 2, 7
 PROMPT = "a lighthouse at dusk, waves breaking"
 Tensors = dict[str, torch.Tensor]
 Files = tuple[Path, Path, Path]  # a tiny model's diffusers folder, its transformer's file, its base
-
-
-def _no_network(*args: Any, **kwargs: Any) -> None:
-    raise AssertionError("a Wan file must load without the network")
-
-
-@pytest.fixture(scope="module")
-def offline() -> Any:
-    """Any connection attempt fails the module's tests: loading is offline."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(socket.socket, "connect", _no_network)
-        patch.setattr(socket, "getaddrinfo", _no_network)
-        yield
 
 
 @pytest.fixture(scope="module")
