@@ -314,6 +314,7 @@ def worker_ways(settings: Settings, batch: list[JobRequest], scratch: Path, clai
 
 def dispatch(settings: Settings, count: int, scratch: Path, one_process: bool = False) -> list[str]:
     """Time per job with a pipeline that does no work, plain RQ and the slotq worker, against a bare loop."""
+    settings = settings.model_copy(update={"checkpoint_every_s": 0})  # a null pipeline has no state to keep
     batch = requests(count, 64, 1)
     names = {"rq": "plain RQ SimpleWorker", "slotq": "slotq worker"}
     runs: dict[str, float | Figures] = {"bare BLMOVE/LREM loop": bare_loop(settings, count)}

@@ -125,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         print_of = resuming.fingerprint(job, type(pipeline.pipe).__name__)
         sizes: list[int] = []
 
-        def save(step: int, latents: torch.Tensor, generators: list[torch.Generator]) -> None:
-            data = resuming.dump_call(print_of, step, latents, generators)
+        def save(step: int, latents: torch.Tensor, generators: list[torch.Generator], sampler: Any) -> None:
+            data = resuming.dump_call(print_of, step, latents, generators, sampler)
             store.save_checkpoint(job, step, data)
             sizes.append(len(data))
 
@@ -137,9 +137,10 @@ def main(argv: list[str] | None = None) -> int:
 
         half, kept = args.steps // 2, {}
 
-        def keep_half(step: int, latents: torch.Tensor, generators: list[torch.Generator]) -> None:
+        def keep_half(step: int, latents: torch.Tensor, generators: list[torch.Generator],
+                      sampler: Any) -> None:
             if step == half:
-                save(step, latents, generators)
+                save(step, latents, generators, sampler)
 
         costs = paired(args.rounds, {"plain": lambda: timed()[0],
                                      "saving": lambda: timed(checkpoint=save)[0]})
@@ -151,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
             started = time.perf_counter()
             stored = store.checkpoint(job)
             assert stored is not None
-            resumption = resuming.load_call(stored[1], print_of, 1)
+            resumption = resuming.load_call(stored[1], print_of, 1,
+                                            type(pipeline.samplers.get(request.scheduler)).__name__)
             (clip,) = pipeline.generate_batch([request], resume=resumption)
             kept["clip"] = clip
             return time.perf_counter() - started

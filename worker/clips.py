@@ -1,5 +1,7 @@
-"""A video job's steps in its whole-pipeline call: a clip's step checkpoints, its resume
-from one and its preemption at a step by a job of a higher class; a clip's preview frame.
+"""A job's steps in its whole-pipeline call: its step checkpoints and its resume from one (every clip's,
+and a one-pass text-to-image job's that the step-level loop does not run: with LoRAs, an IP-Adapter,
+weighted prompts or a sampler the loop has not); a clip's preemption at a step by a job of a higher
+class, and its preview frame.
 
 Run alone, such a job saves its denoising state every SLOTQ_CHECKPOINT_EVERY_S at most, and at the
 step a drain interrupts it (worker/resuming.py); the attempt after a crash, a drain or a preemption
@@ -36,36 +38,47 @@ class Preempted(JobInterruptedError):
     """A clip handed back at a step for a job of a higher class, its state saved at that step."""
 
 
+def resumable(request: JobRequest) -> bool:
+    """Whether a job's whole-pipeline call can resume at a step: a clip's (one from a start image too:
+    Wan's pipeline encodes the image again, the same way; LTX-Video's finds it in the saved latents),
+    or a one-pass text-to-image call's in the normal tier. Not a hires job's (two calls), a ControlNet
+    job's (its pipeline places its control window by the count of the steps it runs), an image-to-image
+    one's (its pipeline takes no latents) nor the fast tier's (its cache holds past steps' outputs)."""
+    return request.is_video or (request.kind == "text" and request.hires is None and not request.controlnets
+                                and request.speed != "fast")
+
+
 def steps_of(job: Job, request: JobRequest, settings: Settings) -> tuple[Resumption | None, Keep | None]:
-    """For a video job run alone: where this attempt resumes, from an earlier attempt's step checkpoint
-    that fits it (its meta then says ``resumed_from_step``), and what runs after each of its steps (its
-    checkpoints and its preemption). Neither for any other job, nor with checkpoints off. A clip from a
-    start image resumes as one from text: its pipeline encodes the image again, the same way, and
-    takes the saved latents as they are."""
-    if not request.is_video or settings.checkpoint_every_s <= 0:
+    """For a job run alone whose call can resume (:func:`resumable`): where this attempt resumes, from
+    an earlier attempt's step checkpoint that fits it (its meta then says ``resumed_from_step``), and
+    what runs after each of its steps (its checkpoints, and a clip's preemption). Neither for any other
+    job, nor with checkpoints off."""
+    if not resumable(request) or settings.checkpoint_every_s <= 0:
         return None, None
     store = results.of(settings)
-    print_of = resuming.fingerprint(job, type(current_pipeline().pipe).__name__)
+    loaded = current_pipeline()
+    print_of = resuming.fingerprint(job, type(loaded.pipe).__name__)
     job.meta.pop("resumed_from_step", None)  # an earlier attempt's
     later = int(job.meta.get("attempt", 1)) > 1  # a first attempt has no checkpoint
-    resume = _resumption(job, store, print_of, request.num_images) if later else None
+    sampler = type(loaded.samplers.get(request.scheduler)).__name__
+    resume = _resumption(job, store, print_of, request.num_images, sampler) if later else None
     if resume is not None:
         job.meta["resumed_from_step"] = resume.step  # written with the next step's progress
         log.info("job %s resumes at step %d of %d, from its step checkpoint", job.id, resume.step,
                  request.steps_run)
     cadence = resuming.Cadence(settings.checkpoint_every_s, saved_step=resume.step if resume else 0)
-    above = Above(settings, job, request)
+    above = Above(settings, job, request) if request.is_video else None
 
-    def keep(step: int, latents: torch.Tensor, generators: list[torch.Generator]) -> None:
+    def keep(step: int, latents: torch.Tensor, generators: list[torch.Generator], sampler: Any) -> None:
         if step >= request.steps_run:
-            return  # after the last step, the clip itself is a moment away
+            return  # after the last step, the result itself is a moment away
         saved = False
         if cadence.due(step):
-            saved = _save(job, store, step, resuming.dump_call(print_of, step, latents, generators))
+            saved = _save(job, store, step, resuming.dump_call(print_of, step, latents, generators, sampler))
             cadence.saved(step)
         draining = lifecycle.interrupting.is_set()  # the step's report raises next: keep its state first
-        if draining or above.waited():
-            data = resuming.dump_call(print_of, step, latents, generators)
+        if draining or (above is not None and above.waited()):
+            data = resuming.dump_call(print_of, step, latents, generators, sampler)
             if not saved and not _save(job, store, step, data):
                 return  # without its state saved, a hand-back would lose its steps: it goes on
             if draining:
@@ -125,7 +138,8 @@ def _save(job: Job, store: results.Results, step: int, data: bytes) -> bool:
     return True
 
 
-def _resumption(job: Job, store: results.Results, print_of: str, generators: int) -> Resumption | None:
+def _resumption(job: Job, store: results.Results, print_of: str, generators: int,
+                sampler: str) -> Resumption | None:
     """The job's step checkpoint where it has one this attempt can resume from; else None, logged."""
     try:
         found = store.checkpoint(job)
@@ -135,7 +149,7 @@ def _resumption(job: Job, store: results.Results, print_of: str, generators: int
     if found is None:
         return None
     try:
-        return resuming.load_call(found[1], print_of, generators)
+        return resuming.load_call(found[1], print_of, generators, sampler)
     except resuming.CheckpointError as exc:
         log.warning("job %s: its step checkpoint of step %d is not one it can resume from (%s): it starts "
                     "at step 0", job.id, found[0], exc)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,7 +63,7 @@ log = logging.getLogger(__name__)
 # before the first step).
 StepCallback = Callable[[int, int, "torch.Tensor | None"], None]
 # After each step, to save a step checkpoint: (step, latents, the call's generators).
-Keep = Callable[[int, torch.Tensor, list[torch.Generator]], None]
+Keep = Callable[[int, torch.Tensor, list[torch.Generator], Any], None]  # step, latents, generators, sampler
 Inputs = Mapping[str, Image.Image]  # a request's decoded input images: "image" (RGB), "mask" (L)
 Made = list[Image.Image] | Clip  # what one request makes: its images, or its clip
 VARIANTS = {"image": AutoPipelineForImage2Image, "inpaint": AutoPipelineForInpainting}
@@ -134,7 +134,7 @@ class ImagePipeline:
         generators = [torch.Generator("cpu").manual_seed(r.seed + index)  # type: ignore[operator]
                       for r in requests for index in range(r.num_images)]
         if checkpoint is not None:
-            on_step = _keeping(on_step, checkpoint, generators)
+            on_step = _keeping(on_step, checkpoint, generators, self.samplers.get(first.scheduler))
         self.adapters.use(self.pipe, first.loras)  # into the modules its twins share
         if first.ip_adapter is None:
             self.ip_adapters.use(self.pipe, None, 0.0)
@@ -146,7 +146,7 @@ class ImagePipeline:
         arguments = self._arguments(pipe, requests, inputs, first.kind, (first.width, first.height))
         if self.device.type == "cuda":  # this execution's peak, for the capacity admission reads
             torch.cuda.reset_peak_memory_stats(self.device)
-        done, begun = self._resumed(requests, arguments, generators, resume)
+        done, begun = self._resumed(pipe, requests, arguments, generators, resume)
         with self.section():
             with torch.inference_mode(), self._tier(pipe, first), begun:
                 output = self._denoise(pipe, first, arguments, generators, on_step, done,
@@ -167,18 +167,20 @@ class ImagePipeline:
             made = [_kept_outside_mask(images, each) for images, each in zip(made, inputs, strict=True)]
         return made
 
-    def _resumed(self, requests: list[JobRequest], arguments: dict[str, object],
+    def _resumed(self, pipe: DiffusionPipeline, requests: list[JobRequest], arguments: dict[str, object],
                  generators: list[torch.Generator], resume: Resumption | None
                  ) -> tuple[int, AbstractContextManager[None]]:
-        """The steps done already and the schedule's context: for a resumed call, the loop's latents
-        after ``resume.step`` steps and its generators' states put in, the rest of the schedule."""
+        """The steps done already and the call's context: for a resumed call, the loop's latents after
+        ``resume.step`` steps and its generators' and sampler's states put in, the rest of the schedule."""
         if resume is None:
             return 0, nullcontext()
         assert requests[0].hires is None and len(requests) == 1, "only a one-pass call of one job resumes"
         for generator, state in zip(generators, resume.generators, strict=True):
             generator.set_state(state)
-        arguments["latents"] = resume.latents.to(self.device)
-        return resume.step, starting_at(self.samplers.get(requests[0].scheduler), resume.step)
+        latents = arguments["latents"] = resume.latents.to(self.device)
+        schedule = starting_at(self.samplers.get(requests[0].scheduler), resume.step, resume.sampler,
+                               self.device)
+        return resume.step, _together(schedule, _latents_as_given(pipe, latents))
 
     def section(self) -> AbstractContextManager[None]:
         """A GPU section: its time counts in the duty cycle, a canceled or failed one's too."""
@@ -314,16 +316,44 @@ def images_of(pixels: np.ndarray) -> list[Image.Image] | JobFailedError:
     return VaeImageProcessor.numpy_to_pil(pixels)
 
 
-def _keeping(on_step: StepCallback | None, keep: Keep, generators: list[torch.Generator]) -> StepCallback:
-    """``keep`` with the step's latents and the call's generators, then ``on_step``: a stop that
-    ``on_step`` raises (a drain) comes after the step's state is kept."""
+def _keeping(on_step: StepCallback | None, keep: Keep, generators: list[torch.Generator],
+             sampler: Any) -> StepCallback:
+    """``keep`` with the step's latents, the call's generators and its sampler, then ``on_step``: a stop
+    that ``on_step`` raises (a drain) comes after the step's state is kept."""
     def step_done(step: int, total: int, latents: torch.Tensor | None) -> None:
         if latents is not None:
-            keep(step, latents, generators)
+            keep(step, latents, generators, sampler)
         if on_step is not None:
             on_step(step, total, latents)
 
     return step_done
+
+
+@contextmanager
+def _latents_as_given(pipe: DiffusionPipeline, latents: torch.Tensor) -> Iterator[None]:
+    """Inside the block, the pipeline's ``prepare_latents`` hands back ``latents`` as they are: an image
+    pipeline multiplies given latents by its sampler's initial noise sigma, which a resumed call's, taken
+    after a step, are past. What else it prepares (Flux's latent ids, a start image's condition) stays."""
+    own = pipe.prepare_latents
+
+    def prepare(*args: Any, **kwargs: Any) -> Any:
+        prepared = own(*args, **kwargs)
+        return latents if isinstance(prepared, torch.Tensor) else (latents, *prepared[1:])
+
+    pipe.prepare_latents = prepare
+    try:
+        yield
+    finally:
+        del pipe.prepare_latents  # the class's own again
+
+
+@contextmanager
+def _together(*contexts: AbstractContextManager[None]) -> Iterator[None]:
+    """The contexts as one, entered in order."""
+    with ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context)
+        yield
 
 
 def clip_of(frames: np.ndarray, fps: int) -> Clip | JobFailedError:

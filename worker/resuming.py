@@ -1,10 +1,11 @@
 """Step checkpoints: a job's denoising state, saved while it runs, so that the attempt after a crash, a
 drain or a restart resumes at the step it had reached rather than at step 0.
 
-A step-level job's (worker/joining.py) and a video job's, which runs as a whole-pipeline call
-(worker/tasks.py): the latter's state is the call's latents after a step and its generators' states,
-and its next attempt calls the pipeline with those latents, its schedule begun at that step
-(:func:`starting_at`). A flow-matching Euler step draws no noise, so this makes the same bytes.
+A step-level job's (worker/joining.py), and a job run alone as a whole-pipeline call that can resume
+(worker/clips.py: a clip, a one-pass text-to-image job): the latter's state is the call's latents
+after a step, its generators' states and its sampler's, and its next attempt calls the pipeline with
+those latents, its schedule begun at that step and its sampler's state put back
+(:func:`starting_at`), which makes the same bytes.
 
 Every SLOTQ_CHECKPOINT_EVERY_S at most, and only once a step has passed since the last save, the
 worker reads each running job's flights out of the loop (their step, latents, sampler state and
@@ -36,7 +37,7 @@ from rq.job import Job
 
 from shared.contract.jobs import JobRequest
 from shared.store import waiting
-from worker.stepping import Flight, SteppingLoop
+from worker.stepping import Flight, SteppingLoop, checked_sampler_state, put_sampler_state, sampler_state
 
 log = logging.getLogger(__name__)
 FORMAT = 1  # of the saved dict; a checkpoint of another format is ignored
@@ -105,55 +106,93 @@ def resume(loop: SteppingLoop, job: Job, request: JobRequest, flights: list[Flig
 @dataclass(frozen=True)
 class Resumption:
     """Where a whole-pipeline call resumes: after ``step`` steps, from these latents (as the pipeline's
-    loop holds them), its generators in these states."""
+    loop holds them), its generators in these states, its sampler in this one (``stepping.sampler_state``:
+    a multistep sampler's past predictions among it)."""
 
     step: int
     latents: torch.Tensor
     generators: list[torch.Tensor]
+    sampler: dict[str, Any] = field(default_factory=dict)
 
 
-def dump_call(print_of: str, step: int, latents: torch.Tensor, generators: list[torch.Generator]) -> bytes:
-    """A whole-pipeline call's checkpoint after ``step`` steps."""
+def dump_call(print_of: str, step: int, latents: torch.Tensor, generators: list[torch.Generator],
+              sampler: Any) -> bytes:
+    """A whole-pipeline call's checkpoint after ``step`` steps, ``sampler`` the scheduler it runs."""
     buffer = io.BytesIO()
     torch.save({"format": PIPELINE_FORMAT, "fingerprint": print_of, "step": step,
                 "latents": latents.detach().to("cpu", copy=True),
-                "generators": [generator.get_state() for generator in generators]}, buffer)
+                "generators": [generator.get_state() for generator in generators],
+                "sampler": type(sampler).__name__, "state": sampler_state(sampler)}, buffer)
     return buffer.getvalue()
 
 
-def load_call(data: bytes, print_of: str, generators: int) -> Resumption:
-    """A whole-pipeline call's checkpoint, or ``CheckpointError`` where it is not this job's."""
+def load_call(data: bytes, print_of: str, generators: int, sampler: str) -> Resumption:
+    """A whole-pipeline call's checkpoint, or ``CheckpointError`` where it is not this job's (``sampler``:
+    the class of the scheduler the job runs)."""
     saved = _opened(data, print_of, PIPELINE_FORMAT, "a checkpoint of a whole-pipeline call")
     step, latents, states = saved.get("step"), saved.get("latents"), saved.get("generators")
     if not (isinstance(step, int) and step >= 1 and isinstance(latents, torch.Tensor)
             and isinstance(states, list) and len(states) == generators
             and all(isinstance(state, torch.Tensor) for state in states)):
         raise CheckpointError("its step, latents or generator states are missing or malformed")
-    return Resumption(step, latents, states)
+    state = saved.get("state")
+    if saved.get("sampler") != sampler or not isinstance(state, dict):
+        raise CheckpointError(f"its sampler state is another sampler's than the job's {sampler}")
+    return Resumption(step, latents, states, state)
 
 
 @contextmanager
-def starting_at(scheduler: Any, step: int) -> Iterator[None]:
+def starting_at(scheduler: Any, step: int, state: dict[str, Any] | None = None,
+                device: torch.device | None = None) -> Iterator[None]:
     """Inside the block, the scheduler's schedule begins at ``step``: a pipeline that sets its timesteps
-    runs only the rest, the scheduler stepping from that step's sigma."""
-    own_timesteps, own_begin = scheduler.set_timesteps, scheduler.set_begin_index
+    is handed only the rest to run, the scheduler stepping from that step's sigma, with its saved
+    ``state`` put back (a multistep sampler's past predictions; tensors on ``device`` where its own are
+    on none). At its first step the scheduler holds its whole schedule again: multistep samplers
+    count their last steps by its length."""
+    own_timesteps, own_step = scheduler.set_timesteps, scheduler.step
+    own_begin = getattr(scheduler, "set_begin_index", None)  # DDIM's steps go by their timesteps alone
+    whole: list[torch.Tensor] = []
 
     @functools.wraps(own_timesteps)  # its signature: diffusers' retrieve_timesteps reads its parameters
     def set_timesteps(*args: Any, **kwargs: Any) -> None:
         own_timesteps(*args, **kwargs)
         if step >= len(scheduler.timesteps):
             raise CheckpointError(f"step {step} is past the schedule's {len(scheduler.timesteps)}")
-        scheduler.timesteps = scheduler.timesteps[step:]
-        own_begin(step)  # set_timesteps cleared it
+        if state:
+            _put_state(scheduler, state, device or torch.device("cpu"))
+        whole[:] = [scheduler.timesteps]
+        scheduler.timesteps = scheduler.timesteps[step:]  # what the pipeline reads next, and runs
+        if own_begin is not None:
+            own_begin(step)  # set_timesteps cleared it
+
+    @functools.wraps(own_step)  # its signature: pipelines read which keywords it takes
+    def step_once(*args: Any, **kwargs: Any) -> Any:
+        if whole:
+            scheduler.timesteps = whole.pop()
+        return own_step(*args, **kwargs)
 
     def set_begin_index(begin_index: int = 0) -> None:
+        assert own_begin is not None
         own_begin(step + begin_index)  # a pipeline's index counts in the timesteps it was given (Wan's 0)
 
-    scheduler.set_timesteps, scheduler.set_begin_index = set_timesteps, set_begin_index
+    scheduler.set_timesteps, scheduler.step = set_timesteps, step_once
+    if own_begin is not None:
+        scheduler.set_begin_index = set_begin_index
     try:
         yield
     finally:
-        del scheduler.set_timesteps, scheduler.set_begin_index  # the class's own again
+        del scheduler.set_timesteps, scheduler.step  # the class's own again
+        if own_begin is not None:
+            del scheduler.set_begin_index
+
+
+def _put_state(scheduler: Any, state: dict[str, Any], device: torch.device) -> None:
+    """A saved sampler state put into the scheduler whose timesteps were just set; ``CheckpointError``
+    where it does not fit."""
+    try:
+        put_sampler_state(scheduler, checked_sampler_state(scheduler, state), device)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 @dataclass

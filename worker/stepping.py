@@ -272,10 +272,9 @@ class SteppingLoop:
     def state_of(self, flight: Flight) -> dict[str, Any]:
         """What a flight between steps needs to go on elsewhere, on the CPU: its step, latents, sampler's
         state and generator's. Its conditioning is not in it: ``restore`` encodes the prompt again."""
-        cpu = torch.device("cpu")
-        sampler = {name: _to(value, cpu) for name, value in vars(flight.scheduler).items() if _kept(value)}
         return {"image": flight.image, "step": flight.step, "sampler": type(flight.scheduler).__name__,
-                "latents": flight.latents.cpu(), "state": sampler, "generator": flight.generator.get_state()}
+                "latents": flight.latents.cpu(), "state": sampler_state(flight.scheduler),
+                "generator": flight.generator.get_state()}
 
     @torch.inference_mode()
     def restore(self, flight: Flight, state: dict[str, Any]) -> None:
@@ -286,17 +285,13 @@ class SteppingLoop:
         self._expect(flight, FlightState.RUNNING)
         if flight.step != 0:
             raise ValueError("only a flight at step 0 takes a saved state")
-        fresh = vars(flight.scheduler)
         latents, sampler = state.get("latents"), state.get("state")
         if state.get("image") != flight.image or state.get("sampler") != type(flight.scheduler).__name__:
             raise ValueError("the state is another image's, or another sampler's")
         if not (isinstance(latents, torch.Tensor) and latents.shape == flight.latents.shape
                 and latents.dtype == flight.latents.dtype):
             raise ValueError("the state's latents are not this flight's shape and type")
-        # Some attributes appear at a sampler's first step (UniPC's last sample): those are taken as saved.
-        if not isinstance(sampler, dict) or any(
-                name in fresh and not _fits(value, fresh[name]) for name, value in sampler.items()):
-            raise ValueError("the state's sampler attributes are not this sampler's")
+        sampler = checked_sampler_state(flight.scheduler, sampler)
         step = state.get("step")
         if not isinstance(step, int) or not 0 < step < flight.total:
             raise ValueError(f"the state's step, {step!r}, is not one this flight resumes at")
@@ -304,10 +299,7 @@ class SteppingLoop:
         if not isinstance(generator, torch.Tensor):
             raise ValueError("the state has no generator state")
         flight.generator.set_state(generator)
-        for name, value in sampler.items():
-            # On the device its fresh one is on (Euler keeps its sigmas on the CPU), else the loop's.
-            home = fresh.get(name)
-            fresh[name] = _to(value, home.device if isinstance(home, torch.Tensor) else self.device)
+        put_sampler_state(flight.scheduler, sampler, self.device)
         flight.latents = latents.to(flight.latents.device)
         flight.step = step
 
@@ -356,6 +348,33 @@ def _on(value: object, device: torch.device) -> bool:
     if isinstance(value, list):
         return any(isinstance(each, torch.Tensor) and each.device.type == device.type for each in value)
     return isinstance(value, torch.Tensor) and value.device.type == device.type
+
+
+def sampler_state(scheduler: Any) -> dict[str, Any]:
+    """A sampler's state between two steps, on the CPU: its tensors, numbers, flags and lists of them (a
+    multistep sampler's past predictions), not its config."""
+    cpu = torch.device("cpu")
+    return {name: _to(value, cpu) for name, value in vars(scheduler).items() if _kept(value)}
+
+
+def checked_sampler_state(scheduler: Any, state: object) -> dict[str, Any]:
+    """A saved state (:func:`sampler_state`) that can stand for this fresh sampler's (the same class, its
+    timesteps set); ``ValueError`` where one of its attributes is of another kind or shape."""
+    fresh = vars(scheduler)
+    # Some attributes appear at a sampler's first step (UniPC's last sample): those are taken as saved.
+    if not isinstance(state, dict) or any(
+            name in fresh and not _fits(value, fresh[name]) for name, value in state.items()):
+        raise ValueError("the state's sampler attributes are not this sampler's")
+    return state
+
+
+def put_sampler_state(scheduler: Any, state: dict[str, Any], device: torch.device) -> None:
+    """Put a checked saved state into the sampler, each tensor on the device its fresh one is on (Euler
+    keeps its sigmas on the CPU), else on ``device``."""
+    fresh = vars(scheduler)
+    for name, value in state.items():
+        home = fresh.get(name)
+        fresh[name] = _to(value, home.device if isinstance(home, torch.Tensor) else device)
 
 
 def _kept(value: object) -> bool:

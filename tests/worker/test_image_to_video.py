@@ -36,6 +36,7 @@ from tests.conftest import (
     wait_for,
     wait_for_status,
 )
+from worker import resuming
 from worker.messages import Clip
 from worker.pipeline import load_pipeline
 from worker.resuming import Resumption
@@ -119,8 +120,8 @@ def test_a_clip_starts_from_its_image_as_the_pipeline_makes_it(client: FlaskClie
 @pytest.mark.parametrize("model", [MODEL, "tiny-ltx"])
 def test_a_clip_from_an_image_resumes_from_its_step_state_to_the_uninterrupted_frames(
         model: str, model_cache: Path) -> None:
-    """The state a step checkpoint saves (latents, generators) after step 3 of 6, put back into a new
-    call with the same image: the frames of the call that was never interrupted."""
+    """The state a step checkpoint saves (latents, generators, sampler) after step 3 of 6, put back into
+    a new call with the same image: the frames of the call that was never interrupted."""
     loaded = load_pipeline(Settings(model=model, cache_dir=model_cache, device="cpu", torch_threads=1))
     frames = 2 * loaded.info.frame_multiple + 1
     reference = ImageRef(media_type="image/png", width=SIDE, height=SIDE, bytes=1, sha256="0" * 64)
@@ -129,9 +130,10 @@ def test_a_clip_from_an_image_resumes_from_its_step_state_to_the_uninterrupted_f
     inputs = [{"image": start_image(SIDE, SIDE, seed=2)}]
     kept: list[Resumption] = []
 
-    def keep(step: int, latents: torch.Tensor, generators: list[torch.Generator]) -> None:
+    def keep(step: int, latents: torch.Tensor, generators: list[torch.Generator], sampler: Any) -> None:
         if step == 3:
-            kept.append(Resumption(step, latents.clone(), [each.get_state() for each in generators]))
+            data = resuming.dump_call("print", step, latents, generators, sampler)
+            kept.append(resuming.load_call(data, "print", 1, type(sampler).__name__))
 
     (whole,) = loaded.generate_batch([request], inputs=inputs, checkpoint=keep)
     (resumed,) = loaded.generate_batch([request], inputs=inputs, resume=kept[0])
