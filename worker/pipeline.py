@@ -62,8 +62,8 @@ log = logging.getLogger(__name__)
 # After each denoising step: (step, total, latents), the latents as the sampler holds them (None
 # before the first step).
 StepCallback = Callable[[int, int, "torch.Tensor | None"], None]
-# After each step, to save a step checkpoint: (step, latents, the call's generators).
-Keep = Callable[[int, torch.Tensor, list[torch.Generator], Any], None]  # step, latents, generators, sampler
+# After each step, to save a step checkpoint: (step, latents, the call's generators, its sampler).
+Keep = Callable[[int, torch.Tensor, list[torch.Generator], Any], None]
 Inputs = Mapping[str, Image.Image]  # a request's decoded input images: "image" (RGB), "mask" (L)
 Made = list[Image.Image] | Clip  # what one request makes: its images, or its clip
 VARIANTS = {"image": AutoPipelineForImage2Image, "inpaint": AutoPipelineForInpainting}
