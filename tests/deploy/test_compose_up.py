@@ -174,10 +174,17 @@ def test_the_api_scales_apart_from_the_one_worker(stack: Stack) -> None:
     replicas = {stack.address(container) for container in stack.containers("api")}
     assert len(replicas) == 3, replicas
     since = stack.docker("info", "--format", "{{.SystemTime}}").strip()
-    jobs = [stack.submit({"prompt": f"job {index}", "width": 64, "height": 64, "steps": 2})
-            for index in range(12)]
-    admitted_by = set(re.findall(r'"POST /v1/jobs HTTP/1\.1" 202 .* upstream=([\d.]+):8000',
-                                 stack.compose("logs", "--no-color", "--since", since, "proxy")))
+    # nginx re-resolves the replicas' name each second: a replica that has just come up may take the
+    # first requests' second to be among its upstreams. Jobs go on, a few at a time, until each
+    # replica has admitted one (or 30 s pass).
+    jobs: list[str] = []
+    admitted_by: set[str] = set()
+    deadline = time.monotonic() + 30
+    while admitted_by != replicas and time.monotonic() < deadline:
+        jobs += [stack.submit({"prompt": f"job {len(jobs) + index}", "width": 64, "height": 64, "steps": 2})
+                 for index in range(6)]
+        admitted_by = set(re.findall(r'"POST /v1/jobs HTTP/1\.1" 202 .* upstream=([\d.]+):8000',
+                                     stack.compose("logs", "--no-color", "--since", since, "proxy")))
     assert admitted_by == replicas
     views = [stack.ended(job) for job in jobs]
     assert {view["status"] for view in views} == {"succeeded"}
