@@ -90,6 +90,13 @@ def frames_of(model: str) -> int:
     return 2 * family_spec(TINY_VIDEO_MODELS[model]).frame_multiple + 1
 
 
+def long_clip(model: str, steps: int, width: int = 256, height: int = 256, **fields: Any) -> dict[str, Any]:
+    """A clip whose steps take long enough on a CPU to be caught mid-way: tiny LTX-Video's take
+    milliseconds at 256 px (a token packs 32x32 pixels and 8 frames), so its clip has twice the sides."""
+    scale, frames = (2, 57) if TINY_VIDEO_MODELS[model] == "ltx" else (1, 4 * frames_of(model) - 3)
+    return clip_body(model, steps=steps, width=width * scale, height=height * scale, frames=frames, **fields)
+
+
 def run(client: FlaskClient, **body: Any) -> dict:
     response = post_job(client, **body)
     assert response.status_code == 202, response.get_json()
@@ -192,7 +199,7 @@ def test_a_ranged_read_answers_206_with_the_bytes_asked_and_a_range_past_the_end
 
 def test_a_canceled_clip_stops_within_a_step_and_an_unfinished_ones_video_is_409(
         client: FlaskClient, video_model: str) -> None:
-    body = clip_body(video_model, steps=100, width=256, height=256, frames=4 * frames_of(video_model) - 3)
+    body = long_clip(video_model, steps=100)
     job_id = post_job(client, **body).get_json()["id"]
     unfinished = client.get(f"/v1/jobs/{job_id}/video.mp4")
     assert unfinished.status_code == 409 and unfinished.get_json()["error"]["code"] == "not_ready"
@@ -212,15 +219,15 @@ def test_a_canceled_clip_stops_within_a_step_and_an_unfinished_ones_video_is_409
 
 def test_a_running_clip_with_previews_shows_its_middle_frame_as_a_jpeg_of_its_aspect(
         client: FlaskClient, video_model: str) -> None:
-    body = clip_body(video_model, steps=100, width=256, height=128, frames=4 * frames_of(video_model) - 3,
-                     previews=True)
+    body = long_clip(video_model, steps=100, width=256, height=128, previews=True)
     job_id = post_job(client, **body).get_json()["id"]
     preview = wait_for(lambda: (answer := client.get(f"/v1/jobs/{job_id}/preview")).status_code == 200
                        and answer, timeout=120, what="the clip's first preview")
     assert preview.mimetype == "image/jpeg"
     assert int(preview.headers["Preview-Step"]) >= 1
     picture = np.asarray(Image.open(io.BytesIO(preview.data)).convert("RGB")).astype(float)
-    assert picture.shape == (128, 256, 3) and picture.std() > 1  # the clip's aspect, not one flat colour
+    rows, columns, colours = picture.shape  # a preview is at most 256 px a side, of the clip's aspect
+    assert (colours, columns, columns / rows) == (3, 256, 2) and picture.std() > 1  # not one flat colour
     client.delete(f"/v1/jobs/{job_id}")
     assert wait_for_status(client, job_id, "canceled")["preview"] is None
 
@@ -270,8 +277,7 @@ def test_a_killed_workers_clip_resumes_at_its_step_checkpoint_and_makes_the_unin
     step, says so, reports progress from there and makes the bytes the uninterrupted clip makes."""
     settings = video_settings.model_copy(update={"queue_name": f"video-resume-{video_model}",
                                                  "checkpoint_every_s": 0.3})
-    body = clip_body(video_model, steps=40, width=256, height=256, frames=4 * frames_of(video_model) - 3,
-                     seed=77)
+    body = long_clip(video_model, steps=40, seed=77)
     first = start_worker(settings, tmp_path / "first.log")
     second = None
     try:
@@ -341,8 +347,7 @@ def test_a_drained_clip_keeps_the_step_it_was_interrupted_at_and_resumes_there(
     periodic checkpoints are far off), goes back to its line and resumes there on the next worker."""
     settings = video_settings.model_copy(update={"queue_name": f"video-drain-{video_model}",
                                                  "stop_timeout_s": 0.1})
-    body = clip_body(video_model, steps=100, width=256, height=256, frames=4 * frames_of(video_model) - 3,
-                     seed=55)
+    body = long_clip(video_model, steps=100, seed=55)
     first = start_worker(settings, tmp_path / "first.log")
     second = None
     try:
