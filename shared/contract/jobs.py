@@ -331,17 +331,19 @@ class JobRequest(BaseModel):
             return self
         if self.image is not None:
             raise ValueError("a `hires` pass is for text-to-image: a job with an `image` has its size")
+        if self.hires_steps_run < 1:
+            raise ValueError(f"the hires pass's {self.hires.steps or self.steps} steps at denoise "
+                             f"{self.hires.denoise} run none: raise either")
+        if info.context is None:  # a parsed request passed on (into a job's view): its limits held then
+            return self
         max_side, multiple = _side_limits(info)
-        max_steps = (info.context or {}).get("max_steps", 100)
+        max_steps = info.context.get("max_steps", 100)
         if self.hires.steps is not None and self.hires.steps > max_steps:
             raise ValueError(f"`hires.steps` must be at most {max_steps}")
         width, height = self.output_size(multiple)
         if max(width, height) > max_side:
             raise ValueError(f"the hires pass makes {width}x{height}: over the service's {max_side}; "
                              "lower `hires.scale` or the size")
-        if self.hires_steps_run < 1:
-            raise ValueError(f"the hires pass's {self.hires.steps or self.steps} steps at denoise "
-                             f"{self.hires.denoise} run none: raise either")
         return self
 
     @property

@@ -192,6 +192,16 @@ def test_a_hires_pass_out_of_bounds_is_refused(settings: Settings, redis: Redis,
     assert nothing_stored(redis)
 
 
+def test_a_hires_pass_within_the_services_raised_limits_is_admitted(settings: Settings) -> None:
+    """Above the defaults (100 steps, 1024 px) where the service allows it: its view too (it once
+    checked the defaults again and answered 500 for a job it had admitted)."""
+    for client in app_client(settings.model_copy(update={"max_side": 2048, "max_steps": 200})):
+        response = post_job(client, hires={"scale": 2, "steps": 150}, width=1024, height=1024, steps=2)
+        assert response.status_code == 202, response.get_json()
+        view = client.get(f"/v1/jobs/{response.get_json()['id']}").get_json()
+        assert view["request"]["hires"]["steps"] == 150 and view["request"]["width"] == 1024
+
+
 def test_a_hires_pass_is_for_text_to_image(client: FlaskClient, redis: Redis) -> None:
     response = post_job(client, image=data_url(start_image(64, 64)), hires={"scale": 2}, steps=2)
     assert "a `hires` pass is for text-to-image" in error_of(response, 422, "invalid_request")
