@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import signal
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -344,6 +345,34 @@ def wait_for_status(client: FlaskClient, job_id: str, *statuses: str, timeout: f
         return view if view["status"] in statuses else None
 
     return wait_for(reached, timeout, what=f"job {job_id} to become {'/'.join(statuses)}")
+
+
+@contextmanager
+def drained_and_resumed(settings: Settings, body: dict[str, Any], logs: Path, after_step: int = 2
+                        ) -> Iterator[tuple[FlaskClient, dict]]:
+    """A job posted to a worker that gets SIGTERM (stop it with SLOTQ_STOP_TIMEOUT_S in ``settings``)
+    once the job has run ``after_step`` steps: the job saves the step the drain interrupted and goes
+    back to its line; a second worker resumes it there. Yields the API's client and the job's view,
+    succeeded; both workers' logs are in ``logs``."""
+    first, second = start_worker(settings, logs / "first.log"), None
+    try:
+        with Redis.from_url(settings.redis_url) as redis, contextmanager(app_client)(settings) as client:
+            job_id = post_job(client, **body).get_json()["id"]
+            running = wait_for(lambda: (view := client.get(f"/v1/jobs/{job_id}").get_json())["progress"]
+                               and view["progress"]["step"] >= after_step and view, 120, "the job to run")
+            first.popen.send_signal(signal.SIGTERM)
+            assert first.popen.wait(60) == 0
+            saved = int(redis.hget(keys.checkpoint_key(job_id), "step") or 0)
+            assert after_step <= saved < running["progress"]["total"]  # where the drain interrupted it
+            assert client.get(f"/v1/jobs/{job_id}").get_json()["status"] == "queued"
+            second = start_worker(settings, logs / "second.log")
+            done = wait_for_status(client, job_id, "succeeded", "failed", timeout=180)
+            assert done["status"] == "succeeded" and done["resumed_from_step"] == saved, done
+            yield client, done
+    finally:
+        first.stop()
+        if second is not None:
+            assert second.stop() == 0, second.output()
 
 
 def raw_request(port: int, request: bytes) -> tuple[int, dict[str, str], bytes]:

@@ -6,10 +6,11 @@ one: they share its modules, so the weights are on the device once whatever a jo
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from PIL import Image
 from shared.contract.adapters import available_adapters
 from shared.contract.errors import JobFailedError
 from shared.contract.images import ImageRef
-from shared.contract.jobs import ControlRequest, JobKind, JobRequest
+from shared.contract.jobs import ControlRequest, JobKind, JobRequest, steps_run
 from shared.contract.memory import MemoryOptions
 from shared.contract.models import (
     PIPELINE_CLASSES,
@@ -49,7 +50,7 @@ from worker.ip_adapters import IpAdapters, ip_adapter_arguments, share_image_enc
 from worker.messages import Clip
 from worker.previews import Previewer, load_decoder
 from worker.prompts import weighted_arguments
-from worker.resuming import Resumption, starting_at
+from worker.resuming import Resumption, resumed_call
 from worker.samplers import Samplers
 from worker.threads import CALIBRATION_STEPS, ThreadChoice, work_of
 from worker.threads import TORCH_DEFAULT_THREADS as TORCH_DEFAULT_THREADS  # re-exported: bench reads it here
@@ -123,9 +124,9 @@ class ImagePipeline:
         images hold NaN the failure that ends it (``nan_output``). Each image keeps its own generator, so
         it is the one it would be alone. ``inputs`` holds each request's input images, in order: its
         start image and mask, its controls' images (``control0``...). A video model's request makes a
-        clip (its frames, as diffusers returns them, and its rate). A one-pass call may ``resume`` from
-        a step checkpoint; ``checkpoint(step, latents, generators)`` runs before ``on_step`` at each step
-        (worker/resuming.py)."""
+        clip (its frames, as diffusers returns them, and its rate). A call of one request may ``resume``
+        from a step checkpoint (a hires job's in either pass); ``checkpoint(step, latents, generators,
+        sampler)`` runs before ``on_step`` at each step (worker/resuming.py)."""
         first = requests[0]
         assert all(r.batch_key == first.batch_key and r.seed is not None for r in requests), requests
         inputs = list(inputs) or [{} for _ in requests]
@@ -146,13 +147,16 @@ class ImagePipeline:
         arguments = self._arguments(pipe, requests, inputs, first.kind, (first.width, first.height))
         if self.device.type == "cuda":  # this execution's peak, for the capacity admission reads
             torch.cuda.reset_peak_memory_stats(self.device)
-        done, begun = self._resumed(pipe, requests, arguments, generators, resume)
-        with self.section():
-            with torch.inference_mode(), self._tier(pipe, first), begun:
-                output = self._denoise(pipe, first, arguments, generators, on_step, done,
-                                       "np" if first.hires is None else _FIRST_PASS[first.hires.upscaler])
+        assert resume is None or len(requests) == 1, "only a call of one job resumes"
+        first_pass, second_pass = self._passes_resumed(first, resume)
+        with self.section(), torch.inference_mode():
+            output: Any = None  # a hires job resumed in its second pass skips its first
+            if first_pass is not None or second_pass is None:
+                with self._tier(pipe, first), self._resuming(pipe, first, generators, first_pass):
+                    output = self._denoise(pipe, first, arguments, generators, on_step, 0,
+                                           "np" if first.hires is None else _FIRST_PASS[first.hires.upscaler])
             if first.hires is not None:
-                output = self._hires_pass(requests, inputs, output, generators, on_step)
+                output = self._hires_pass(requests, inputs, output, generators, on_step, second_pass)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the section ends when the device is done
                 width, height = first.output_size(self.info.side_multiple)
@@ -167,20 +171,21 @@ class ImagePipeline:
             made = [_kept_outside_mask(images, each) for images, each in zip(made, inputs, strict=True)]
         return made
 
-    def _resumed(self, pipe: DiffusionPipeline, requests: list[JobRequest], arguments: dict[str, object],
-                 generators: list[torch.Generator], resume: Resumption | None
-                 ) -> tuple[int, AbstractContextManager[None]]:
-        """The steps done already and the call's context: for a resumed call, the loop's latents after
-        ``resume.step`` steps and its generators' and sampler's states put in, the rest of the schedule."""
+    @staticmethod
+    def _passes_resumed(request: JobRequest, resume: Resumption | None
+                        ) -> tuple[Resumption | None, Resumption | None]:
+        """Where a resumed job's passes resume: its one pass, or a hires job's first or second (its steps
+        counted from the second's start), the other ``None``."""
+        if resume is None or request.hires is None or resume.step <= request.first_steps_run:
+            return resume, None
+        return None, dataclasses.replace(resume, step=resume.step - request.first_steps_run)
+
+    def _resuming(self, pipe: DiffusionPipeline, request: JobRequest, generators: list[torch.Generator],
+                  resume: Resumption | None) -> AbstractContextManager[None]:
+        """For a pass that resumes, its call after ``resume.step`` of its steps (worker/resuming.py)."""
         if resume is None:
-            return 0, nullcontext()
-        assert requests[0].hires is None and len(requests) == 1, "only a one-pass call of one job resumes"
-        for generator, state in zip(generators, resume.generators, strict=True):
-            generator.set_state(state)
-        latents = arguments["latents"] = resume.latents.to(self.device)
-        schedule = starting_at(self.samplers.get(requests[0].scheduler), resume.step, resume.sampler,
-                               self.device)
-        return resume.step, _together(schedule, _latents_as_given(pipe, latents))
+            return nullcontext()
+        return resumed_call(pipe, self.samplers.get(request.scheduler), resume, generators, self.device)
 
     def section(self) -> AbstractContextManager[None]:
         """A GPU section: its time counts in the duty cycle, a canceled or failed one's too."""
@@ -209,18 +214,21 @@ class ImagePipeline:
         return pipe(**arguments, generator=generators, output_type=output_type, callback_on_step_end=step_end)
 
     def _hires_pass(self, requests: list[JobRequest], inputs: Sequence[Inputs], first_pass: Any,
-                    generators: list[torch.Generator], on_step: StepCallback | None) -> Any:
+                    generators: list[torch.Generator], on_step: StepCallback | None,
+                    resume: Resumption | None = None) -> Any:
         """The second pass of a hires batch: the first pass's latents or images upscaled to the larger
-        size, then image-to-image there (with the batch's controls), its steps counted after the first's."""
+        size, then image-to-image there (with the batch's controls), its steps counted after the first's.
+        Resumed, it has no first pass: black images stand in for it, the latents they make replaced."""
         first = requests[0]
         hires, size = first.hires, first.output_size(self.info.side_multiple)
         assert hires is not None
         pipe = self._pipeline_for("image", first.controlnets)
         arguments = self._arguments(pipe, requests, inputs, "image", size)
-        arguments["image"] = upscaled(first_pass.images, size, hires.upscaler, self.pipe.vae_scale_factor)
-        arguments["strength"] = hires.denoise
-        arguments["num_inference_steps"] = hires.steps or first.steps
-        with self._tier(pipe, first):
+        arguments["image"] = ([Image.new("RGB", size)] * first.num_images if first_pass is None else
+                              upscaled(first_pass.images, size, hires.upscaler, self.pipe.vae_scale_factor))
+        arguments["num_inference_steps"] = steps = hires.steps or first.steps
+        arguments["strength"] = pipeline_strength(self.info.family, steps, hires.denoise)
+        with self._tier(pipe, first), self._resuming(pipe, first, generators, resume):
             return self._denoise(pipe, first, arguments, generators, on_step, first.first_steps_run, "np")
 
     def _tier(self, pipe: DiffusionPipeline, request: JobRequest) -> AbstractContextManager[None]:
@@ -269,7 +277,8 @@ class ImagePipeline:
             starts = [each.get("image") for each in inputs]
             # Wan's image-to-video call takes one image: a batch of its clips shares it (their batch key)
             arguments["image"] = starts[0] if self.info.spec.starts_from_image else starts
-            arguments["strength"] = first.strength  # an image-to-video pipeline takes none
+            # an image-to-video pipeline takes none
+            arguments["strength"] = pipeline_strength(self.info.family, first.steps, first.strength)
         if kind == "inpaint":
             arguments["mask_image"] = [each["mask"] for each in inputs]
         if first.controlnets:
@@ -329,33 +338,6 @@ def _keeping(on_step: StepCallback | None, keep: Keep, generators: list[torch.Ge
     return step_done
 
 
-@contextmanager
-def _latents_as_given(pipe: DiffusionPipeline, latents: torch.Tensor) -> Iterator[None]:
-    """Inside the block, the pipeline's ``prepare_latents`` hands back ``latents`` as they are: an image
-    pipeline multiplies given latents by its sampler's initial noise sigma, which a resumed call's, taken
-    after a step, are past. What else it prepares (Flux's latent ids, a start image's condition) stays."""
-    own = pipe.prepare_latents
-
-    def prepare(*args: Any, **kwargs: Any) -> Any:
-        prepared = own(*args, **kwargs)
-        return latents if isinstance(prepared, torch.Tensor) else (latents, *prepared[1:])
-
-    pipe.prepare_latents = prepare
-    try:
-        yield
-    finally:
-        del pipe.prepare_latents  # the class's own again
-
-
-@contextmanager
-def _together(*contexts: AbstractContextManager[None]) -> Iterator[None]:
-    """The contexts as one, entered in order."""
-    with ExitStack() as stack:
-        for context in contexts:
-            stack.enter_context(context)
-        yield
-
-
 def clip_of(frames: np.ndarray, fps: int) -> Clip | JobFailedError:
     """One request's clip from the pipeline's floats in [0, 1], or its failure where any is NaN."""
     if np.isnan(frames).any():
@@ -368,6 +350,16 @@ def _kept_outside_mask(made: Made | JobFailedError, inputs: Inputs) -> Made | Jo
     if isinstance(made, (JobFailedError, Clip)):
         return made
     return [Image.composite(image, inputs["image"], inputs["mask"]) for image in made]
+
+
+def pipeline_strength(family: Family, steps: int, strength: float) -> float:
+    """The strength that makes a family's image-to-image pipeline run the steps a job counts (the last
+    ``int(steps * strength)``: ``JobRequest.steps_run``). Flux's pipelines begin at ``int(steps - steps *
+    strength)``, a step earlier where ``steps * strength`` has a fraction: they are handed the middle of
+    the strengths that run that count, as the others are handed the job's own."""
+    if family != "flux" or strength >= 1:
+        return strength
+    return (steps_run(steps, strength) - 0.5) / steps
 
 
 def upscaled(first_pass: Any, size: tuple[int, int], upscaler: str, vae_scale_factor: int

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,6 +28,7 @@ from PIL import Image
 from redis.exceptions import RedisError
 from rq.job import Job
 
+from shared.contract.jobs import JobRequest
 from shared.contract.models import Family, LatentFormat, family_spec
 from shared.store import records
 from shared.store.fencing import held
@@ -204,3 +206,15 @@ def load_decoder(path: Path, device: torch.device, dtype: torch.dtype) -> Autoen
     """A tiny preview decoder (TAESD, TAESDXL, TAEF1) from a folder in diffusers' format."""
     decoder = AutoencoderTiny.from_pretrained(path, torch_dtype=dtype)
     return decoder.to(device).eval()
+
+
+def middle_frame(latents: torch.Tensor, request: JobRequest, pipe: Any) -> torch.Tensor:
+    """The middle latent frame of a clip's latents as the pipeline's loop holds them, (rows, channels,
+    h, w): Wan's are (rows, channels, frames, h, w); LTX-Video packs them into tokens (rows, frames *
+    h * w, channels), which its pipeline unpacks so."""
+    if latents.ndim == 3:  # as LTXPipeline.__call__ unpacks them before decoding
+        spatial, frames = pipe.vae_spatial_compression_ratio, request.frames or 1
+        patches = pipe.transformer_spatial_patch_size, pipe.transformer_temporal_patch_size
+        latents = pipe._unpack_latents(latents, (frames - 1) // pipe.vae_temporal_compression_ratio + 1,
+                                       request.height // spatial, request.width // spatial, *patches)
+    return latents[:, :, latents.shape[2] // 2]

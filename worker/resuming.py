@@ -2,10 +2,10 @@
 drain or a restart resumes at the step it had reached rather than at step 0.
 
 A step-level job's (worker/joining.py), and a job run alone as a whole-pipeline call that can resume
-(worker/clips.py: a clip, a one-pass text-to-image job): the latter's state is the call's latents
+(worker/whole_calls.py: a clip, an image job of the normal tier): the latter's state is the call's latents
 after a step, its generators' states and its sampler's, and its next attempt calls the pipeline with
-those latents, its schedule begun at that step and its sampler's state put back
-(:func:`starting_at`), which makes the same bytes.
+those latents, its first steps skipped and its sampler's state put back (:func:`resumed_call`),
+which makes the same bytes.
 
 Every SLOTQ_CHECKPOINT_EVERY_S at most, and only once a step has passed since the last save, the
 worker reads each running job's flights out of the loop (their step, latents, sampler state and
@@ -27,7 +27,7 @@ import io
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -142,48 +142,103 @@ def load_call(data: bytes, print_of: str, generators: int, sampler: str) -> Resu
 
 
 @contextmanager
-def starting_at(scheduler: Any, step: int, state: dict[str, Any] | None = None,
-                device: torch.device | None = None) -> Iterator[None]:
-    """Inside the block, the scheduler's schedule begins at ``step``: a pipeline that sets its timesteps
-    is handed only the rest to run, the scheduler stepping from that step's sigma, with its saved
-    ``state`` put back (a multistep sampler's past predictions; tensors on ``device`` where its own are
-    on none). At its first step the scheduler holds its whole schedule again: multistep samplers
-    count their last steps by its length."""
+def resumed_call(pipe: Any, scheduler: Any, resume: Resumption, generators: list[torch.Generator],
+                 device: torch.device) -> Iterator[None]:
+    """Inside the block, the pipeline's next call resumes after ``resume.step`` iterations of its loop.
+
+    It prepares what it prepares as the uninterrupted call did (its generators as they were made: an
+    inpainting pipeline keeps the noise it draws), then takes the saved latents for the ones it made,
+    skips its first ``resume.step`` iterations and steps on from there: its sampler with the saved state
+    put back after its timesteps were set (a multistep sampler's past predictions; tensors on ``device``
+    where its own are on none), the generators in their saved states from its first step (or from the
+    block's end, where no step was left). The pipeline sees its whole schedule, so what it derives from
+    it (an image-to-image call's start, a ControlNet's window) is the uninterrupted call's."""
+    pending = [resume.generators]
+
+    def generators_as_saved() -> None:
+        if pending:
+            for generator, state in zip(generators, pending.pop(), strict=True):
+                generator.set_state(state)
+
+    with (_sampler_from(scheduler, resume.step, resume.sampler, device, generators_as_saved),
+          _prepared_as(pipe, resume.latents.to(device)), _skipping(pipe, resume.step)):
+        yield
+    generators_as_saved()  # where no step was left to run
+
+
+@contextmanager
+def _sampler_from(scheduler: Any, step: int, state: dict[str, Any], device: torch.device,
+                  first_step: Callable[[], None]) -> Iterator[None]:
+    """Inside the block, the scheduler takes its saved ``state`` back each time its timesteps are set:
+    its step index among it, so it steps on from ``step`` of the schedule; ``first_step`` runs before
+    each of its steps."""
     own_timesteps, own_step = scheduler.set_timesteps, scheduler.step
-    own_begin = getattr(scheduler, "set_begin_index", None)  # DDIM's steps go by their timesteps alone
-    whole: list[torch.Tensor] = []
 
     @functools.wraps(own_timesteps)  # its signature: diffusers' retrieve_timesteps reads its parameters
     def set_timesteps(*args: Any, **kwargs: Any) -> None:
         own_timesteps(*args, **kwargs)
-        if step >= len(scheduler.timesteps):
+        if step > len(scheduler.timesteps):  # equal: a hires job's first pass, all of it run already
             raise CheckpointError(f"step {step} is past the schedule's {len(scheduler.timesteps)}")
-        if state:
-            _put_state(scheduler, state, device or torch.device("cpu"))
-        whole[:] = [scheduler.timesteps]
-        scheduler.timesteps = scheduler.timesteps[step:]  # what the pipeline reads next, and runs
-        if own_begin is not None:
-            own_begin(step)  # set_timesteps cleared it
+        _put_state(scheduler, state, device)
 
     @functools.wraps(own_step)  # its signature: pipelines read which keywords it takes
     def step_once(*args: Any, **kwargs: Any) -> Any:
-        if whole:
-            scheduler.timesteps = whole.pop()
+        first_step()
         return own_step(*args, **kwargs)
 
-    def set_begin_index(begin_index: int = 0) -> None:
-        assert own_begin is not None
-        own_begin(step + begin_index)  # a pipeline's index counts in the timesteps it was given (Wan's 0)
-
     scheduler.set_timesteps, scheduler.step = set_timesteps, step_once
-    if own_begin is not None:
-        scheduler.set_begin_index = set_begin_index
     try:
         yield
     finally:
         del scheduler.set_timesteps, scheduler.step  # the class's own again
-        if own_begin is not None:
-            del scheduler.set_begin_index
+
+
+@contextmanager
+def _prepared_as(pipe: Any, latents: torch.Tensor) -> Iterator[None]:
+    """Inside the block, the pipeline's ``prepare_latents`` hands back ``latents`` for the ones it made;
+    what else it prepares (Flux's latent ids, an inpainting call's noise and image latents, a start
+    image's condition) stays as made."""
+    own = pipe.prepare_latents
+
+    def prepare(*args: Any, **kwargs: Any) -> Any:
+        prepared = own(*args, **kwargs)
+        return latents if isinstance(prepared, torch.Tensor) else (latents, *prepared[1:])
+
+    pipe.prepare_latents = prepare
+    try:
+        yield
+    finally:
+        del pipe.prepare_latents  # the class's own again
+
+
+_skippers: dict[type, type] = {}
+
+
+@contextmanager
+def _skipping(pipe: Any, count: int) -> Iterator[None]:
+    """Inside the block, the pipeline's loop skips its first ``count`` iterations: diffusers' loops begin
+    each with ``if self.interrupt: continue`` (their one read of it), which the pipeline answers yes
+    ``count`` times. Its class is a subclass of its own for the block (same name), since ``interrupt``
+    is a property of the class."""
+    own = type(pipe)
+    if own not in _skippers:
+        _skippers[own] = type(own.__name__, (own,), {"interrupt": property(_interrupt_or_skip),
+                                                     "__module__": own.__module__})
+    vars(pipe)["_skip_left"] = count
+    pipe.__class__ = _skippers[own]
+    try:
+        yield
+    finally:
+        pipe.__class__ = own
+        vars(pipe).pop("_skip_left", None)
+
+
+def _interrupt_or_skip(pipe: Any) -> bool:
+    left = vars(pipe).get("_skip_left", 0)
+    if left > 0:
+        vars(pipe)["_skip_left"] = left - 1
+        return True
+    return bool(pipe._interrupt)
 
 
 def _put_state(scheduler: Any, state: dict[str, Any], device: torch.device) -> None:
@@ -214,4 +269,4 @@ class Cadence:
 
 
 __all__ = ["FORMAT", "PIPELINE_FORMAT", "Cadence", "CheckpointError", "Resumption", "dump", "dump_call",
-           "fingerprint", "load", "load_call", "resume", "starting_at"]
+           "fingerprint", "load", "load_call", "resume", "resumed_call"]

@@ -31,7 +31,7 @@ from shared.contract.ip_adapters import available_ip_adapters
 from shared.contract.jobs import JobRequest, validate_request
 from shared.contract.settings import Settings, get_settings
 from shared.store import records, results
-from worker import clips, lifecycle, previews, progress
+from worker import lifecycle, previews, progress, whole_calls
 from worker.finisher import store_result
 from worker.messages import Rendered
 from worker.pipeline import NAN_OUTPUT, Inputs, current_pipeline, nan_rows
@@ -96,7 +96,7 @@ def render(jobs: list[Job], announced: bool = False,
             last_step()
 
     single = len(members) == 1
-    resume, keep = clips.steps_of(jobs[members[0]], requests[0], settings) if single else (None, None)
+    resume, keep = whole_calls.steps_of(jobs[members[0]], requests[0], settings) if single else (None, None)
     # Step 0: reported here, or (announced) only the start the cadence counts its interval from.
     (cadence.due if announced else on_step)(0, requests[0].steps_run)
     try:
@@ -135,7 +135,7 @@ class PreviewOffers:
         width, height = (first.width, first.height) if step <= first.first_steps_run else self.larger
         chosen = latents[rows]
         if first.is_video:  # a clip's latents hold every frame: its middle one is the preview
-            chosen = clips.middle_frame(chosen, first, current_pipeline().pipe)
+            chosen = previews.middle_frame(chosen, first, current_pipeline().pipe)
         self.previewer.offer([job for _, job in wanted], step, chosen, width, height)
 
     def flush(self) -> None:

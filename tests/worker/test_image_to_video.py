@@ -5,9 +5,7 @@ drained one resumes on the next worker at the step it reached."""
 
 from __future__ import annotations
 
-import signal
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +15,7 @@ import torch
 from diffusers import DiffusionPipeline
 from flask.testing import FlaskClient
 from PIL import Image
-from redis import Redis
 
-from shared.contract import keys
 from shared.contract.images import ImageRef
 from shared.contract.jobs import JobRequest
 from shared.contract.models import family_spec
@@ -28,12 +24,11 @@ from tests.conftest import (
     Process,
     app_client,
     data_url,
+    drained_and_resumed,
     own_database,
     post_job,
     running_worker,
     start_image,
-    start_worker,
-    wait_for,
     wait_for_status,
 )
 from worker import resuming
@@ -148,24 +143,7 @@ def test_a_drained_clip_from_an_image_keeps_its_step_and_the_next_worker_resumes
     drained = settings.model_copy(update={"queue_name": "image-to-video-drain", "stop_timeout_s": 0.1})
     image = start_image(128, 128, seed=8)
     body = clip_body(steps=100, width=128, height=128, frames=13, seed=55)
-    first = start_worker(drained, tmp_path / "first.log")
-    second = None
-    try:
-        with Redis.from_url(drained.redis_url) as redis, contextmanager(app_client)(drained) as client:
-            job_id = post_job(client, **body, image=data_url(image)).get_json()["id"]
-            wait_for(lambda: (view := client.get(f"/v1/jobs/{job_id}").get_json())["progress"]
-                     and view["progress"]["step"] >= 2, timeout=120, what="the clip to run")
-            first.popen.send_signal(signal.SIGTERM)
-            assert first.popen.wait(60) == 0
-            saved = int(redis.hget(keys.checkpoint_key(job_id), "step") or 0)
-            assert 2 <= saved < 100 and client.get(f"/v1/jobs/{job_id}").get_json()["status"] == "queued"
-            second = start_worker(drained, tmp_path / "second.log")
-            done = wait_for_status(client, job_id, "succeeded", "failed", timeout=180)
-            assert done["status"] == "succeeded" and done["resumed_from_step"] == saved, done
-            served = read_mp4(client.get(done["video"]).data)[0].astype(float)
-            own = read_mp4(encode_mp4(own_frames(pipe, body, image), FPS))[0].astype(float)
-            assert np.abs(served - own).mean() < 0.5
-    finally:
-        first.stop()
-        if second is not None:
-            assert second.stop() == 0, second.output()
+    with drained_and_resumed(drained, body | {"image": data_url(image)}, tmp_path) as (client, done):
+        served = read_mp4(client.get(done["video"]).data)[0].astype(float)
+    own = read_mp4(encode_mp4(own_frames(pipe, body, image), FPS))[0].astype(float)
+    assert np.abs(served - own).mean() < 0.5

@@ -5,8 +5,8 @@ from one makes the images of the call never interrupted, with every sampler."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
-import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,24 +16,38 @@ import numpy as np
 import pytest
 import torch
 from diffusers import DiffusionPipeline, DPMSolverMultistepScheduler
+from PIL import Image, ImageDraw
 from redis import Redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from shared.contract import keys
+from shared.contract.images import ImageRef
 from shared.contract.jobs import JobRequest
 from shared.contract.models import TINY_IMAGE_MODELS, family_spec
 from shared.contract.settings import Settings
-from tests.conftest import app_client, own_database, post_job, start_worker, wait_for, wait_for_status
-from worker import clips, resuming
+from tests.conftest import (
+    app_client,
+    drained_and_resumed,
+    own_database,
+    post_job,
+    start_worker,
+    wait_for,
+    wait_for_status,
+)
+from worker import resuming
 from worker.pipeline import ImagePipeline, load_pipeline
 from worker.samplers import Samplers
 from worker.stepping import SteppingLoop
+from worker.tiny.controlnets import ensure_tiny_controlnets
 from worker.tiny.loras import ensure_tiny_loras
 from worker.tiny.model import ensure_tiny_model
+from worker.whole_calls import resumable
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 DRAIN_DATABASE = 23  # the drain test's queue, apart from the other modules'
+PREEMPT_DATABASE = 24  # the preemption test's
+CONTROLLED = ("tiny", "tiny-sdxl")  # the tiny models with tiny ControlNets
 REQUEST = {"prompt": "a lighthouse", "width": 64, "height": 64, "steps": 6, "seed": 5, "num_images": 2,
            "scheduler": "euler_a"}
 
@@ -135,10 +149,37 @@ def test_a_whole_pipeline_calls_checkpoint_loads_only_for_its_own_job_and_kind()
 
 @pytest.fixture(scope="module")
 def whole_calls(model_cache: Path) -> dict[str, ImagePipeline]:
-    """Each tiny image model loaded as a worker loads it, with its tiny LoRAs."""
-    return {model: load_pipeline(Settings(model=model, cache_dir=model_cache, device="cpu", torch_threads=1,
-                                          lora_dir=ensure_tiny_loras(model_cache, model)))
-            for model in TINY_IMAGE_MODELS}
+    """Each tiny image model loaded as a worker loads it, with its tiny LoRAs and ControlNets."""
+    return {model: load_pipeline(Settings(
+        model=model, model_name=model, cache_dir=model_cache, device="cpu", torch_threads=1,
+        lora_dir=ensure_tiny_loras(model_cache, model),
+        controlnet_dir=ensure_tiny_controlnets(model_cache, model) if model in CONTROLLED else None))
+        for model in TINY_IMAGE_MODELS}
+
+
+Images = list[np.ndarray]
+
+
+def resumed_at(loaded: ImagePipeline, request: JobRequest, step: int,
+               inputs: dict[str, Image.Image] | None = None) -> tuple[Images, Images, list[int]]:
+    """A job's images run whole; run again resumed from the state its checkpoint keeps after ``step``
+    steps; and the steps the resumed call reported."""
+    kept: list[resuming.Resumption] = []
+
+    def keep(done: int, latents: torch.Tensor, generators: list[torch.Generator], state: Any) -> None:
+        if done == step:
+            data = resuming.dump_call("print", done, latents, generators, state)
+            kept.append(resuming.load_call(data, "print", request.num_images, type(state).__name__))
+
+    def report(done: int, total: int, latents: torch.Tensor | None) -> None:
+        reported.append(done)
+
+    reported: list[int] = []
+    (whole,) = loaded.generate_batch([request], inputs=[inputs or {}], checkpoint=keep)
+    assert len(kept) == 1, f"no checkpoint at step {step} of {request.steps_run}"
+    (resumed,) = loaded.generate_batch([request], report, [inputs or {}], resume=kept[0])
+    assert isinstance(whole, list) and isinstance(resumed, list)
+    return [np.asarray(each) for each in whole], [np.asarray(each) for each in resumed], reported
 
 
 CALLS = [pytest.param(model, sampler, id=f"{model}-{sampler}") for model, family in TINY_IMAGE_MODELS.items()
@@ -154,7 +195,7 @@ def test_a_one_pass_call_with_a_lora_resumes_to_the_uninterrupted_images_with_ev
     loaded = whole_calls[model]
     request = JobRequest(prompt="a lighthouse", width=64, height=64, steps=7, seed=11, num_images=2,
                          guidance_scale=4.0, scheduler=sampler, loras=[{"name": "ink", "scale": 0.8}])
-    assert clips.resumable(request) and request.not_steppable == ["LoRAs"]
+    assert resumable(request) and request.not_steppable == ["LoRAs"]
     kept: list[resuming.Resumption] = []
 
     def keep(step: int, latents: torch.Tensor, generators: list[torch.Generator], state: Any) -> None:
@@ -173,6 +214,52 @@ def test_a_one_pass_call_with_a_lora_resumes_to_the_uninterrupted_images_with_ev
             np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(whole, forgetful, strict=True))
 
 
+def drawing(mode: str = "RGB") -> Image.Image:
+    """A 64 px start image (or, as ``L``, a mask repainting its middle)."""
+    image = Image.new(mode, (64, 64), (30, 60, 120) if mode == "RGB" else 0)
+    ImageDraw.Draw(image).ellipse((12, 12, 52, 52), fill=(230, 190, 40) if mode == "RGB" else 255)
+    return image
+
+
+REFERENCE = {"media_type": "image/png", "width": 64, "height": 64, "bytes": 1, "sha256": "0" * 64}
+START, MASK = ImageRef(**REFERENCE), ImageRef(**REFERENCE | {"sha256": "1" * 64})
+CONTROL = {"name": "chalk", "image": REFERENCE | {"sha256": "2" * 64}, "start": 0.3, "end": 0.7}
+JOBS = [  # model, sampler, what the job asks besides its prompt, the step its checkpoint is taken at
+    ("tiny", "dpmpp_2m", {"image": START, "strength": 0.7}, 3),
+    ("tiny-sdxl", "euler_a", {"image": START, "strength": 0.6}, 2),
+    ("tiny-flux", "flow_euler", {"image": START, "strength": 0.7}, 3),
+    ("tiny", "euler_a", {"image": START, "mask": MASK, "strength": 0.9}, 4),
+    ("tiny-sdxl", "dpmpp_2m", {"image": START, "mask": MASK}, 3),
+    ("tiny-flux", "flow_euler", {"image": START, "mask": MASK}, 5),
+    ("tiny", "dpmpp_2m", {"controlnets": [CONTROL]}, 3),
+    ("tiny-sdxl", "euler_a", {"controlnets": [CONTROL], "image": START, "strength": 0.8}, 2),
+    ("tiny", "dpmpp_2m", {"hires": {"denoise": 0.6}}, 3),  # in the first pass
+    ("tiny", "dpmpp_2m", {"hires": {"denoise": 0.6}}, 8),  # the first pass just ended
+    ("tiny", "euler_a", {"hires": {"denoise": 0.6, "steps": 10}}, 11),  # in the second
+    ("tiny-sdxl", "dpmpp_2m", {"hires": {"upscaler": "lanczos", "scale": 1.5}, "controlnets": [CONTROL]}, 10),
+    ("tiny-flux", "flow_euler", {"hires": {"upscaler": "lanczos", "denoise": 0.7}}, 10),
+]
+
+
+@pytest.mark.parametrize(("model", "sampler", "asked", "step"), JOBS,
+                         ids=[f"{model}-{'-'.join(asked)}-{step}" for model, _, asked, step in JOBS])
+def test_an_image_job_the_loop_does_not_run_resumes_to_its_uninterrupted_images(
+        whole_calls: dict[str, ImagePipeline], model: str, sampler: str, asked: dict[str, Any],
+        step: int) -> None:
+    """Image-to-image, inpainting, a ControlNet acting over part of the steps, a hires pass (resumed in
+    its first pass, at its end or in its second): the state a checkpoint keeps, put back into a new
+    call, makes exactly the images of the call never interrupted, and the call runs only the steps
+    after it."""
+    request = JobRequest.model_validate({"prompt": "a lighthouse", "width": 64, "height": 64, "steps": 8,
+                                         "seed": 13, "num_images": 2, "guidance_scale": 4.0,
+                                         "scheduler": sampler} | asked)
+    assert resumable(request) and request.not_steppable
+    inputs = {"image": drawing(), "mask": drawing("L"), "control0": drawing()}
+    whole, resumed, reported = resumed_at(whole_calls[model], request, step, inputs)
+    assert reported[0] == step + 1 and reported[-1] == request.steps_run, reported
+    assert all(np.array_equal(a, b) for a, b in zip(whole, resumed, strict=True))
+
+
 def test_a_drained_lora_job_keeps_its_step_and_the_next_worker_makes_its_uninterrupted_image(
         redis_url: str, model_cache: Path, tmp_path: Path) -> None:
     """SIGTERM with SLOTQ_STOP_TIMEOUT_S while a job with a LoRA (a whole-pipeline call) runs: it saves
@@ -183,24 +270,43 @@ def test_a_drained_lora_job_keeps_its_step_and_the_next_worker_makes_its_uninter
                         torch_threads=1, stop_timeout_s=0.1, max_steps=200)
     body = {"prompt": "a lighthouse", "width": 256, "height": 256, "steps": 200, "seed": 3,
             "scheduler": "dpmpp_2m", "loras": [{"name": "moss", "scale": 0.7}]}
-    first, second = start_worker(settings, tmp_path / "first.log"), None
+    with drained_and_resumed(settings, body, tmp_path) as (client, resumed):
+        whole = wait_for_status(client, post_job(client, **body).get_json()["id"], "succeeded", "failed",
+                                timeout=180)
+        assert whole["status"] == "succeeded" and whole.get("resumed_from_step") is None, whole
+        assert client.get(resumed["images"][0]).data == client.get(whole["images"][0]).data
+
+
+def test_a_high_job_preempts_a_hires_job_in_its_second_pass_which_then_resumes_to_its_uninterrupted_image(
+        redis_url: str, model_cache: Path, tmp_path: Path) -> None:
+    """A normal hires job with a LoRA (a whole-pipeline call) runs its second pass when a high job is
+    posted: the high job ends first; the hires job, handed back at a step of its second pass with its
+    state saved, resumes there without running its first pass again and makes the PNG it makes
+    uninterrupted."""
+    settings = Settings(redis_url=own_database(redis_url, PREEMPT_DATABASE), queue_name="whole-call-preempt",
+                        cache_dir=model_cache, lora_dir=ensure_tiny_loras(model_cache, "tiny"), drain_s=0,
+                        torch_threads=1, max_steps=200, progress_interval_ms=0)
+    body = {"prompt": "a lighthouse", "width": 128, "height": 128, "steps": 10, "seed": 4,
+            "scheduler": "dpmpp_2m", "loras": [{"name": "moss", "scale": 0.7}],
+            "hires": {"scale": 2, "steps": 200, "denoise": 0.5}}  # 10 steps, then 100 at 256 px
+    worker = start_worker(settings, tmp_path / "worker.log")
     try:
         with Redis.from_url(settings.redis_url) as redis, contextmanager(app_client)(settings) as client:
-            drained_id = post_job(client, **body).get_json()["id"]
-            wait_for(lambda: (view := client.get(f"/v1/jobs/{drained_id}").get_json())["progress"]
-                     and view["progress"]["step"] >= 2, timeout=120, what="the job to run")
-            first.popen.send_signal(signal.SIGTERM)
-            assert first.popen.wait(60) == 0
-            saved = int(redis.hget(keys.checkpoint_key(drained_id), "step") or 0)
-            assert 2 <= saved < 200 and client.get(f"/v1/jobs/{drained_id}").get_json()["status"] == "queued"
-            second = start_worker(settings, tmp_path / "second.log")
-            resumed = wait_for_status(client, drained_id, "succeeded", "failed", timeout=180)
-            assert resumed["status"] == "succeeded" and resumed["resumed_from_step"] == saved, resumed
+            hires_id = post_job(client, **body).get_json()["id"]
+            wait_for(lambda: (view := client.get(f"/v1/jobs/{hires_id}").get_json())["progress"]
+                     and view["progress"]["step"] >= 12, timeout=120, what="the second pass to run")
+            high = post_job(client, prompt="a boat", width=64, height=64, steps=2, seed=5, priority="high")
+            high_view = wait_for_status(client, high.get_json()["id"], "succeeded", timeout=120)
+            resumed = wait_for_status(client, hires_id, "succeeded", "failed", timeout=180)
+            assert resumed["status"] == "succeeded" and high_view["finished_at"] < resumed["finished_at"]
+            assert 12 <= resumed["resumed_from_step"] < 110, resumed  # in the second pass
+            log = [(entry[b"event"], entry.get(b"data")) for _, entry in redis.xrange(keys.log_key(hires_id))]
+            again = [index for index, (event, _) in enumerate(log) if event == b"started"][1]
+            steps = [json.loads(data)["step"] for event, data in log[again:] if event == b"progress"]
+            assert min(steps[1:]) > resumed["resumed_from_step"], steps  # no first pass again
             whole = wait_for_status(client, post_job(client, **body).get_json()["id"], "succeeded", "failed",
                                     timeout=180)
             assert whole["status"] == "succeeded" and whole.get("resumed_from_step") is None, whole
             assert client.get(resumed["images"][0]).data == client.get(whole["images"][0]).data
     finally:
-        first.stop()
-        if second is not None:
-            assert second.stop() == 0, second.output()
+        assert worker.stop() == 0, worker.output()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import inspect
 import io
 import json
-import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,6 +28,7 @@ from tests.conftest import (
     Process,
     app_client,
     data_url,
+    drained_and_resumed,
     own_database,
     post_job,
     running_worker,
@@ -347,24 +347,6 @@ def test_a_drained_clip_keeps_the_step_it_was_interrupted_at_and_resumes_there(
     periodic checkpoints are far off), goes back to its line and resumes there on the next worker."""
     settings = video_settings.model_copy(update={"queue_name": f"video-drain-{video_model}",
                                                  "stop_timeout_s": 0.1})
-    body = long_clip(video_model, steps=100, seed=55)
-    first = start_worker(settings, tmp_path / "first.log")
-    second = None
-    try:
-        with Redis.from_url(settings.redis_url) as redis, contextmanager(app_client)(settings) as client:
-            job_id = post_job(client, **body).get_json()["id"]
-            wait_for(lambda: (view := client.get(f"/v1/jobs/{job_id}").get_json())["progress"]
-                     and view["progress"]["step"] >= 2, timeout=120, what="the clip to run")
-            first.popen.send_signal(signal.SIGTERM)
-            assert first.popen.wait(60) == 0
-            saved = int(redis.hget(keys.checkpoint_key(job_id), "step") or 0)
-            assert client.get(f"/v1/jobs/{job_id}").get_json()["status"] == "queued"
-            assert 2 <= saved < 100  # the step the drain interrupted (the next periodic one was 60 s off)
-            second = start_worker(settings, tmp_path / "second.log")
-            done = wait_for_status(client, job_id, "succeeded", "failed", timeout=180)
-            assert done["status"] == "succeeded" and done["resumed_from_step"] == saved, done
-            assert client.get(done["video"]).data == encode_mp4(own_frames(pipe, body), FPS)
-    finally:
-        first.stop()
-        if second is not None:
-            assert second.stop() == 0, second.output()
+    body = long_clip(video_model, steps=100, seed=55)  # its periodic checkpoints are 60 s apart
+    with drained_and_resumed(settings, body, tmp_path) as (client, done):
+        assert client.get(done["video"]).data == encode_mp4(own_frames(pipe, body), FPS)

@@ -1,15 +1,15 @@
-"""A job's steps in its whole-pipeline call: its step checkpoints and its resume from one (every clip's,
-and a one-pass text-to-image job's that the step-level loop does not run: with LoRAs, an IP-Adapter,
-weighted prompts or a sampler the loop has not); a clip's preemption at a step by a job of a higher
-class, and its preview frame.
+"""A job's steps in its whole-pipeline call: its step checkpoints and its resume from one, and its
+preemption at a step by a job of a higher class. Every clip's call, and every image job's in the
+normal tier that runs as one (what the step-level loop does not run: an input image, a hires pass,
+ControlNets, an IP-Adapter, LoRAs, weighted prompts, a sampler it has not; any job, with the loop off).
 
 Run alone, such a job saves its denoising state every SLOTQ_CHECKPOINT_EVERY_S at most, and at the
 step a drain interrupts it (worker/resuming.py); the attempt after a crash, a drain or a preemption
 resumes from the last one. A preemption is a checkpoint and a hand-back: once a job of a higher
-class has waited SLOTQ_PREEMPT_AFTER_S in any of the worker's lines, the clip saves its state at the
+class has waited SLOTQ_PREEMPT_AFTER_S in any of the worker's lines, the job saves its state at the
 step it reached and goes back to the head of its class (an interruption: it uses none of its
-attempts). The worker's next claim takes the higher class's job first, then the clip again, which
-resumes at that step and makes the clip an uninterrupted run makes.
+attempts). The worker's next claim takes the higher class's job first, then this one again, which
+resumes at that step and makes the images or the clip an uninterrupted run makes.
 """
 
 from __future__ import annotations
@@ -31,27 +31,25 @@ from worker.pipeline import Keep, current_pipeline
 from worker.resuming import Resumption
 
 log = logging.getLogger(__name__)
-LOOK_ABOVE_EVERY_S = 0.1  # how often a clip looks for a higher class's job (SLOTQ_PREEMPT_AFTER_S > 0)
+LOOK_ABOVE_EVERY_S = 0.1  # how often a running job looks for a higher class's job (SLOTQ_PREEMPT_AFTER_S > 0)
 
 
 class Preempted(JobInterruptedError):
-    """A clip handed back at a step for a job of a higher class, its state saved at that step."""
+    """A job handed back at a step for a job of a higher class, its state saved at that step."""
 
 
 def resumable(request: JobRequest) -> bool:
     """Whether a job's whole-pipeline call can resume at a step: a clip's (one from a start image too:
     Wan's pipeline encodes the image again, the same way; LTX-Video's finds it in the saved latents),
-    or a one-pass text-to-image call's in the normal tier. Not a hires job's (two calls), a ControlNet
-    job's (its pipeline places its control window by the count of the steps it runs), an image-to-image
-    one's (its pipeline takes no latents) nor the fast tier's (its cache holds past steps' outputs)."""
-    return request.is_video or (request.kind == "text" and request.hires is None and not request.controlnets
-                                and request.speed != "fast")
+    or an image job's in the normal tier, whatever else it asks (a hires job's in either pass). Not the
+    fast tier's: its cache holds past steps' outputs, which a checkpoint does not keep."""
+    return request.is_video or request.speed != "fast"
 
 
 def steps_of(job: Job, request: JobRequest, settings: Settings) -> tuple[Resumption | None, Keep | None]:
     """For a job run alone whose call can resume (:func:`resumable`): where this attempt resumes, from
     an earlier attempt's step checkpoint that fits it (its meta then says ``resumed_from_step``), and
-    what runs after each of its steps (its checkpoints, and a clip's preemption). Neither for any other
+    what runs after each of its steps (its checkpoints and its preemption). Neither for any other
     job, nor with checkpoints off."""
     if not resumable(request) or settings.checkpoint_every_s <= 0:
         return None, None
@@ -67,7 +65,7 @@ def steps_of(job: Job, request: JobRequest, settings: Settings) -> tuple[Resumpt
         log.info("job %s resumes at step %d of %d, from its step checkpoint", job.id, resume.step,
                  request.steps_run)
     cadence = resuming.Cadence(settings.checkpoint_every_s, saved_step=resume.step if resume else 0)
-    above = Above(settings, job, request) if request.is_video else None
+    above = Above(settings, job, request)
 
     def keep(step: int, latents: torch.Tensor, generators: list[torch.Generator], sampler: Any) -> None:
         if step >= request.steps_run:
@@ -77,7 +75,7 @@ def steps_of(job: Job, request: JobRequest, settings: Settings) -> tuple[Resumpt
             saved = _save(job, store, step, resuming.dump_call(print_of, step, latents, generators, sampler))
             cadence.saved(step)
         draining = lifecycle.interrupting.is_set()  # the step's report raises next: keep its state first
-        if draining or (above is not None and above.waited()):
+        if draining or above.waited():
             data = resuming.dump_call(print_of, step, latents, generators, sampler)
             if not saved and not _save(job, store, step, data):
                 return  # without its state saved, a hand-back would lose its steps: it goes on
@@ -91,9 +89,9 @@ def steps_of(job: Job, request: JobRequest, settings: Settings) -> tuple[Resumpt
 
 
 class Above:
-    """Whether a job of a higher class than the clip's has waited SLOTQ_PREEMPT_AFTER_S in any line of
-    the worker (negative: never; a high clip is never preempted), looked at once a step at most, and
-    with a positive wait at most every ``LOOK_ABOVE_EVERY_S``."""
+    """Whether a job of a higher class than the running job's has waited SLOTQ_PREEMPT_AFTER_S in any
+    line of the worker (negative: never; a high job is never preempted), looked at once a step at most,
+    and with a positive wait at most every ``LOOK_ABOVE_EVERY_S``."""
 
     def __init__(self, settings: Settings, job: Job, request: JobRequest) -> None:
         self.after, self.priority = settings.preempt_after_s, request.priority
@@ -114,18 +112,6 @@ class Above:
             log.warning("could not look for a higher class's job (%s): no preemption now", exc)
             return False
         return any(wait is not None and wait >= self.after for wait in waits)
-
-
-def middle_frame(latents: torch.Tensor, request: JobRequest, pipe: Any) -> torch.Tensor:
-    """The middle latent frame of a clip's latents as the pipeline's loop holds them, (rows, channels,
-    h, w): Wan's are (rows, channels, frames, h, w); LTX-Video packs them into tokens (rows, frames *
-    h * w, channels), which its pipeline unpacks so."""
-    if latents.ndim == 3:  # as LTXPipeline.__call__ unpacks them before decoding
-        spatial, frames = pipe.vae_spatial_compression_ratio, request.frames or 1
-        patches = pipe.transformer_spatial_patch_size, pipe.transformer_temporal_patch_size
-        latents = pipe._unpack_latents(latents, (frames - 1) // pipe.vae_temporal_compression_ratio + 1,
-                                       request.height // spatial, request.width // spatial, *patches)
-    return latents[:, :, latents.shape[2] // 2]
 
 
 def _save(job: Job, store: results.Results, step: int, data: bytes) -> bool:
