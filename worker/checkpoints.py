@@ -8,7 +8,10 @@ diffusers' GGUF support and the gguf package): the other components are those of
 Flux base, a diffusers folder with their weights. A Wan file holds its transformer alone too (Wan's
 own layout, converted by diffusers' own ``convert_wan_transformer_to_diffusers``): the T5 encoder, the
 VAE, the scheduler and tokenizer (and an image-to-video model's CLIP image encoder and processor) are
-those of its family's base, a diffusers folder with their weights.
+those of its family's base, a diffusers folder with their weights. An LTX-Video file holds its
+transformer (LTX-Video's layout), and may hold its VAE beside it under ``vae.`` (Lightricks' own files
+do), both converted by diffusers' own converters: the T5 encoder, the scheduler and tokenizer, and the
+VAE where the file has none, are those of the ``ltx`` base, a diffusers folder with their weights.
 """
 
 from __future__ import annotations
@@ -23,14 +26,21 @@ import torch
 from accelerate import init_empty_weights
 from diffusers import (
     AutoencoderKL,
+    AutoencoderKLLTXVideo,
     DiffusionPipeline,
     FluxPipeline,
     FluxTransformer2DModel,
     GGUFQuantizationConfig,
+    LTXPipeline,
+    LTXVideoTransformer3DModel,
     ModelMixin,
     WanTransformer3DModel,
 )
-from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+from diffusers.loaders.single_file_utils import (
+    convert_ltx_transformer_checkpoint_to_diffusers,
+    convert_ltx_vae_checkpoint_to_diffusers,
+    convert_wan_transformer_to_diffusers,
+)
 from diffusers.models.model_loading_utils import load_gguf_checkpoint
 from huggingface_hub import snapshot_download
 from huggingface_hub.errors import LocalEntryNotFoundError
@@ -40,11 +50,14 @@ from safetensors.torch import load_file
 from shared.contract.checkpoints import (
     COMFY_PREFIX,
     GGUF_SUFFIX,
+    LTX_FAMILY,
+    LTX_VAE_PREFIX,
     MODEL_SUFFIXES,
     PICKLE_SUFFIXES,
     WAN_FAMILIES,
     UnusableModelError,
     check_flux_transformer,
+    check_ltx_file,
     check_wan_transformer,
     family_of_names,
     header_names,
@@ -135,7 +148,8 @@ def family_of_checkpoint(path: Path) -> Family:
         return family
     raise CheckpointError(f"{path}: not an SD or SDXL checkpoint in the single-file layout (no "
                           f"cond_stage_model.* or conditioner.embedders.* weights), nor a FLUX.1 transformer "
-                          f"(no double_blocks.*), nor a Wan 2.1 transformer (no head.modulation)")
+                          f"(no double_blocks.*), nor a Wan 2.1 transformer (no head.modulation), nor an "
+                          f"LTX-Video transformer (no patchify_proj.weight)")
 
 
 def _key_names(path: Path) -> list[str]:
@@ -210,6 +224,8 @@ def load_checkpoint(path: Path, configs: Mapping[Family, str], dtype: torch.dtyp
     components = {} if vae is None else {"vae": vae}
     if family in WAN_FAMILIES:  # its transformer alone: Wan's layout
         return _load_wan(path, family, folder, dtype, components)
+    if family == LTX_FAMILY:  # its transformer, and its VAE or not: LTX-Video's layout
+        return _load_ltx(path, folder, dtype, components)
     if family_spec(family).single_file == "transformer":  # its transformer alone: Flux's layout
         return _load_flux(path, folder, dtype, components)
     if path.suffix.lower() == GGUF_SUFFIX:
@@ -308,6 +324,54 @@ def _load_wan(path: Path, family: Family, base: Path, dtype: torch.dtype,
     return pipe
 
 
+def _load_ltx(path: Path, base: Path, dtype: torch.dtype,
+              components: dict[str, AutoencoderKL]) -> DiffusionPipeline:
+    """An LTX-Video pipeline: the file's transformer, and its VAE where it holds one (a VAE given wins),
+    the rest from the ltx base (a diffusers folder)."""
+    if path.suffix.lower() == GGUF_SUFFIX:
+        raise CheckpointError(str(refuse_gguf(path, LTX_FAMILY)))
+    try:
+        check_ltx_file(path, _key_names(path))
+        state = load_file(str(path))
+    except UnusableModelError as exc:
+        raise CheckpointError(str(exc)) from None
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{path}: not a readable safetensors file: {exc}") from None
+    vae_state = {name: state.pop(name) for name in list(state) if name.startswith(LTX_VAE_PREFIX)}
+    # diffusers' own converters (what its from_single_file runs on such a file): LTX-Video's names to
+    # diffusers'.
+    state = convert_ltx_transformer_checkpoint_to_diffusers(state)
+    _check_fits(LTXVideoTransformer3DModel, state, base, path, "ltx base",
+                "(a 13B file with a 2B base, or the reverse?)")
+    transformer = LTXVideoTransformer3DModel.from_single_file(
+        state, config=str(base), subfolder="transformer", local_files_only=True, dtype=dtype)
+    _keep_in_float32(transformer, state)  # a no-op today: diffusers 0.42 keeps no LTX-Video module in float32
+    if vae_state and "vae" not in components:
+        components = {**components, "vae": _ltx_vae(vae_state, base, path, dtype)}
+    try:
+        pipe = LTXPipeline.from_pretrained(base, transformer=transformer, local_files_only=True,
+                                           use_safetensors=True, dtype=dtype, **components)
+    except OSError as exc:
+        raise CheckpointError(f"the ltx base {base} lacks weights of its other components ({exc}); an "
+                              f"LTX-Video file holds its transformer (and its VAE or not): download the rest "
+                              f"of the base once (hf download <its hub id> --include model_index.json "
+                              f"'scheduler/*' 'text_encoder/*' 'tokenizer/*' 'vae/*')") from None
+    _check_complete(pipe, path)
+    return pipe
+
+
+def _ltx_vae(state: Tensors, base: Path, path: Path, dtype: torch.dtype) -> AutoencoderKLLTXVideo:
+    """An LTX-Video file's VAE (its ``vae.`` weights), in the layout of the ltx base's VAE."""
+    state = convert_ltx_vae_checkpoint_to_diffusers(state)
+    _check_fits(AutoencoderKLLTXVideo, state, base, path, "ltx base",
+                "(a VAE of another LTX-Video version than the base's, such as 0.9.5's with a 0.9.0 base?)",
+                subfolder="vae")
+    vae = AutoencoderKLLTXVideo.from_single_file(state, config=str(base), subfolder="vae",
+                                                 local_files_only=True, dtype=dtype)
+    _keep_in_float32(vae, state)
+    return vae
+
+
 def _keep_in_float32(model: ModelMixin, state: Tensors) -> None:
     """Keep the modules a model keeps in float32 (its _keep_in_fp32_modules) in float32, as its
     from_pretrained does: from_single_file casts them to the dtype too (a Wan transformer's norms,
@@ -332,11 +396,11 @@ def _keep_in_float32(model: ModelMixin, state: Tensors) -> None:
 
 
 def _check_fits(model: type[ModelMixin], state: Tensors, base: Path, path: Path, kind: str,
-                hint: str) -> None:
-    """Refuse a transformer whose weights are not those of the base's (their names, and their shapes
-    where they are not quantized): diffusers would take them for another layout and fail converting
-    them, or fail loading them."""
-    config = model.load_config(str(base), subfolder="transformer", local_files_only=True)
+                hint: str, subfolder: str = "transformer") -> None:
+    """Refuse a component (its transformer, by default) whose weights are not those of the base's (their
+    names, and their shapes where they are not quantized): diffusers would take them for another layout
+    and fail converting them, or fail loading them."""
+    config = model.load_config(str(base), subfolder=subfolder, local_files_only=True)
     with torch.device("meta"):
         expected = model.from_config(config).state_dict()
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
@@ -345,7 +409,8 @@ def _check_fits(model: type[ModelMixin], state: Tensors, base: Path, path: Path,
     if missing or unexpected or shapes:
         other = [f"{name} {tuple(state[name].shape)}, not {tuple(expected[name].shape)}"
                  for name in shapes[:3]]
-        raise CheckpointError(f"{path}: its transformer is not of the {kind}'s kind ({base}): missing "
+        part = "VAE" if subfolder == "vae" else subfolder
+        raise CheckpointError(f"{path}: its {part} is not of the {kind}'s kind ({base}): missing "
                               f"{missing[:3]}, unexpected {unexpected[:3]}, of other shapes {other} {hint}")
 
 

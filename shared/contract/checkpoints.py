@@ -2,7 +2,8 @@
 without torch.
 
 A model of the folder is a single-file checkpoint (``<name>.safetensors``: a whole SD 1.x or SDXL
-pipeline, a FLUX.1 transformer alone, or a Wan 2.1 transformer alone, text- or image-to-video;
+pipeline, a FLUX.1 transformer alone, a Wan 2.1 transformer alone, text- or image-to-video, or an
+LTX-Video transformer, alone or with its VAE;
 ``<name>.gguf``: a quantized FLUX.1 transformer) or a diffusers folder (a sub-folder with
 ``model_index.json``), named after its stem; its sidecar,
 ``<name>.json`` beside it, may force its family, name a VAE file used in place of its own, and set its
@@ -14,10 +15,12 @@ run code when loaded: they are never offered, nor a diffusers folder whose weigh
 The layouts read: SD 1.x and SDXL's original (LDM) one, as A1111, ComfyUI and Civitai save whole
 pipelines; BFL's for a FLUX.1 transformer (``double_blocks``, ``single_blocks``); Wan's own for a Wan
 transformer (``blocks.N.self_attn``, ``head.modulation``; ``img_emb`` and ``cross_attn.k_img`` in an
-image-to-video one), as Wan-AI's release files and ComfyUI's repackaged ones hold it. A transformer's
-names may stand under ComfyUI's prefix, ``model.diffusion_model.``. A transformer file holds the
-transformer alone, whole: every weight of its blocks and of the layers around them, nothing else (the
-other components come from its family's configuration source, SLOTQ_CHECKPOINT_CONFIGS).
+image-to-video one), as Wan-AI's release files and ComfyUI's repackaged ones hold it; LTX-Video's own
+for an LTX-Video transformer (``patchify_proj``, ``transformer_blocks.N``), its VAE beside it under
+``vae.`` or not, as Lightricks' files hold them. A transformer's names may stand under ComfyUI's prefix,
+``model.diffusion_model.``. A transformer file holds the transformer alone (an LTX-Video one may hold its
+VAE too), whole: every weight of its blocks and of the layers around them, nothing else (the other
+components come from its family's configuration source, SLOTQ_CHECKPOINT_CONFIGS).
 
 Its files come from the internet: each is read as untrusted input. Only regular files are opened (a
 FIFO would block the reader), headers and JSON with a bound on their size and nesting, and a file that
@@ -86,6 +89,42 @@ WAN_ROOTS = ("patch_embedding.", "text_embedding.", "time_embedding.", "time_pro
              "img_emb.")
 # A block's weight: its index (at most 9 digits: a hostile name's int() stays cheap) and its name inside.
 WAN_BLOCK_NAME = re.compile(r"blocks\.(\d{1,9})\.(.+)", re.DOTALL)
+# An LTX-Video transformer in LTX-Video's layout (Lightricks' files, such as ltx-video-2b-v0.9.5.safetensors,
+# and ComfyUI's), under ComfyUI's prefix or not: the layers around its blocks, then each block's (its self-
+# and cross-attention with their q and k norms, feed-forward, modulation); diffusers' converter,
+# convert_ltx_transformer_checkpoint_to_diffusers, only renames patchify_proj, adaln_single, q_norm and
+# k_norm (its diffusers model's names, tests/worker/test_video_checkpoints.py holds these to them).
+LTX_FAMILY: Family = "ltx"
+# diffusers' tells of one (CHECKPOINT_KEY_NAMES["ltx-video"]): its patch embedder, or a block's modulation.
+LTX_MARK, LTX_BLOCK_MARK = "patchify_proj.weight", "scale_shift_table"
+LTX_TOP = (*(f"{layer}.{kind}" for layer in ("patchify_proj", "proj_out", "caption_projection.linear_1",
+                                             "caption_projection.linear_2", "adaln_single.linear",
+                                             "adaln_single.emb.timestep_embedder.linear_1",
+                                             "adaln_single.emb.timestep_embedder.linear_2")
+             for kind in _WEIGHT_BIAS), "scale_shift_table")
+LTX_BLOCK = ("scale_shift_table",
+             *(f"{attention}.{part}.{kind}" for attention in ("attn1", "attn2")
+               for part in ("to_q", "to_k", "to_v", "to_out.0") for kind in _WEIGHT_BIAS),
+             *(f"{attention}.{norm}.weight" for attention in ("attn1", "attn2")
+               for norm in ("q_norm", "k_norm")),
+             *(f"ff.net.{layer}.{kind}" for layer in ("0.proj", "2") for kind in _WEIGHT_BIAS))
+LTX_ROOTS = ("patchify_proj.", "proj_out.", "caption_projection.", "adaln_single.", "scale_shift_table",
+             "transformer_blocks.")
+LTX_BLOCK_NAME = re.compile(r"transformer_blocks\.(\d{1,9})\.(.+)", re.DOTALL)
+# Its VAE, where the file holds it too (Lightricks' files do), under this prefix, in any of LTX-Video's
+# versions' layouts (diffusers' convert_ltx_vae_checkpoint_to_diffusers reads 0.9.0's, 0.9.1's, 0.9.5's):
+# its encoder and decoder, whose ends and each resnet's convolutions are checked here, and its latents'
+# statistics, two of which diffusers reads. Its every name and shape are checked against the base's VAE
+# when a worker loads it.
+LTX_VAE_PREFIX = "vae."
+LTX_VAE_ROOTS = tuple(LTX_VAE_PREFIX + root for root in ("encoder.", "decoder.", "per_channel_statistics."))
+LTX_VAE_TOP = (*(f"{LTX_VAE_PREFIX}{part}.{end}.conv.{kind}" for part in ("encoder", "decoder")
+                 for end in ("conv_in", "conv_out") for kind in _WEIGHT_BIAS),
+               *(f"{LTX_VAE_PREFIX}per_channel_statistics.{name}"
+                 for name in ("mean-of-means", "std-of-means")))
+LTX_VAE_RESNET = tuple(f"{conv}.conv.{kind}" for conv in ("conv1", "conv2") for kind in _WEIGHT_BIAS)
+# A resnet of its VAE: the block it is in, its index (at most 9 digits) and its name inside.
+LTX_VAE_RESNET_NAME = re.compile(r"(.+\.res_blocks)\.(\d{1,9})\.(.+)", re.DOTALL)
 # A model's sidecar, <stem>.json beside it: {"family": "sdxl", "vae": "file.safetensors", "memory":
 # {...}} (other keys, such as those A1111 keeps in the same file, are ignored).
 SIDECAR_SUFFIX = ".json"
@@ -281,13 +320,23 @@ def family_of_names(names: Iterable[str]) -> Family | None:
     # Flux first: a full Flux checkpoint may hold text encoders under an SD prefix.
     if any(name.removeprefix(COMFY_PREFIX).startswith(FLUX_BLOCKS) for name in names):
         return "flux"
-    wan = _wan_family([name.removeprefix(COMFY_PREFIX) for name in names])
+    stripped = [name.removeprefix(COMFY_PREFIX) for name in names]
+    wan = _wan_family(stripped)
     if wan is not None:
         return wan
+    if _is_ltx(stripped):  # before SD's prefixes: an LTX-Video file with a text encoder is refused so
+        return LTX_FAMILY
     for prefix, family in FAMILY_PREFIXES:
         if any(name.startswith(prefix) for name in names):
             return family
     return None
+
+
+def _is_ltx(names: list[str]) -> bool:
+    """Whether these names (ComfyUI's prefix taken off) are an LTX-Video transformer's, by diffusers'
+    tells."""
+    return LTX_MARK in names or any(
+        (m := LTX_BLOCK_NAME.fullmatch(name)) is not None and m[2] == LTX_BLOCK_MARK for name in names)
 
 
 def outside_flux_transformer(names: Iterable[str]) -> list[str]:
@@ -353,6 +402,74 @@ def check_wan_transformer(path: Path, names: Iterable[str]) -> None:
         raise UnusableModelError(f"{path}: not a whole Wan 2.1 transformer in Wan's layout: "
                                  f"{'; '.join(part for part in (lacks, has) if part)} (a truncated or "
                                  f"partial file, or another model such as a first-last-frame one?)")
+
+
+def check_ltx_file(path: Path, names: Iterable[str]) -> None:
+    """Refuse an LTX-Video file that is not one whole LTX-Video transformer in LTX-Video's layout, alone or
+    with its whole VAE under ``vae.``: weights of another model beside them (a text encoder, an upscaler),
+    a weight missing (a truncated or partial file), a name no LTX-Video transformer has."""
+    names = list(names)
+    vae = [name for name in names if name.startswith(LTX_VAE_PREFIX)]
+    stripped = [name.removeprefix(COMFY_PREFIX) for name in names if not name.startswith(LTX_VAE_PREFIX)]
+    outside = [name for name in stripped if not name.startswith(LTX_ROOTS)]
+    outside += [name for name in vae if not name.startswith(LTX_VAE_ROOTS)]
+    if outside:
+        raise UnusableModelError(
+            f"{path}: an LTX-Video file with {len(outside)} weights outside an LTX-Video transformer and its "
+            f"VAE, such as {', '.join(map(shown, outside[:3]))}: a text encoder's or another model's; only "
+            f"files of the transformer, alone or with its VAE ({LTX_VAE_PREFIX}*), are loaded, the rest from "
+            f"the LTX-Video base")
+    if len(set(stripped)) < len(stripped):
+        raise UnusableModelError(f"{path}: an LTX-Video file holding weights twice, under ComfyUI's prefix "
+                                 f"({COMFY_PREFIX}) and without it")
+    _check_ltx_transformer(path, stripped)
+    if vae:
+        _check_ltx_vae(path, vae)
+
+
+def _check_ltx_transformer(path: Path, names: list[str]) -> None:
+    """Refuse an LTX-Video transformer (its names without ComfyUI's prefix) that is not whole."""
+    indices = sorted({int(m[1]) for name in names if (m := LTX_BLOCK_NAME.fullmatch(name))})
+    if not indices:
+        raise UnusableModelError(f"{path}: not a whole LTX-Video transformer: it has no blocks "
+                                 f"(transformer_blocks.0. ...)")
+    if indices != list(range(len(indices))):
+        gap = min(set(range(len(indices) + 1)) - set(indices))
+        raise UnusableModelError(f"{path}: not a whole LTX-Video transformer: it has blocks up to "
+                                 f"{indices[-1]} but none numbered {gap} (a truncated or partial file?)")
+    expected = {*LTX_TOP, *(f"transformer_blocks.{index}.{name}" for index in indices for name in LTX_BLOCK)}
+    missing, unexpected = sorted(expected - set(names)), sorted(set(names) - expected)
+    if missing or unexpected:
+        lacks = f"it lacks {len(missing)} of its weights, such as {', '.join(missing[:3])}" if missing else ""
+        has = (f"it has {len(unexpected)} that no LTX-Video transformer has, such as "
+               f"{', '.join(map(shown, unexpected[:3]))}") if unexpected else ""
+        raise UnusableModelError(f"{path}: not a whole LTX-Video transformer in LTX-Video's layout: "
+                                 f"{'; '.join(part for part in (lacks, has) if part)} (a truncated or "
+                                 f"partial file, or another model such as an LTX-2 one?)")
+
+
+def _check_ltx_vae(path: Path, names: list[str]) -> None:
+    """Refuse an LTX-Video file's VAE that lacks its ends, its latents' statistics, a resnet of a block or
+    a weight of a resnet (the rest of its layout differs by LTX-Video's version: a worker checks it against
+    its base's VAE)."""
+    resnets: dict[str, set[int]] = {}
+    for name in names:
+        if m := LTX_VAE_RESNET_NAME.fullmatch(name):
+            resnets.setdefault(m[1], set()).add(int(m[2]))
+    for block, indices in resnets.items():
+        if indices != set(range(len(indices))):
+            gap = min(set(range(len(indices) + 1)) - indices)
+            raise UnusableModelError(f"{path}: not a whole LTX-Video VAE beside its transformer: "
+                                     f"{shown(block)} has resnets up to {max(indices)} but none numbered "
+                                     f"{gap} (a truncated or partial file?)")
+    expected = {*LTX_VAE_TOP, *(f"{block}.{index}.{name}" for block, indices in resnets.items()
+                                for index in indices for name in LTX_VAE_RESNET)}
+    missing = sorted(expected - set(names))
+    if missing:
+        such = ", ".join(map(shown, missing[:3]))
+        raise UnusableModelError(f"{path}: not a whole LTX-Video VAE beside its transformer: it lacks "
+                                 f"{len(missing)} of its weights, such as {such} (a truncated or partial "
+                                 f"file?)")
 
 
 def refuse_gguf(path: Path, family: Family) -> UnusableModelError:
@@ -492,18 +609,22 @@ def _model_of(path: Path) -> FolderModel | None:
 
 def _file_family(path: Path, name: str, forced: Family | None) -> Family:
     """A single file's family: the one its sidecar forces, else its keys'; a Flux or Wan file must hold
-    a whole transformer alone."""
+    a whole transformer alone, an LTX-Video file a whole transformer, alone or with its whole VAE."""
     names = header_names(path)
     family = forced or family_of_names(names)
     if family is None:
         raise UnusableModelError(f"{path}: not an SD or SDXL checkpoint in the single-file layout, nor a "
-                                 f"FLUX.1 or Wan 2.1 transformer; a sidecar {name}{SIDECAR_SUFFIX} with "
-                                 f"{{\"family\": ...}} can name its family")
+                                 f"FLUX.1, Wan 2.1 or LTX-Video transformer; a sidecar "
+                                 f"{name}{SIDECAR_SUFFIX} with {{\"family\": ...}} can name its family")
     gguf = path.suffix.lower() == GGUF_SUFFIX
     if family in WAN_FAMILIES:  # Wan's layout: the transformer alone
         if gguf:
             raise refuse_gguf(path, family)
         check_wan_transformer(path, names)
+    elif family == LTX_FAMILY:  # LTX-Video's layout: the transformer, and its VAE or not
+        if gguf:
+            raise refuse_gguf(path, family)
+        check_ltx_file(path, names)
     elif FAMILY_SPECS[family].single_file == "transformer":  # BFL's layout: the transformer alone
         check_flux_transformer(path, names)
     elif gguf:

@@ -1,27 +1,45 @@
-"""Wan 2.1 single files: a tiny Wan transformer written in Wan's own layout (Wan-AI's release files,
-ComfyUI's, under ComfyUI's prefix or not) is offered as a model of its family and loads, the rest from
-its base, to the frames its diffusers folder makes; a truncated or wrong one is refused, and the
-listing goes on."""
+"""Wan 2.1 and LTX-Video single files: a tiny Wan transformer written in Wan's own layout (Wan-AI's
+release files, ComfyUI's, under ComfyUI's prefix or not), or a tiny LTX-Video transformer in LTX-Video's
+(with its VAE beside it or not, as Lightricks' files hold them), is offered as a model of its family and
+loads, the rest from its base, to the frames its diffusers folder makes; a truncated or wrong one is
+refused, and the listing goes on."""
 
 from __future__ import annotations
 
 import json
 import logging
 import shutil
+import subprocess
+import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
 import torch
-from diffusers import DiffusionPipeline, WanTransformer3DModel
-from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+from diffusers import (
+    AutoencoderKLLTXVideo,
+    DiffusionPipeline,
+    LTXImageToVideoPipeline,
+    LTXVideoTransformer3DModel,
+    WanTransformer3DModel,
+)
+from diffusers.loaders.single_file_utils import (
+    convert_ltx_transformer_checkpoint_to_diffusers,
+    convert_ltx_vae_checkpoint_to_diffusers,
+    convert_wan_transformer_to_diffusers,
+)
 from safetensors.torch import load_file, save_file
 
 from shared.contract import checkpoints, folders
 from shared.contract.checkpoints import (
     COMFY_PREFIX,
+    LTX_BLOCK,
+    LTX_TOP,
+    LTX_VAE_PREFIX,
     FolderModel,
     UnusableModelError,
+    check_ltx_file,
     check_wan_transformer,
     family_of_names,
     folder_models,
@@ -30,10 +48,13 @@ from shared.contract.models import Family
 from tests.conftest import start_image
 from worker.checkpoints import CheckpointError, family_of_checkpoint, load_checkpoint, load_folder_model
 from worker.tiny.checkpoints import (
+    ltx_vae_to_original,
     wan_transformer_to_original,
     write_base,
     write_checkpoint,
     write_configs,
+    write_gguf,
+    write_ltx_file,
     write_wan_transformer,
 )
 from worker.tiny.video import ensure_tiny_video_model
@@ -253,3 +274,229 @@ def test_the_tiny_folder_writes_its_wan_file_through_write_checkpoint(files: dic
     assert _equal(load_file(write_checkpoint(folder, tmp_path / "same.safetensors")), load_file(path))
     with pytest.raises(UnusableModelError, match="it lacks 2 of its weights"):
         check_wan_transformer(path, [name for name in load_file(path) if not name.startswith("head.head.")])
+
+
+# --- LTX-Video ------------------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+LTX_KINDS = [("", False), (COMFY_PREFIX, False), ("", True), (COMFY_PREFIX, True)]  # (prefix, with its VAE)
+
+
+class LtxFiles(NamedTuple):
+    """The tiny LTX-Video model's diffusers folder, its files in LTX-Video's layout, and its bases."""
+
+    folder: Path
+    files: dict[tuple[str, bool], Path]  # by (prefix, with its VAE)
+    base: Path  # the folder less its transformer's weights
+    bare_base: Path  # less its VAE's too: a file's VAE alone can serve there
+
+
+def _ltx_name(prefix: str, with_vae: bool) -> str:
+    return "ltx" + ("-comfy" if prefix else "") + ("-vae" if with_vae else "")
+
+
+@pytest.fixture(scope="module")
+def ltx(model_cache: Path, cache: Path) -> LtxFiles:
+    folder = ensure_tiny_video_model(model_cache, "tiny-ltx")
+    files = {kind: write_ltx_file(folder, cache / f"{_ltx_name(*kind)}.safetensors", *kind)
+             for kind in LTX_KINDS}
+    return LtxFiles(folder, files, write_base(folder, cache / "tiny-ltx-base"),
+                    write_base(folder, cache / "tiny-ltx-bare-base", without=("transformer", "vae")))
+
+
+def _folder_weights(folder: Path, component: str) -> Tensors:
+    (weights,) = (folder / component).glob("*.safetensors")
+    return load_file(weights)
+
+
+def _wide_vae() -> Tensors:
+    """An LTX-Video VAE of 0.9.0's shape with other sizes than the tiny one's: its levels widen the
+    channels (resnets with a shortcut and a norm) and some hold two resnets."""
+    torch.manual_seed(0)
+    levels, layers, scaling = (8, 16, 32, 32), (1, 2, 1, 1, 2), (True, True, True, False)
+    return AutoencoderKLLTXVideo(
+        latent_channels=8, block_out_channels=levels, decoder_block_out_channels=levels,
+        layers_per_block=layers, decoder_layers_per_block=layers, spatio_temporal_scaling=scaling,
+        decoder_spatio_temporal_scaling=scaling, decoder_inject_noise=(False,) * 5,
+        upsample_residual=(False,) * 4, upsample_factor=(1,) * 4, timestep_conditioning=False).state_dict()
+
+
+def _without(state: Tensors, name: str) -> Tensors:
+    return {other: tensor for other, tensor in state.items() if other != name}
+
+
+def test_an_ltx_file_round_trips_through_diffusers_converters(ltx: LtxFiles) -> None:
+    transformer, vae = _folder_weights(ltx.folder, "transformer"), _folder_weights(ltx.folder, "vae")
+    for (prefix, with_vae), path in ltx.files.items():
+        state = load_file(path)
+        assert {prefix + name for name in ("patchify_proj.weight", "adaln_single.linear.weight",
+                                           "transformer_blocks.0.attn1.q_norm.weight",
+                                           "transformer_blocks.0.scale_shift_table")} <= set(state)
+        assert any(name.startswith(LTX_VAE_PREFIX) for name in state) == with_vae
+        assert family_of_checkpoint(path) == "ltx"
+        assert _equal(convert_ltx_transformer_checkpoint_to_diffusers(dict(state)), transformer)
+        if with_vae:  # every tensor of the folder's VAE, its latents' statistics too
+            assert {"vae.encoder.down_blocks.9.res_blocks.0.conv1.conv.weight",
+                    "vae.decoder.up_blocks.8.conv.conv.bias",
+                    "vae.per_channel_statistics.channel"} <= set(state)
+            assert _equal(convert_ltx_vae_checkpoint_to_diffusers(dict(state)), vae)
+
+
+def test_the_ltx_names_are_those_diffusers_converts_to_its_models() -> None:
+    """The listing's names of an LTX-Video transformer (read without torch) are those of diffusers' model
+    once converted, at LTX-Video's own sizes; the VAE's mapping holds on a VAE whose levels widen."""
+    with torch.device("meta"):
+        model = LTXVideoTransformer3DModel(num_layers=2)
+    names = [*LTX_TOP, *(f"transformer_blocks.{index}.{name}" for index in range(2) for name in LTX_BLOCK)]
+    for prefix in ("", COMFY_PREFIX):
+        prefixed = {prefix + name: torch.zeros(1) for name in names}
+        assert sorted(convert_ltx_transformer_checkpoint_to_diffusers(prefixed)) == sorted(model.state_dict())
+    wide = _wide_vae()
+    original = {LTX_VAE_PREFIX + name: tensor for name, tensor in ltx_vae_to_original(wide).items()}
+    assert {"vae.encoder.down_blocks.2.conv_shortcut.weight", "vae.encoder.down_blocks.5.norm3.norm.bias",
+            "vae.decoder.up_blocks.7.conv1.conv.weight",
+            "vae.decoder.up_blocks.6.res_blocks.1.conv2.conv.bias"} <= set(original)
+    check_ltx_file(Path("wide.safetensors"), [*names, *original])  # whole: not refused
+    assert _equal(convert_ltx_vae_checkpoint_to_diffusers(dict(original)), wide)
+
+
+def test_the_folder_lists_ltx_files_without_torch(ltx: LtxFiles, tmp_path: Path) -> None:
+    """The API's listing: headers only, torch never imported."""
+    for kind, path in ltx.files.items():
+        shutil.copy(path, tmp_path / f"{_ltx_name(*kind)}.safetensors")
+    script = ("import json, sys; from pathlib import Path; "
+              "from shared.contract.checkpoints import folder_models; "
+              "models = folder_models(Path(sys.argv[1])); "
+              "families = {name: model.family for name, model in models.items()}; "
+              "print(json.dumps([families, 'torch' in sys.modules]))")
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=ROOT, capture_output=True,
+                         text=True, check=True, timeout=60)
+    families, torch_loaded = json.loads(run.stdout)
+    assert families == {"ltx": "ltx", "ltx-comfy": "ltx", "ltx-comfy-vae": "ltx", "ltx-vae": "ltx"}
+    assert torch_loaded is False
+
+
+def _write_broken_ltx_files(ltx: LtxFiles, folder: Path) -> None:
+    """Beside two good files, one of each refusal."""
+    alone, with_vae = ltx.files[("", False)], ltx.files[("", True)]
+    shutil.copy(alone, folder / "ltx.safetensors")
+    shutil.copy(ltx.files[(COMFY_PREFIX, True)], folder / "ltx-comfy-vae.safetensors")
+    whole, vae_too = load_file(alone), load_file(with_vae)
+    text_encoder = {"text_encoders.t5xxl.transformer.shared.weight": torch.zeros(1)}
+    save_file({**vae_too, **text_encoder}, str(folder / "all-in-one.safetensors"))
+    save_file(_without(whole, "transformer_blocks.0.attn1.k_norm.weight"),
+              str(folder / "lacking.safetensors"))
+    save_file({name.replace("blocks.0.", "blocks.1."): tensor for name, tensor in whole.items()},
+              str(folder / "gap.safetensors"))
+    save_file({**whole, "transformer_blocks.0.audio_attn.to_q.weight": torch.zeros(1)},
+              str(folder / "other.safetensors"))
+    save_file({**whole, **{COMFY_PREFIX + name: tensor.clone() for name, tensor in whole.items()}},
+              str(folder / "twice.safetensors"))
+    save_file(_without(vae_too, "vae.decoder.up_blocks.9.res_blocks.0.conv2.conv.bias"),
+              str(folder / "vae-lacking.safetensors"))
+    save_file({name.replace("up_blocks.9.res_blocks.0.", "up_blocks.9.res_blocks.1."): tensor
+               for name, tensor in vae_too.items()}, str(folder / "vae-gap.safetensors"))
+    write_gguf(ltx.folder, folder / "quantized.gguf")
+    flux = {f"double_blocks.0.img_attn.qkv.{kind}": torch.zeros(1) for kind in ("weight", "bias")}
+    save_file(flux, str(folder / "flux-as-ltx.safetensors"))
+    (folder / "flux-as-ltx.json").write_text(json.dumps({"family": "ltx"}))
+
+
+def test_the_folder_refuses_broken_ltx_files_and_lists_the_rest(ltx: LtxFiles, tmp_path: Path,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    _write_broken_ltx_files(ltx, tmp_path)
+    with caplog.at_level(logging.WARNING):
+        models = _read_afresh(tmp_path)
+    assert {name: model.family for name, model in models.items()} == {"ltx": "ltx", "ltx-comfy-vae": "ltx"}
+    logged = caplog.text
+    for reason in ("all-in-one.safetensors: an LTX-Video file with 1 weights outside an LTX-Video "
+                   "transformer and its VAE, such as text_encoders.t5xxl.transformer.shared.weight",
+                   "lacking.safetensors: not a whole LTX-Video transformer in LTX-Video's layout: it lacks 1 "
+                   "of its weights, such as transformer_blocks.0.attn1.k_norm.weight",
+                   "gap.safetensors: not a whole LTX-Video transformer: it has blocks up to 1 but none "
+                   "numbered 0",
+                   "other.safetensors: not a whole LTX-Video transformer in LTX-Video's layout: it has 1 "
+                   "that no LTX-Video transformer has, such as transformer_blocks.0.audio_attn.to_q.weight",
+                   "twice.safetensors: an LTX-Video file holding weights twice",
+                   "vae-lacking.safetensors: not a whole LTX-Video VAE beside its transformer: it lacks 1 of "
+                   "its weights, such as vae.decoder.up_blocks.9.res_blocks.0.conv2.conv.bias",
+                   "vae-gap.safetensors: not a whole LTX-Video VAE beside its transformer: "
+                   "vae.decoder.up_blocks.9.res_blocks has resnets up to 1 but none numbered 0",
+                   "quantized.gguf: a GGUF file of ltx: GGUF files are loaded as FLUX.1 transformers only",
+                   "flux-as-ltx.safetensors: an LTX-Video file with 2 weights outside"):
+        assert reason in logged, reason
+
+
+@pytest.mark.parametrize(("prefix", "with_vae"), LTX_KINDS)
+def test_an_ltx_file_makes_the_folders_frames(prefix: str, with_vae: bool, ltx: LtxFiles,
+                                              offline: None) -> None:
+    """A file with its VAE is loaded into a base without the VAE's weights: its own VAE serves."""
+    base = ltx.bare_base if with_vae else ltx.base
+    loaded = load_folder_model(ltx.files[(prefix, with_vae)], {"ltx": str(base)}, torch.float32)
+    from_file = _realigned(loaded)
+    from_folder = _realigned(DiffusionPipeline.from_pretrained(ltx.folder, dtype=torch.float32))
+    assert type(from_file) is type(from_folder)
+    for component, module in from_folder.components.items():
+        if isinstance(module, torch.nn.Module):
+            assert _equal(getattr(from_file, component).state_dict(), module.state_dict()), component
+    expected = _frames(from_folder, "ltx")
+    assert expected.shape == (FRAMES, SIDE, SIDE, 3) and expected.std() > 0  # a clip, not a blank
+    assert np.array_equal(_frames(from_file, "ltx"), expected)
+
+
+def test_an_ltx_file_starts_a_clip_from_an_image(ltx: LtxFiles, offline: None) -> None:
+    """The ltx family's image-to-video pipeline, made with from_pipe over the file's modules."""
+    loaded = load_folder_model(ltx.files[(COMFY_PREFIX, True)], {"ltx": str(ltx.bare_base)}, torch.float32)
+    from_file = _realigned(LTXImageToVideoPipeline.from_pipe(_realigned(loaded)))
+    from_folder = _realigned(LTXImageToVideoPipeline.from_pipe(DiffusionPipeline.from_pretrained(ltx.folder)))
+    request = {"image": start_image(SIDE, SIDE), "prompt": PROMPT, "height": SIDE, "width": SIDE,
+               "num_frames": FRAMES, "num_inference_steps": STEPS, "output_type": "np"}
+    expected = from_folder(**request, generator=torch.Generator().manual_seed(SEED)).frames[0]
+    assert expected.shape == (FRAMES, SIDE, SIDE, 3) and expected.std() > 0
+    clip = from_file(**request, generator=torch.Generator().manual_seed(SEED)).frames[0]
+    assert np.array_equal(clip, expected)
+
+
+def test_a_half_precision_ltx_file_loads_as_from_pretrained_does(ltx: LtxFiles, offline: None) -> None:
+    loaded = load_checkpoint(ltx.files[("", True)], {"ltx": str(ltx.bare_base)}, torch.bfloat16)
+    for component, kind in (("transformer", LTXVideoTransformer3DModel), ("vae", AutoencoderKLLTXVideo)):
+        reference = kind.from_pretrained(ltx.folder, subfolder=component, dtype=torch.bfloat16)
+        model = getattr(loaded, component)
+        assert _equal(model.state_dict(), reference.state_dict()), component
+        assert _equal(dict(model.named_buffers()), dict(reference.named_buffers())), component
+    assert loaded.transformer.proj_in.weight.dtype == torch.bfloat16
+
+
+def test_a_broken_or_foreign_ltx_file_is_refused_by_the_worker(ltx: LtxFiles, tmp_path: Path,
+                                                               offline: None) -> None:
+    configs: dict[Family, str] = {"ltx": str(ltx.base)}
+    alone, with_vae = ltx.files[("", False)], ltx.files[("", True)]
+    (tmp_path / "cut.safetensors").write_bytes(alone.read_bytes()[:-100])
+    _refused(tmp_path / "cut.safetensors", configs, "not a readable safetensors file: truncated")
+    whole = load_file(alone)
+    save_file(_without(whole, "proj_out.bias"), str(tmp_path / "lacking.safetensors"))
+    _refused(tmp_path / "lacking.safetensors", configs, "it lacks 1 of its weights, such as proj_out.bias")
+    # Whole, but another model than the base's: two blocks where the base has one.
+    second = {name.replace("blocks.0.", "blocks.1."): tensor.clone() for name, tensor in whole.items()
+              if name.startswith("transformer_blocks.0.")}
+    save_file({**whole, **second}, str(tmp_path / "deeper.safetensors"))
+    _refused(tmp_path / "deeper.safetensors", configs,
+             r"its transformer is not of the ltx base's kind .*unexpected "
+             r"\['transformer_blocks.1.attn1.norm_k.weight'")
+    # Its VAE whole, but of other sizes than the base's.
+    wide = {LTX_VAE_PREFIX + name: tensor for name, tensor in ltx_vae_to_original(_wide_vae()).items()}
+    save_file({**whole, **wide}, str(tmp_path / "wide-vae.safetensors"))
+    _refused(tmp_path / "wide-vae.safetensors", configs,
+             r"its VAE is not of the ltx base's kind .*of other shapes "
+             r"\['decoder.conv_in.conv.bias \(32,\), not \(8,\)'")
+    configs_only = write_configs(ltx.base, tmp_path / "configs-only")
+    _refused(alone, {"ltx": str(configs_only)}, "lacks weights of its other components")
+    _refused(with_vae, {"ltx": str(configs_only)}, "lacks weights of its other components")
+    write_gguf(ltx.folder, tmp_path / "quantized.gguf")
+    _refused(tmp_path / "quantized.gguf", configs, "a GGUF file of ltx")
+
+
+def test_a_vae_given_wins_over_the_ltx_files(ltx: LtxFiles, offline: None) -> None:
+    given = AutoencoderKLLTXVideo.from_pretrained(ltx.folder, subfolder="vae")
+    loaded = load_checkpoint(ltx.files[("", True)], {"ltx": str(ltx.base)}, torch.float32, vae=given)
+    assert loaded.vae is given

@@ -16,6 +16,12 @@ A Wan file holds its transformer alone, in Wan's own layout (Wan-AI's release fi
 ``wan2.1_t2v_1.3B_fp16.safetensors``: ``blocks.N.self_attn.q``, ``head.modulation``, ``img_emb`` in an
 image-to-video one), optionally under ComfyUI's ``model.diffusion_model.`` prefix: the inverse of
 diffusers' ``convert_wan_transformer_to_diffusers``, which the worker loads it with.
+
+An LTX-Video file holds its transformer in LTX-Video's layout (``patchify_proj``, ``adaln_single``,
+``attn1.q_norm``), under ComfyUI's prefix or not, and may hold its VAE beside it under ``vae.``, as
+Lightricks' ``ltx-video-2b-v0.9*.safetensors`` do: the inverse of diffusers'
+``convert_ltx_transformer_checkpoint_to_diffusers`` and, for a VAE of LTX-Video 0.9.0's shape (four
+levels; the tiny one's), of ``convert_ltx_vae_checkpoint_to_diffusers``.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from shared.contract.checkpoints import LTX_VAE_PREFIX
 from worker.checkpoints import CONFIG_PATTERNS, FLUX_BLOCKS, FLUX_SWAPPED, FLUX_TOP, swap_halves
 
 Tensors = dict[str, torch.Tensor]
@@ -81,6 +88,41 @@ _WAN_ATTENTION = {  # inside an attention
     "to_q.": "q.", "to_k.": "k.", "to_v.": "v.", "to_out.0.": "o.", "norm_q.": "norm_q.",
     "norm_k.": "norm_k.", "add_k_proj.": "k_img.", "add_v_proj.": "v_img.", "norm_added_k.": "norm_k_img.",
 }
+# An LTX-Video transformer's names, diffusers' -> LTX-Video's: diffusers'
+# convert_ltx_transformer_checkpoint_to_diffusers's renames read backwards (it renames no other part).
+_LTX_TRANSFORMER = {"proj_in.": "patchify_proj.", "time_embed.": "adaln_single.", ".norm_q.": ".q_norm.",
+                    ".norm_k.": ".k_norm."}
+# LTX-Video 0.9.0's VAE, diffusers' parts -> LTX-Video's blocks: convert_ltx_vae_checkpoint_to_diffusers's
+# table read backwards. LTX-Video numbers each part of a level as a block of its own: in the encoder a
+# level's resnets, its downsampler, its resnet that widens the channels, the middle last; in the decoder the
+# middle first, then a level's resnet that narrows the channels, its upsampler, its resnets.
+_LTX_VAE_BLOCKS = {
+    "encoder.down_blocks.0.resnets.": "encoder.down_blocks.0.res_blocks.",
+    "encoder.down_blocks.0.downsamplers.0.": "encoder.down_blocks.1.",
+    "encoder.down_blocks.0.conv_out.": "encoder.down_blocks.2.",
+    "encoder.down_blocks.1.resnets.": "encoder.down_blocks.3.res_blocks.",
+    "encoder.down_blocks.1.downsamplers.0.": "encoder.down_blocks.4.",
+    "encoder.down_blocks.1.conv_out.": "encoder.down_blocks.5.",
+    "encoder.down_blocks.2.resnets.": "encoder.down_blocks.6.res_blocks.",
+    "encoder.down_blocks.2.downsamplers.0.": "encoder.down_blocks.7.",
+    "encoder.down_blocks.3.resnets.": "encoder.down_blocks.8.res_blocks.",
+    "encoder.mid_block.resnets.": "encoder.down_blocks.9.res_blocks.",
+    "decoder.mid_block.resnets.": "decoder.up_blocks.0.res_blocks.",
+    "decoder.up_blocks.0.resnets.": "decoder.up_blocks.1.res_blocks.",
+    "decoder.up_blocks.1.upsamplers.0.": "decoder.up_blocks.2.",
+    "decoder.up_blocks.1.resnets.": "decoder.up_blocks.3.res_blocks.",
+    "decoder.up_blocks.2.conv_in.": "decoder.up_blocks.4.",
+    "decoder.up_blocks.2.upsamplers.0.": "decoder.up_blocks.5.",
+    "decoder.up_blocks.2.resnets.": "decoder.up_blocks.6.res_blocks.",
+    "decoder.up_blocks.3.conv_in.": "decoder.up_blocks.7.",
+    "decoder.up_blocks.3.upsamplers.0.": "decoder.up_blocks.8.",
+    "decoder.up_blocks.3.resnets.": "decoder.up_blocks.9.res_blocks.",
+}
+_LTX_VAE_ENDS = ("encoder.conv_in.", "encoder.conv_out.", "decoder.conv_in.", "decoder.conv_out.")
+_LTX_RESNET = {"conv_shortcut.conv.": "conv_shortcut.", "norm3.": "norm3.norm."}  # inside a resnet
+_LTX_STATISTICS = {"latents_mean": "mean-of-means", "latents_std": "std-of-means"}
+# The statistics LTX-Video's files carry that diffusers does not read (its converter drops them).
+_LTX_UNREAD_STATISTICS = ("channel", "mean-of-stds", "mean-of-stds_over_std-of-means")
 
 
 def _renamed(name: str, table: dict[str, str]) -> str:
@@ -241,6 +283,40 @@ def _wan_renamed(name: str, table: dict[str, str], whole: str) -> str:
     raise ValueError(f"no Wan name for the Wan transformer weight {whole}")
 
 
+def ltx_transformer_to_original(state: Tensors) -> Tensors:
+    """A diffusers LTX-Video transformer's weights in LTX-Video's layout."""
+    return {_renamed_all(name, _LTX_TRANSFORMER): tensor for name, tensor in state.items()}
+
+
+def _renamed_all(name: str, table: dict[str, str]) -> str:
+    """The name with each of the table's parts it holds replaced once."""
+    for old, new in table.items():
+        name = name.replace(old, new, 1)
+    return name
+
+
+def ltx_vae_to_original(state: Tensors) -> Tensors:
+    """A diffusers LTX-Video VAE's weights in LTX-Video 0.9.0's layout, without the file's ``vae.`` prefix
+    (four levels, the last without a downsampler, the first of the decoder without an upsampler)."""
+    original = {_ltx_vae_name(name): tensor for name, tensor in state.items()}
+    means = state["latents_mean"]  # the statistics LTX-Video's files carry beside those diffusers reads
+    unread = (torch.arange(len(means), dtype=means.dtype), torch.ones_like(means), torch.ones_like(means))
+    return {**original, **{f"per_channel_statistics.{name}": tensor
+                           for name, tensor in zip(_LTX_UNREAD_STATISTICS, unread, strict=True)}}
+
+
+def _ltx_vae_name(name: str) -> str:
+    """One LTX-Video VAE weight's name in LTX-Video 0.9.0's layout."""
+    if name in _LTX_STATISTICS:
+        return f"per_channel_statistics.{_LTX_STATISTICS[name]}"
+    if name.startswith(_LTX_VAE_ENDS):
+        return name
+    for part, block in _LTX_VAE_BLOCKS.items():
+        if name.startswith(part):
+            return block + _renamed_all(name.removeprefix(part), _LTX_RESNET)
+    raise ValueError(f"no LTX-Video 0.9.0 name for the VAE weight {name} (another layout than 0.9.0's?)")
+
+
 def _component(folder: Path, name: str) -> tuple[Tensors, dict]:
     """The weights and config of one component of a diffusers folder."""
     (weights,) = (folder / name).glob("*.safetensors")
@@ -253,13 +329,15 @@ def _prefixed(prefix: str, state: Tensors) -> Tensors:
 
 
 def checkpoint_of(folder: Path) -> Tensors:
-    """The single-file state dict of a diffusers folder: an SD 1.x or SDXL pipeline's, a Flux or Wan
-    one's transformer alone."""
+    """The single-file state dict of a diffusers folder: an SD 1.x or SDXL pipeline's, a Flux, Wan or
+    LTX-Video one's transformer alone."""
     if (folder / "transformer").is_dir():
         transformer, _ = _component(folder, "transformer")
         pipeline = json.loads((folder / "model_index.json").read_text("utf-8"))["_class_name"]
         if pipeline.startswith("Wan"):
             return wan_transformer_to_original(transformer)
+        if pipeline.startswith("LTX"):
+            return ltx_transformer_to_original(transformer)
         return flux_transformer_to_bfl(transformer)
     unet, unet_config = _component(folder, "unet")
     vae, vae_config = _component(folder, "vae")
@@ -290,10 +368,23 @@ def write_wan_transformer(folder: Path, path: Path, prefix: str = "") -> Path:
     return path
 
 
+def write_ltx_file(folder: Path, path: Path, prefix: str = "", with_vae: bool = False) -> Path:
+    """Write an LTX-Video diffusers folder's transformer as one ``.safetensors`` file in LTX-Video's layout,
+    each name after prefix (ComfyUI's ``model.diffusion_model.``, or none); with_vae, its VAE beside it
+    under ``vae.`` in LTX-Video 0.9.0's layout, as Lightricks' own files hold both."""
+    state = _prefixed(prefix, checkpoint_of(Path(folder)))
+    if with_vae:
+        vae, _ = _component(Path(folder), "vae")
+        state.update(_prefixed(LTX_VAE_PREFIX, ltx_vae_to_original(vae)))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({name: tensor.contiguous() for name, tensor in state.items()}, str(path))
+    return path
+
+
 def write_gguf(folder: Path, path: Path) -> Path:
-    """Write a Flux diffusers folder's transformer as a GGUF file in BFL's layout: each matrix whose rows
-    are whole blocks of Q8_0 (32 values) quantized, the rest (biases, norms) kept in float32, as real
-    GGUF files keep them."""
+    """Write a Flux diffusers folder's transformer as a GGUF file in BFL's layout (another one's in its
+    file layout: GGUF files that are refused): each matrix whose rows are whole blocks of Q8_0 (32 values)
+    quantized, the rest (biases, norms) kept in float32, as real GGUF files keep them."""
     import gguf  # the gguf package, only where GGUF files are written or read
 
     writer = gguf.GGUFWriter(str(path), "flux")
@@ -322,16 +413,15 @@ def write_vae(folder: Path, path: Path, scale: float = 1.0) -> Path:
     return path
 
 
-def write_base(folder: Path, destination: Path) -> Path:
-    """Copy a diffusers folder without its transformer's weights: the base a transformer-only file
-    (Flux's, Wan's) is loaded into, which cannot quietly lend the file's weights."""
-    shutil.copytree(folder, destination, ignore=_transformer_weights, dirs_exist_ok=True)
+def write_base(folder: Path, destination: Path, without: tuple[str, ...] = ("transformer",)) -> Path:
+    """Copy a diffusers folder without the weights of these components (its transformer's): the base a
+    file holding them (Flux's, Wan's, LTX-Video's) is loaded into, which cannot quietly lend them."""
+
+    def weights_left_out(directory: str, names: list[str]) -> list[str]:
+        return [name for name in names if Path(directory).name in without and name.endswith(".safetensors")]
+
+    shutil.copytree(folder, destination, ignore=weights_left_out, dirs_exist_ok=True)
     return destination
-
-
-def _transformer_weights(directory: str, names: list[str]) -> list[str]:
-    """The names copytree leaves out: the transformer's weight files."""
-    return [name for name in names if Path(directory).name == "transformer" and name.endswith(".safetensors")]
 
 
 def write_configs(folder: Path, destination: Path) -> Path:
