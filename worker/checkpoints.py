@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import diffusers
@@ -293,19 +293,25 @@ def _flux_file(path: Path, dtype: torch.dtype) -> tuple[Tensors, dict[str, GGUFQ
     return state, {"quantization_config": GGUFQuantizationConfig(compute_dtype=dtype)}
 
 
-def _load_wan(path: Path, family: Family, base: Path, dtype: torch.dtype,
-              components: dict[str, AutoencoderKL]) -> DiffusionPipeline:
-    """A Wan pipeline (text- or image-to-video): the file's transformer, the rest from the family's
-    base (a diffusers folder)."""
+def _checked_file(path: Path, family: Family, check: Callable[[Path, list[str]], None]) -> Tensors:
+    """A video family's file's weights, in its own layout, once the listing's ``check`` of its names
+    passes (a GGUF file refused)."""
     if path.suffix.lower() == GGUF_SUFFIX:
         raise CheckpointError(str(refuse_gguf(path, family)))
     try:
-        check_wan_transformer(path, _key_names(path))
-        state = load_file(str(path))
+        check(path, _key_names(path))
+        return load_file(str(path))
     except UnusableModelError as exc:
         raise CheckpointError(str(exc)) from None
     except (SafetensorError, OSError) as exc:
         raise CheckpointError(f"{path}: not a readable safetensors file: {exc}") from None
+
+
+def _load_wan(path: Path, family: Family, base: Path, dtype: torch.dtype,
+              components: dict[str, AutoencoderKL]) -> DiffusionPipeline:
+    """A Wan pipeline (text- or image-to-video): the file's transformer, the rest from the family's
+    base (a diffusers folder)."""
+    state = _checked_file(path, family, check_wan_transformer)
     # diffusers' own converter (what its from_single_file runs on such a file): Wan's names to diffusers'.
     state = convert_wan_transformer_to_diffusers(state)
     _check_fits(WanTransformer3DModel, state, base, path, f"{family} base",
@@ -328,15 +334,7 @@ def _load_ltx(path: Path, base: Path, dtype: torch.dtype,
               components: dict[str, AutoencoderKL]) -> DiffusionPipeline:
     """An LTX-Video pipeline: the file's transformer, and its VAE where it holds one (a VAE given wins),
     the rest from the ltx base (a diffusers folder)."""
-    if path.suffix.lower() == GGUF_SUFFIX:
-        raise CheckpointError(str(refuse_gguf(path, LTX_FAMILY)))
-    try:
-        check_ltx_file(path, _key_names(path))
-        state = load_file(str(path))
-    except UnusableModelError as exc:
-        raise CheckpointError(str(exc)) from None
-    except (SafetensorError, OSError) as exc:
-        raise CheckpointError(f"{path}: not a readable safetensors file: {exc}") from None
+    state = _checked_file(path, LTX_FAMILY, check_ltx_file)
     vae_state = {name: state.pop(name) for name in list(state) if name.startswith(LTX_VAE_PREFIX)}
     # diffusers' own converters (what its from_single_file runs on such a file): LTX-Video's names to
     # diffusers'.

@@ -382,26 +382,40 @@ def check_wan_transformer(path: Path, names: Iterable[str]) -> None:
         raise UnusableModelError(f"{path}: a Wan file holding weights twice, under ComfyUI's prefix "
                                  f"({COMFY_PREFIX}) and without it")
     blocks = [(int(m[1]), m[2]) for name in stripped if (m := WAN_BLOCK_NAME.fullmatch(name))]
-    indices = sorted({index for index, _ in blocks})
-    if not indices:
-        raise UnusableModelError(f"{path}: not a whole Wan transformer: it has no blocks (blocks.0. ...)")
-    if indices != list(range(len(indices))):
-        gap = min(set(range(len(indices) + 1)) - set(indices))
-        raise UnusableModelError(f"{path}: not a whole Wan transformer: it has blocks up to "
-                                 f"{indices[-1]} but none numbered {gap} (a truncated or partial file?)")
+    indices = _block_indices(path, "Wan", "blocks", [index for index, _ in blocks])
     image_keys = any(inside.startswith("cross_attn.") and "_img." in inside for _, inside in blocks)
     image = image_keys or any(name.startswith("img_emb.") for name in stripped)
     block = WAN_BLOCK + (WAN_BLOCK_IMAGE if image_keys else ())
     expected = {*WAN_TOP, *(WAN_IMAGE_TOP if image else ()),
                 *(f"blocks.{index}.{name}" for index in indices for name in block)}
+    _check_names(path, "Wan 2.1", "Wan's", found, expected, "a first-last-frame one")
+
+
+def _block_indices(path: Path, model: str, blocks: str, indices: Iterable[int]) -> list[int]:
+    """A transformer's block numbers, in order; refused where it has none or a gap among them."""
+    found = sorted(set(indices))
+    if not found:
+        raise UnusableModelError(f"{path}: not a whole {model} transformer: it has no blocks "
+                                 f"({blocks}.0. ...)")
+    if found != list(range(len(found))):
+        gap = min(set(range(len(found) + 1)) - set(found))
+        raise UnusableModelError(f"{path}: not a whole {model} transformer: it has blocks up to "
+                                 f"{found[-1]} but none numbered {gap} (a truncated or partial file?)")
+    return found
+
+
+def _check_names(path: Path, model: str, layout: str, found: set[str], expected: set[str],
+                 other: str) -> None:
+    """Refuse a transformer whose names are not its expected ones, naming what it lacks and what no such
+    transformer has."""
     missing, unexpected = sorted(expected - found), sorted(found - expected)
     if missing or unexpected:
         lacks = f"it lacks {len(missing)} of its weights, such as {', '.join(missing[:3])}" if missing else ""
-        has = (f"it has {len(unexpected)} that no Wan 2.1 transformer has, such as "
+        has = (f"it has {len(unexpected)} that no {model} transformer has, such as "
                f"{', '.join(map(shown, unexpected[:3]))}") if unexpected else ""
-        raise UnusableModelError(f"{path}: not a whole Wan 2.1 transformer in Wan's layout: "
+        raise UnusableModelError(f"{path}: not a whole {model} transformer in {layout} layout: "
                                  f"{'; '.join(part for part in (lacks, has) if part)} (a truncated or "
-                                 f"partial file, or another model such as a first-last-frame one?)")
+                                 f"partial file, or another model such as {other}?)")
 
 
 def check_ltx_file(path: Path, names: Iterable[str]) -> None:
@@ -429,23 +443,10 @@ def check_ltx_file(path: Path, names: Iterable[str]) -> None:
 
 def _check_ltx_transformer(path: Path, names: list[str]) -> None:
     """Refuse an LTX-Video transformer (its names without ComfyUI's prefix) that is not whole."""
-    indices = sorted({int(m[1]) for name in names if (m := LTX_BLOCK_NAME.fullmatch(name))})
-    if not indices:
-        raise UnusableModelError(f"{path}: not a whole LTX-Video transformer: it has no blocks "
-                                 f"(transformer_blocks.0. ...)")
-    if indices != list(range(len(indices))):
-        gap = min(set(range(len(indices) + 1)) - set(indices))
-        raise UnusableModelError(f"{path}: not a whole LTX-Video transformer: it has blocks up to "
-                                 f"{indices[-1]} but none numbered {gap} (a truncated or partial file?)")
+    indices = _block_indices(path, "LTX-Video", "transformer_blocks",
+                             (int(m[1]) for name in names if (m := LTX_BLOCK_NAME.fullmatch(name))))
     expected = {*LTX_TOP, *(f"transformer_blocks.{index}.{name}" for index in indices for name in LTX_BLOCK)}
-    missing, unexpected = sorted(expected - set(names)), sorted(set(names) - expected)
-    if missing or unexpected:
-        lacks = f"it lacks {len(missing)} of its weights, such as {', '.join(missing[:3])}" if missing else ""
-        has = (f"it has {len(unexpected)} that no LTX-Video transformer has, such as "
-               f"{', '.join(map(shown, unexpected[:3]))}") if unexpected else ""
-        raise UnusableModelError(f"{path}: not a whole LTX-Video transformer in LTX-Video's layout: "
-                                 f"{'; '.join(part for part in (lacks, has) if part)} (a truncated or "
-                                 f"partial file, or another model such as an LTX-2 one?)")
+    _check_names(path, "LTX-Video", "LTX-Video's", set(names), expected, "an LTX-2 one")
 
 
 def _check_ltx_vae(path: Path, names: list[str]) -> None:
