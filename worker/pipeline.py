@@ -151,7 +151,7 @@ class ImagePipeline:
         first_pass, second_pass = self._passes_resumed(first, resume)
         with self.section(), torch.inference_mode():
             output: Any = None  # a hires job resumed in its second pass skips its first
-            if first_pass is not None or second_pass is None:
+            if second_pass is None:
                 with self._tier(pipe, first), self._resuming(pipe, first, generators, first_pass):
                     output = self._denoise(pipe, first, arguments, generators, on_step, 0,
                                            "np" if first.hires is None else _FIRST_PASS[first.hires.upscaler])
@@ -277,7 +277,7 @@ class ImagePipeline:
             starts = [each.get("image") for each in inputs]
             # Wan's image-to-video call takes one image: a batch of its clips shares it (their batch key)
             arguments["image"] = starts[0] if self.info.spec.starts_from_image else starts
-            # an image-to-video pipeline takes none
+            # (an image-to-video pipeline takes no strength: dropped below with what it does not take)
             arguments["strength"] = pipeline_strength(self.info.family, first.steps, first.strength)
         if kind == "inpaint":
             arguments["mask_image"] = [each["mask"] for each in inputs]

@@ -76,8 +76,8 @@ def steps_of(job: Job, request: JobRequest, settings: Settings) -> tuple[Resumpt
             cadence.saved(step)
         draining = lifecycle.interrupting.is_set()  # the step's report raises next: keep its state first
         if draining or above.waited():
-            data = resuming.dump_call(print_of, step, latents, generators, sampler)
-            if not saved and not _save(job, store, step, data):
+            if not saved and not _save(job, store, step,
+                                       resuming.dump_call(print_of, step, latents, generators, sampler)):
                 return  # without its state saved, a hand-back would lose its steps: it goes on
             if draining:
                 return

@@ -10,7 +10,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -160,10 +160,16 @@ def whole_calls(model_cache: Path) -> dict[str, ImagePipeline]:
 Images = list[np.ndarray]
 
 
+class Resumed(NamedTuple):
+    whole: Images  # the job's images, run uninterrupted
+    resumed: Images  # run again from the state its checkpoint kept
+    reported: list[int]  # the steps the resumed call reported
+    kept: resuming.Resumption  # that state
+
+
 def resumed_at(loaded: ImagePipeline, request: JobRequest, step: int,
-               inputs: dict[str, Image.Image] | None = None) -> tuple[Images, Images, list[int]]:
-    """A job's images run whole; run again resumed from the state its checkpoint keeps after ``step``
-    steps; and the steps the resumed call reported."""
+               inputs: dict[str, Image.Image] | None = None) -> Resumed:
+    """A job run whole, then resumed from the state its checkpoint keeps after ``step`` steps."""
     kept: list[resuming.Resumption] = []
 
     def keep(done: int, latents: torch.Tensor, generators: list[torch.Generator], state: Any) -> None:
@@ -179,7 +185,8 @@ def resumed_at(loaded: ImagePipeline, request: JobRequest, step: int,
     assert len(kept) == 1, f"no checkpoint at step {step} of {request.steps_run}"
     (resumed,) = loaded.generate_batch([request], report, [inputs or {}], resume=kept[0])
     assert isinstance(whole, list) and isinstance(resumed, list)
-    return [np.asarray(each) for each in whole], [np.asarray(each) for each in resumed], reported
+    return Resumed([np.asarray(each) for each in whole], [np.asarray(each) for each in resumed], reported,
+                   kept[0])
 
 
 CALLS = [pytest.param(model, sampler, id=f"{model}-{sampler}") for model, family in TINY_IMAGE_MODELS.items()
@@ -196,22 +203,13 @@ def test_a_one_pass_call_with_a_lora_resumes_to_the_uninterrupted_images_with_ev
     request = JobRequest(prompt="a lighthouse", width=64, height=64, steps=7, seed=11, num_images=2,
                          guidance_scale=4.0, scheduler=sampler, loras=[{"name": "ink", "scale": 0.8}])
     assert resumable(request) and request.not_steppable == ["LoRAs"]
-    kept: list[resuming.Resumption] = []
-
-    def keep(step: int, latents: torch.Tensor, generators: list[torch.Generator], state: Any) -> None:
-        if step == 3:
-            data = resuming.dump_call("print", step, latents, generators, state)
-            kept.append(resuming.load_call(data, "print", 2, type(state).__name__))
-
-    (whole,) = loaded.generate_batch([request], checkpoint=keep)
-    (resumed,) = loaded.generate_batch([request], resume=kept[0])
-    assert isinstance(whole, list) and isinstance(resumed, list)
-    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(whole, resumed, strict=True))
-    history = kept[0].sampler.get("model_outputs")
+    run = resumed_at(loaded, request, 3)
+    assert all(np.array_equal(a, b) for a, b in zip(run.whole, run.resumed, strict=True))
+    history = run.kept.sampler.get("model_outputs")
     if isinstance(history, list) and any(isinstance(each, torch.Tensor) for each in history):
-        (forgetful,) = loaded.generate_batch([request], resume=dataclasses.replace(kept[0], sampler={}))
+        (forgetful,) = loaded.generate_batch([request], resume=dataclasses.replace(run.kept, sampler={}))
         assert isinstance(forgetful, list) and not all(
-            np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(whole, forgetful, strict=True))
+            np.array_equal(a, np.asarray(b)) for a, b in zip(run.whole, forgetful, strict=True))
 
 
 def drawing(mode: str = "RGB") -> Image.Image:
@@ -255,9 +253,9 @@ def test_an_image_job_the_loop_does_not_run_resumes_to_its_uninterrupted_images(
                                          "scheduler": sampler} | asked)
     assert resumable(request) and request.not_steppable
     inputs = {"image": drawing(), "mask": drawing("L"), "control0": drawing()}
-    whole, resumed, reported = resumed_at(whole_calls[model], request, step, inputs)
-    assert reported[0] == step + 1 and reported[-1] == request.steps_run, reported
-    assert all(np.array_equal(a, b) for a, b in zip(whole, resumed, strict=True))
+    run = resumed_at(whole_calls[model], request, step, inputs)
+    assert run.reported[0] == step + 1 and run.reported[-1] == request.steps_run, run.reported
+    assert all(np.array_equal(a, b) for a, b in zip(run.whole, run.resumed, strict=True))
 
 
 def test_a_drained_lora_job_keeps_its_step_and_the_next_worker_makes_its_uninterrupted_image(
